@@ -1,0 +1,42 @@
+"""lmshm: zero-copy KV-cache registration between inference workers and a cache server.
+
+Public names are resolved lazily so that ``import lmshm`` stays cheap and never
+imports CUDA libraries, ZeroMQ or the server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "MPClient": "lmshm.multiprocess.client",
+    "LmshmError": "lmshm.multiprocess.client",
+    "ServerError": "lmshm.multiprocess.client",
+    "ServerTimeout": "lmshm.multiprocess.client",
+    "wrap_kv_caches": "lmshm.platform.kv_wrap",
+    "wrap_one_kv_cache": "lmshm.platform.kv_wrap",
+    "DeviceIPCWrapper": "lmshm.platform.base.ipc_wrapper",
+    "set_isolated_ipc": "lmshm.platform.ipc_policy",
+    "is_isolated_ipc": "lmshm.platform.ipc_policy",
+    "set_use_vmm_api": "lmshm.platform.ipc_policy",
+    "is_use_vmm_api": "lmshm.platform.ipc_policy",
+    "empty_shared": "lmshm.platform.cpu",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lmshm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,1 @@
+"""Adapters for inference engines (vLLM, TRT-LLM). They own no logic of their own."""

@@ -1,0 +1,1 @@
+"""The service: wire protocol, transport, registry, server and worker client."""

@@ -1,0 +1,1 @@
+"""Device-specific wrapping of tensors for inter-process sharing. Knows nothing of sockets."""

@@ -1,0 +1,283 @@
+"""The contract every IPC wrapper follows.
+
+A wrapper is a small, picklable description of one tensor -- dtype, shape, stride,
+storage offset, device identity -- plus whatever the kind needs to reach the same bytes from
+another process (a segment name, a file-descriptor token, a CUDA IPC handle).
+
+Producer side: ``Wrapper.wrap(tensor)``; it never copies GPU memory, and may move a private
+CPU tensor into shared memory once (see the CPU wrappers). Consumer side: ``to_tensor()``
+maps the memory (through the process-wide ``MAPPINGS`` table) and returns a tensor aliasing
+the producer's bytes. ``close()`` is idempotent and releases this wrapper's share; tensors
+already built keep the mapping alive until they are gone, so closing never unmaps memory
+under a live tensor.
+
+Wrappers pickle with their concrete class and nothing else: their state is plain data
+(strings, ints, tuples, bytes). ``Deserialize`` uses a restricted unpickler that can only
+name registered lmshm wrapper classes, so a peer cannot make this process run code.
+
+GPU identity travels as a UUID ("GPU-..."); the consumer resolves it to its own ordinal,
+because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any, ClassVar
+
+import torch
+
+from lmshm.platform.base.mappings import Lease
+
+# Every dtype a wrapper may carry, by the name torch prints without the "torch." prefix.
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "int64", "int32", "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool",
+    "complex64", "complex128",
+)
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in _DTYPE_NAMES if isinstance(getattr(torch, name, None), torch.dtype)
+}
+
+_MAX_DIMS = 16
+
+
+class WrapperDecodeError(ValueError):
+    """Raised when wrapper bytes from a peer are malformed or name a forbidden class."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if _DTYPES.get(name) is not dtype:
+        raise ValueError(f"dtype {dtype} cannot be shared by lmshm; supported: {', '.join(_DTYPES)}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
+
+
+# (module, qualname) -> class, for every concrete wrapper. The restricted unpickler allows
+# exactly these names and nothing else.
+_WRAPPER_CLASSES: dict[tuple[str, str], type["DeviceIPCWrapper"]] = {}
+
+
+def allowed_wrapper_classes() -> list[str]:
+    return sorted(f"{m}.{n}" for m, n in _WRAPPER_CLASSES)
+
+
+class _WrapperUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        cls = _WRAPPER_CLASSES.get((module, name))
+        if cls is None:
+            raise WrapperDecodeError(
+                f"refusing to unpickle {module}.{name}: wrapper payloads may only name lmshm "
+                f"wrapper classes ({', '.join(allowed_wrapper_classes()) or 'none registered'})"
+            )
+        return cls
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise WrapperDecodeError("refusing a pickle with persistent ids")
+
+
+def _import_wrapper_modules() -> None:
+    """Register the built-in wrapper classes so the unpickler can name them."""
+    import lmshm.platform.cpu  # noqa: F401
+    import lmshm.platform.cuda  # noqa: F401  (pure Python: imports no CUDA library)
+
+
+def safe_loads(data: bytes) -> "DeviceIPCWrapper":
+    """Unpickle wrapper bytes from a peer: only lmshm wrapper classes and plain data."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WrapperDecodeError(f"wrapper payload must be bytes, got {type(data).__name__}")
+    _import_wrapper_modules()
+    try:
+        obj = _WrapperUnpickler(io.BytesIO(bytes(data))).load()
+    except WrapperDecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformed pickle is a decode error
+        raise WrapperDecodeError(f"malformed wrapper payload: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, DeviceIPCWrapper) or not getattr(obj, "_state_checked", False):
+        raise WrapperDecodeError(f"wrapper payload decoded to {type(obj).__name__}, not an lmshm wrapper")
+    return obj
+
+
+def _check_int_tuple(name: str, value: Any, *, allow_negative: bool = False) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS:
+        raise WrapperDecodeError(f"{name} must be a tuple of at most {_MAX_DIMS} ints, got {value!r}")
+    out = []
+    for v in value:
+        if type(v) is not int or (v < 0 and not allow_negative):
+            raise WrapperDecodeError(f"{name} must hold non-negative ints, got {value!r}")
+        out.append(v)
+    return tuple(out)
+
+
+class DeviceIPCWrapper:
+    """Base class of every lmshm IPC wrapper. See the module docstring for the contract."""
+
+    #: "cpu" or "cuda"; set by each concrete class.
+    device_type: ClassVar[str] = ""
+    #: A short name for status tables ("cpu-shm", "cuda-raw", ...).
+    kind: ClassVar[str] = ""
+    #: Wire fields beyond the common ones, in order. Plain data only.
+    extra_fields: ClassVar[tuple[str, ...]] = ()
+    common_fields: ClassVar[tuple[str, ...]] = ("dtype", "shape", "stride", "storage_offset", "device")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.kind:  # abstract intermediates set no kind and are not registered
+            _WRAPPER_CLASSES[(cls.__module__, cls.__qualname__)] = cls
+
+    def __init__(
+        self,
+        *,
+        dtype: str,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        storage_offset: int,
+        device: str,
+        **extra: Any,
+    ) -> None:
+        state = dict(dtype=dtype, shape=tuple(shape), stride=tuple(stride),
+                     storage_offset=storage_offset, device=device, **extra)
+        self.__setstate__(state)
+
+    # ---- fields and identity -------------------------------------------------------------
+    @classmethod
+    def wire_fields(cls) -> tuple[str, ...]:
+        return cls.common_fields + cls.extra_fields
+
+    def _wire_values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f) for f in self.wire_fields())
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's elements (numel x itemsize)."""
+        return self.numel * self.torch_dtype.itemsize
+
+    @property
+    def span_bytes(self) -> int:
+        """Bytes from the first element of the view to one past its last, in storage order."""
+        if self.numel == 0:
+            return 0
+        last = sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        return (last + 1) * self.torch_dtype.itemsize
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self._wire_values() == other._wire_values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._wire_values()))
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.wire_fields())
+        return f"{type(self).__name__}({fields})"
+
+    # ---- pickling: plain data only -------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return {f: getattr(self, f) for f in self.wire_fields()}
+
+    def __setstate__(self, state: Any) -> None:
+        if not isinstance(state, dict) or set(state) != set(self.wire_fields()):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise WrapperDecodeError(
+                f"{type(self).__name__} state must have exactly the fields {list(self.wire_fields())}, got {got}"
+            )
+        dtype = state["dtype"]
+        if dtype not in _DTYPES:
+            raise WrapperDecodeError(f"unknown dtype {dtype!r}")
+        shape = _check_int_tuple("shape", state["shape"])
+        stride = _check_int_tuple("stride", state["stride"])
+        if len(shape) != len(stride):
+            raise WrapperDecodeError(f"shape {shape} and stride {stride} differ in rank")
+        offset = state["storage_offset"]
+        if type(offset) is not int or offset < 0:
+            raise WrapperDecodeError(f"storage_offset must be a non-negative int, got {offset!r}")
+        if not isinstance(state["device"], str) or len(state["device"]) > 128:
+            raise WrapperDecodeError(f"device must be a short string, got {state['device']!r}")
+        self.dtype, self.shape, self.stride = dtype, shape, stride
+        self.storage_offset, self.device = offset, state["device"]
+        for f in self.extra_fields:
+            setattr(self, f, state[f])
+        self._validate_extra()
+        self._lease: Lease | None = None
+        self._closed = False
+        self._state_checked = True
+
+    def _validate_extra(self) -> None:
+        """Check the kind-specific fields of a state that may come from a peer."""
+
+    def Serialize(self) -> bytes:  # noqa: N802 - the name engines already call
+        return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
+
+    @staticmethod
+    def Deserialize(data: bytes) -> "DeviceIPCWrapper":  # noqa: N802
+        return safe_loads(data)
+
+    # ---- the contract --------------------------------------------------------------------
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor) -> "DeviceIPCWrapper":
+        raise NotImplementedError
+
+    def to_tensor(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release this wrapper's share of its mapping. Idempotent; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
+        self._close_extra()
+
+    def _close_extra(self) -> None:
+        """Kind-specific teardown (producer-side references, received fds)."""
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def export_fds(self) -> dict[str, int]:
+        """Producer side: file descriptors that must travel out of band, by token.
+
+        Kinds whose handle is a file descriptor (memfd, VMM POSIX-fd) return ``{token: fd}``;
+        the fds stay owned by the wrapper (send them with ``socket.send_fds``; do not close
+        them). The consumer files what it receives in ``FD_INBOX`` under the same tokens.
+        Kinds that need no side channel return ``{}``.
+        """
+        return {}
+
+    def release_orphaned(self) -> None:
+        """Consumer side, after the producer died: free what the producer can no longer free.
+
+        The default does nothing; the named-shm wrapper unlinks its segment name.
+        """
+
+    def describe(self) -> dict[str, Any]:
+        """Plain-data summary for status tables."""
+        return {"kind": self.kind, "device": self.device, "dtype": self.dtype,
+                "shape": list(self.shape), "nbytes": self.nbytes}
+
+    def __enter__(self) -> "DeviceIPCWrapper":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,145 @@
+"""Process-wide, reference-counted table of mapped memory.
+
+Every consumer-side mapping in lmshm -- a named POSIX segment, a memfd, a CUDA IPC
+allocation, a VMM import -- is opened through ``MAPPINGS.acquire(key, opener, closer)``.
+The first acquire of a key runs ``opener`` once; later acquires of the same key share that
+mapping and only bump a count. Each acquire returns a ``Lease``; releasing the last lease
+runs ``closer`` exactly once. ``closer`` errors are logged, never raised, because release
+runs on teardown paths (unregister, reclaim, interpreter exit).
+
+The thing that is easy to get wrong: the CUDA driver hands out one mapping per
+(process, allocation) and a single ``cudaIpcCloseMemHandle`` unmaps it for every user in
+the process. So two wrappers of one allocation must never open and close independently;
+they must share one entry here, keyed by the handle bytes.
+
+Tensors built on a mapping hold a lease of their own (see ``Lease.child``), so closing a
+wrapper while one of its tensors is still alive never unmaps memory under that tensor: the
+unmap happens when the last tensor goes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Entry:
+    value: Any
+    closer: Callable[[Any], None]
+    refs: int = 0
+    opens: int = 1
+    meta: dict = field(default_factory=dict)
+
+
+class Lease:
+    """One share of a mapping. ``release()`` is idempotent; dropping it releases too."""
+
+    __slots__ = ("_table", "key", "value", "_released", "__weakref__")
+
+    def __init__(self, table: "MappingTable", key: Hashable, value: Any) -> None:
+        self._table = table
+        self.key = key
+        self.value = value
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def child(self) -> "Lease":
+        """Another lease on the same mapping, for an object (a tensor) that outlives this one."""
+        if self._released:
+            raise RuntimeError(f"lease on {self.key!r} was already released")
+        return self._table._add_ref(self.key)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._table._drop_ref(self.key)
+
+    def __del__(self) -> None:  # safety net: a lease garbage-collected unreleased
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"Lease({self.key!r}, {state})"
+
+
+class MappingTable:
+    """Key -> mapped object, with reference counts. One instance per process: ``MAPPINGS``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._entries: dict[Hashable, _Entry] = {}
+        self._opens_total = 0
+
+    def acquire(
+        self,
+        key: Hashable,
+        opener: Callable[[], Any],
+        closer: Callable[[Any], None],
+    ) -> Lease:
+        """Return a lease on ``key``, running ``opener()`` if nothing maps it yet.
+
+        ``opener`` runs under the table lock, so a key is never opened twice concurrently.
+        If it raises, nothing is recorded and the exception propagates.
+        """
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                value = opener()
+                entry = _Entry(value=value, closer=closer)
+                self._entries[key] = entry
+                self._opens_total += 1
+            entry.refs += 1
+            return Lease(self, key, entry.value)
+
+    def _add_ref(self, key: Hashable) -> Lease:
+        with self._lock:
+            entry = self._entries[key]
+            entry.refs += 1
+            return Lease(self, key, entry.value)
+
+    def _drop_ref(self, key: Hashable) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            del self._entries[key]
+        try:
+            entry.closer(entry.value)
+        except Exception:  # noqa: BLE001 - release must not raise
+            logger.exception("lmshm: releasing mapping %r failed", key)
+
+    def refcount(self, key: Hashable) -> int:
+        with self._lock:
+            entry = self._entries.get(key)
+            return 0 if entry is None else entry.refs
+
+    def keys(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._entries)
+
+    @property
+    def opens_total(self) -> int:
+        """How many times an opener ran in this process (driver opens, mmaps)."""
+        return self._opens_total
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+
+MAPPINGS = MappingTable()

@@ -1,0 +1,55 @@
+"""Which wrapper class serves which device type.
+
+Selection is a function evaluated at every call (design.md section 3); nothing here caches
+a class, so flipping ``isolated_ipc`` or ``use_vmm_api`` takes effect on the next wrap.
+
+- cpu:  isolated_ipc -> CpuFdIPCWrapper (memfd, fd over the side channel)
+        otherwise    -> CpuShmIPCWrapper (named POSIX shared memory)
+- cuda: use_vmm_api  -> VmmCudaIPCWrapper
+        isolated_ipc -> RawCudaIPCWrapper (driver IPC handles)
+        otherwise    -> CudaIPCWrapper (PyTorch storage sharing)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from lmshm.platform import ipc_policy
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+
+def _select_cpu() -> type[DeviceIPCWrapper]:
+    from lmshm.platform import cpu
+
+    return cpu.CpuFdIPCWrapper if ipc_policy.is_isolated_ipc() else cpu.CpuShmIPCWrapper
+
+
+def _select_cuda() -> type[DeviceIPCWrapper]:
+    from lmshm.platform import cuda
+
+    if ipc_policy.is_use_vmm_api():
+        return cuda.VmmCudaIPCWrapper
+    if ipc_policy.is_isolated_ipc():
+        return cuda.RawCudaIPCWrapper
+    return cuda.CudaIPCWrapper
+
+
+_SELECTORS: dict[str, Callable[[], type[DeviceIPCWrapper]]] = {
+    "cpu": _select_cpu,
+    "cuda": _select_cuda,
+}
+
+
+def supported_device_types() -> list[str]:
+    return sorted(_SELECTORS)
+
+
+def resolve_kv_wrapper_factory(device_type: str) -> type[DeviceIPCWrapper]:
+    """The wrapper class for ``device_type`` under the current switches."""
+    selector = _SELECTORS.get(device_type)
+    if selector is None:
+        raise ValueError(
+            f"no IPC wrapper for device type {device_type!r}; lmshm supports "
+            f"{', '.join(supported_device_types())}"
+        )
+    return selector()
