@@ -232,7 +232,9 @@ class DeviceIPCWrapper:
 
     # ---- the contract --------------------------------------------------------------------
     @classmethod
-    def wrap(cls, tensor: torch.Tensor) -> "DeviceIPCWrapper":
+    def wrap(cls, tensor: torch.Tensor, name: str = "tensor") -> "DeviceIPCWrapper":
+        """Producer side: describe ``tensor`` for another process. ``name`` (for example the
+        layer name) appears in every error message."""
         raise NotImplementedError
 
     def to_tensor(self) -> torch.Tensor:

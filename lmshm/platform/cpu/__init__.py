@@ -1,0 +1,58 @@
+"""CPU wrappers: named POSIX shared memory (default) and memfd (isolated mode).
+
+``empty_shared(shape, dtype)`` allocates a KV pool directly in a shareable segment, so
+wrapping it later copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from lmshm.platform import ipc_policy
+from lmshm.platform.base.ipc_wrapper import dtype_name
+from lmshm.platform.cpu.segments import SEGMENT_PREFIX, Segment, live_segments, segment_of, shm_dir
+from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuSegmentWrapper, CpuShmIPCWrapper, migration_scope
+
+
+def empty_shared(
+    shape: Sequence[int] | int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    isolated: bool | None = None,
+) -> torch.Tensor:
+    """An uninitialised CPU tensor that lives in a shareable lmshm segment.
+
+    The segment is a named POSIX shm object, or a memfd when ``isolated`` (default: the
+    process-wide ``isolated_ipc`` switch). Its space is reserved up front; it is released
+    when the last tensor on it is freed, or at interpreter exit.
+    """
+    from lmshm.platform.cpu.segments import create_segment
+
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not shape or any(not isinstance(s, int) or s <= 0 for s in shape):
+        raise ValueError(f"shape must be positive ints, got {shape!r}")
+    dtype_name(dtype)  # refuses dtypes lmshm cannot carry
+    if isolated is None:
+        isolated = ipc_policy.is_isolated_ipc()
+    nbytes = math.prod(shape) * dtype.itemsize
+    _, u8 = create_segment(nbytes, "memfd" if isolated else "shm")
+    out = torch.empty(0, dtype=dtype)
+    out.set_(u8.untyped_storage(), 0, shape)
+    return out
+
+
+__all__ = [
+    "SEGMENT_PREFIX",
+    "CpuFdIPCWrapper",
+    "CpuSegmentWrapper",
+    "CpuShmIPCWrapper",
+    "Segment",
+    "empty_shared",
+    "live_segments",
+    "migration_scope",
+    "segment_of",
+    "shm_dir",
+]

@@ -1,0 +1,261 @@
+"""CPU IPC wrappers: named POSIX shared memory, and memfd for isolated mode.
+
+What is shared: the whole segment that backs the tensor's storage. The wire carries the
+segment's name (``CpuShmIPCWrapper``) or a token standing for its file descriptor
+(``CpuFdIPCWrapper``: the fd itself travels over a Unix socket with SCM_RIGHTS), the byte
+offset of the storage in the segment, and the caller's exact view (dtype, shape, stride,
+storage offset). The consumer maps the object once per process (``MAPPINGS``, keyed by name
+or token), checks that the view fits inside it, and rebuilds the same view over the mapping.
+
+Producer side, ``wrap(tensor)``:
+- a tensor already in an lmshm segment of the right kind wraps without copying;
+- a private tensor is *migrated*: its storage is copied once into a new segment and the
+  caller's tensor object is re-pointed there (``tensor.set_``), so later writes through it
+  are shared. Tensors wrapped in one ``wrap_kv_caches`` call that view one storage move
+  together into one segment with one copy. Other views of the old storage that were not
+  passed in keep pointing at the private memory -- allocate pools with ``empty_shared()``
+  to avoid the migration (and its copy) altogether.
+
+Consumer side, the mapping lives as long as any tensor built from it: ``close()`` drops the
+wrapper's share, and the memory is unmapped only when the last tensor is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import mmap
+import os
+import stat
+from typing import Any, ClassVar, Iterator
+
+import torch
+
+from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_name
+from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.contiguity import require_dense
+from lmshm.platform.cpu import segments
+from lmshm.platform.cpu.segments import Segment
+
+# Within one batch: data_ptr of a migrated private storage -> (old storage, new segment,
+# uint8 tensor over it). Holding the old storage keeps its address from being reused.
+_migrations: contextvars.ContextVar[dict[int, tuple[Any, Segment, torch.Tensor]] | None] = (
+    contextvars.ContextVar("lmshm_cpu_migrations", default=None)
+)
+# Segments created by the current batch, so that a rollback can release their names.
+_created: contextvars.ContextVar[list[Segment] | None] = contextvars.ContextVar(
+    "lmshm_cpu_created", default=None
+)
+
+
+@contextlib.contextmanager
+def migration_scope() -> Iterator[list[Segment]]:
+    """Share migrations across several ``wrap()`` calls; yields the segments created."""
+    created: list[Segment] = []
+    t1 = _migrations.set({})
+    t2 = _created.set(created)
+    try:
+        yield created
+    finally:
+        _migrations.reset(t1)
+        _created.reset(t2)
+
+
+def _repoint(tensor: torch.Tensor, u8: torch.Tensor) -> None:
+    with torch.no_grad():
+        tensor.set_(u8.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+def _place_in_segment(tensor: torch.Tensor, kind: str) -> Segment:
+    """Make sure ``tensor`` lives in a live segment of ``kind``; migrate it if not."""
+    seg = segments.segment_of(tensor)
+    if seg is not None and seg.kind == kind:
+        return seg
+    storage = tensor.untyped_storage()
+    scope = _migrations.get()
+    key = storage.data_ptr()
+    if scope is not None and key in scope and scope[key][1].kind == kind and not scope[key][1].unlinked:
+        _, seg, u8 = scope[key]
+        _repoint(tensor, u8)
+        return seg
+    seg, u8 = segments.create_segment(storage.nbytes(), kind)
+    created = _created.get()
+    if created is not None:
+        created.append(seg)
+    u8.copy_(torch.empty(0, dtype=torch.uint8).set_(storage))
+    if scope is not None:
+        scope[key] = (storage, seg, u8)
+    _repoint(tensor, u8)
+    return seg
+
+
+class CpuSegmentWrapper(DeviceIPCWrapper):
+    """Shared logic of the two CPU kinds. Not registered itself (it has no ``kind``)."""
+
+    device_type = "cpu"
+    segment_kind: ClassVar[str] = ""
+    extra_fields = ("segment", "segment_bytes", "byte_offset")
+
+    # ---- producer --------------------------------------------------------------------------
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor, name: str = "tensor") -> "CpuSegmentWrapper":
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name}: {cls.__name__} wraps CPU tensors, got one on {tensor.device}")
+        dt = dtype_name(tensor.dtype)
+        require_dense(tensor, name)
+        seg = _place_in_segment(tensor, cls.segment_kind)
+        wrapper = cls(dtype=dt, shape=tuple(tensor.shape), stride=tuple(tensor.stride()),
+                      storage_offset=tensor.storage_offset(), device="cpu",
+                      segment=seg.name, segment_bytes=seg.size, byte_offset=0)
+        # Keep the segment mapped for as long as the producer wrapper is open.
+        wrapper._producer = (seg, tensor.untyped_storage())
+        return wrapper
+
+    def _close_extra(self) -> None:
+        self.__dict__.pop("_producer", None)
+
+    # ---- wire checks -----------------------------------------------------------------------
+    def _validate_extra(self) -> None:
+        if not segments.valid_segment_name(self.segment):
+            raise WrapperDecodeError(f"{type(self).__name__}: invalid segment name {self.segment!r}")
+        for f in ("segment_bytes", "byte_offset"):
+            v = getattr(self, f)
+            if type(v) is not int or v < 0 or v >= 1 << 62:
+                raise WrapperDecodeError(f"{type(self).__name__}: {f} must be a non-negative int, got {v!r}")
+        if self.byte_offset % self.torch_dtype.itemsize:
+            raise WrapperDecodeError(
+                f"{type(self).__name__}: byte_offset {self.byte_offset} is not aligned to {self.dtype}"
+            )
+
+    def _required_bytes(self) -> int:
+        """Bytes of the object the view needs: offset of its last element, plus one."""
+        item = self.torch_dtype.itemsize
+        if self.numel == 0:
+            return self.byte_offset
+        return self.byte_offset + self.storage_offset * item + self.span_bytes
+
+    # ---- consumer --------------------------------------------------------------------------
+    def _open_fd(self) -> tuple[int, bool]:
+        """An fd for the object and whether the caller must close it."""
+        raise NotImplementedError
+
+    def _map(self) -> mmap.mmap:
+        fd, owned = self._open_fd()
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"segment {self.segment!r} is not a shared-memory file")
+            if st.st_size != self.segment_bytes:
+                raise ValueError(
+                    f"segment {self.segment!r} has {st.st_size} bytes, the wrapper says "
+                    f"{self.segment_bytes}: it was replaced or truncated"
+                )
+            self._check_object(fd)
+            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            if owned:
+                os.close(fd)
+
+    def _check_object(self, fd: int) -> None:
+        """Kind-specific checks on the opened object."""
+
+    def _mapping_key(self) -> tuple[str, str]:
+        return (self.kind, self.segment)
+
+    def to_tensor(self) -> torch.Tensor:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__} for {self.segment!r} is closed")
+        need = self._required_bytes()
+        if need > self.segment_bytes:
+            raise ValueError(
+                f"view does not fit its segment {self.segment!r}: needs bytes up to {need} "
+                f"(byte_offset={self.byte_offset}, storage_offset={self.storage_offset}, "
+                f"shape={self.shape}, stride={self.stride}, dtype={self.dtype}) but the "
+                f"segment has {self.segment_bytes}"
+            )
+        if self._lease is None:
+            self._lease = MAPPINGS.acquire(self._mapping_key(), self._map, _drop_mapping)
+        mm = self._lease.value
+        u8 = torch.frombuffer(mm, dtype=torch.uint8)
+        item = self.torch_dtype.itemsize
+        out = torch.empty(0, dtype=self.torch_dtype)
+        out.set_(u8.untyped_storage(), self.byte_offset // item + self.storage_offset,
+                 self.shape, self.stride)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d["segment"] = self.segment
+        return d
+
+
+def _drop_mapping(mm: mmap.mmap) -> None:
+    # Never mm.close(): tensors built on the mapping hold a reference and keep it mapped;
+    # it is unmapped when the last of them is freed.
+    del mm
+
+
+class CpuShmIPCWrapper(CpuSegmentWrapper):
+    """A CPU tensor in a named POSIX shared-memory segment (the default CPU wrapper)."""
+
+    kind = "cpu-shm"
+    segment_kind = "shm"
+
+    def _open_fd(self) -> tuple[int, bool]:
+        path = os.path.join(segments.shm_dir(), self.segment)
+        try:
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), True
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"shared-memory segment {path} does not exist: the producer released it, or "
+                "runs in another IPC namespace / container without a shared /dev/shm "
+                "(use isolated mode, LMSHM_ISOLATED_IPC=1, there)"
+            ) from None
+
+    def release_orphaned(self) -> None:
+        """The producer died without unlinking: remove the name so /dev/shm does not fill up."""
+        try:
+            os.unlink(os.path.join(segments.shm_dir(), self.segment))
+        except FileNotFoundError:
+            pass
+
+
+class CpuFdIPCWrapper(CpuSegmentWrapper):
+    """A CPU tensor in a sealed memfd; the fd travels out of band (isolated mode).
+
+    The wire carries ``segment`` as a token. The producer's ``export_fds()`` gives
+    ``{token: fd}`` to send with SCM_RIGHTS; the consumer files the received fd in
+    ``FD_INBOX`` under that token before calling ``to_tensor()``.
+    """
+
+    kind = "cpu-memfd"
+    segment_kind = "memfd"
+
+    def export_fds(self) -> dict[str, int]:
+        producer = self.__dict__.get("_producer")
+        if producer is None or producer[0].fd is None:
+            raise RuntimeError(
+                f"{type(self).__name__} {self.segment!r}: no fd to export (only the producer "
+                "that wrapped the tensor can export it, while the wrapper is open)"
+            )
+        return {self.segment: producer[0].fd}
+
+    def _open_fd(self) -> tuple[int, bool]:
+        return FD_INBOX.get(self.segment), False
+
+    def _check_object(self, fd: int) -> None:
+        import fcntl
+
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        need = fcntl.F_SEAL_SHRINK
+        if seals & need != need:
+            raise PermissionError(
+                f"memfd {self.segment!r} is not sealed against shrinking; refusing to map "
+                "memory its owner could truncate under us"
+            )
+
+
+__all__ = ["CpuFdIPCWrapper", "CpuSegmentWrapper", "CpuShmIPCWrapper", "migration_scope"]

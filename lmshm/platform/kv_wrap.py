@@ -1,0 +1,90 @@
+"""Wrapping a worker's KV caches in one call, all or nothing.
+
+``wrap_kv_caches({"model.layers.0.attn": t0, ...})`` returns one wrapper per layer, in dict
+order, each chosen by the tensor's device type under the current switches (see
+``device_registry``). Before anything is wrapped the batch is checked: it must be a
+non-empty dict of tensors of one rank (engines never mix ranks within one model; a mix
+means a bug upstream). If layer k fails, the wrappers of layers < k are closed and the
+segments this call created are released (names unlinked, fds closed) before the error --
+naming layer k and the cause -- propagates. Migrated tensors stay valid either way: they
+keep their private mapping of the (now nameless) segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Mapping
+
+import torch
+
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmshm.platform.device_registry import resolve_kv_wrapper_factory
+
+
+class KVCacheWrapError(RuntimeError):
+    """Wrapping one layer of a batch failed; everything wrapped before it was released."""
+
+    def __init__(self, layer_index: int, layer_name: str, cause: BaseException) -> None:
+        self.layer_index = layer_index
+        self.layer_name = layer_name
+        super().__init__(
+            f"wrapping KV cache layer {layer_index} ({layer_name!r}) failed: "
+            f"{type(cause).__name__}: {cause}"
+        )
+
+
+def wrap_one_kv_cache(tensor: torch.Tensor, name: str = "tensor") -> DeviceIPCWrapper:
+    """Wrap one tensor with the wrapper its device type selects right now."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    cls = resolve_kv_wrapper_factory(tensor.device.type)
+    return cls.wrap(tensor, name=name)
+
+
+def _check_batch(kv_caches: Mapping[str, torch.Tensor]) -> None:
+    if not isinstance(kv_caches, Mapping):
+        raise TypeError(f"kv_caches must be a dict of layer name -> tensor, got {type(kv_caches).__name__}")
+    if not kv_caches:
+        raise ValueError("kv_caches is empty: there is nothing to wrap")
+    by_rank: dict[int, list[str]] = defaultdict(list)
+    for name, t in kv_caches.items():
+        if not isinstance(name, str):
+            raise TypeError(f"layer names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"layer {name!r}: expected a torch.Tensor, got {type(t).__name__}")
+        by_rank[t.dim()].append(name)
+    if len(by_rank) > 1:
+        parts = "; ".join(
+            f"rank {r}: {len(names)} layer(s), e.g. {', '.join(repr(n) for n in names[:2])}"
+            for r, names in sorted(by_rank.items())
+        )
+        raise ValueError(f"KV caches mix tensor ranks ({parts}); every layer must have the same rank")
+
+
+def _cpu_scope() -> contextlib.AbstractContextManager:
+    from lmshm.platform.cpu import migration_scope
+
+    return migration_scope()
+
+
+def wrap_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[DeviceIPCWrapper]:
+    """One wrapper per layer, in dict order; all or nothing (see the module docstring)."""
+    _check_batch(kv_caches)
+    wrapped: list[DeviceIPCWrapper] = []
+    with _cpu_scope() as created_segments:
+        for index, (name, tensor) in enumerate(kv_caches.items()):
+            try:
+                wrapped.append(wrap_one_kv_cache(tensor, name))
+            except Exception as exc:
+                release_wrappers(wrapped)
+                for seg in created_segments:
+                    seg.unlink()
+                raise KVCacheWrapError(index, name, exc) from exc
+    return wrapped
+
+
+def release_wrappers(wrappers: list[DeviceIPCWrapper]) -> None:
+    """Close every wrapper (idempotent, never raises)."""
+    for w in wrappers:
+        w.close()
