@@ -1,0 +1,126 @@
+"""The common wrapper contract: fields, equality, pickling, safe decoding."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+
+import pytest
+import torch
+
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_from_name, dtype_name
+from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
+
+
+def _wrapper(**over):
+    fields = dict(dtype="float16", shape=(2, 3), stride=(3, 1), storage_offset=0, device="cpu",
+                  segment="lmshm-1-abcdef", segment_bytes=12, byte_offset=0)
+    fields.update(over)
+    return CpuShmIPCWrapper(**fields)
+
+
+def test_wrappers_compare_by_type_and_fields():
+    assert _wrapper() == _wrapper()
+    assert hash(_wrapper()) == hash(_wrapper())
+    assert _wrapper() != _wrapper(shape=(3, 2), stride=(2, 1))
+    fd = CpuFdIPCWrapper(dtype="float16", shape=(2, 3), stride=(3, 1), storage_offset=0, device="cpu",
+                         segment="lmshm-1-abcdef", segment_bytes=12, byte_offset=0)
+    assert fd != _wrapper(), "same fields, different kind: not equal"
+
+
+def test_wrapper_pickles_with_its_concrete_class():
+    w = _wrapper(dtype="bfloat16")
+    back = DeviceIPCWrapper.Deserialize(w.Serialize())
+    assert type(back) is CpuShmIPCWrapper
+    assert back == w
+    assert back.torch_dtype is torch.bfloat16
+
+
+def test_close_is_idempotent():
+    w = _wrapper()
+    w.close()
+    w.close()
+    assert w.closed
+
+
+class _RunsShell:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/lmshm-pwned-marker",))
+
+
+def test_pickle_that_would_run_a_command_is_refused_and_runs_nothing():
+    marker = "/tmp/lmshm-pwned-marker"
+    if os.path.exists(marker):
+        os.unlink(marker)
+    payload = pickle.dumps(_RunsShell())
+    with pytest.raises(WrapperDecodeError, match="refusing to unpickle (posix|os).system"):
+        DeviceIPCWrapper.Deserialize(payload)
+    assert not os.path.exists(marker)
+
+
+def test_pickle_of_a_plain_object_is_refused():
+    with pytest.raises(WrapperDecodeError, match="not an lmshm wrapper"):
+        DeviceIPCWrapper.Deserialize(pickle.dumps({"a": 1}))
+
+
+def test_pickle_naming_a_method_of_an_allowed_class_is_refused():
+    # GLOBAL with a dotted qualname would resolve attributes of an allowed class.
+    payload = b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x1flmshm.platform.cpu.wrappers\x94\x8c\x19CpuShmIPCWrapper.to_tensor\x94\x93\x94."
+    with pytest.raises(WrapperDecodeError):
+        DeviceIPCWrapper.Deserialize(payload)
+
+
+def test_truncated_and_random_bytes_give_a_decode_error():
+    good = _wrapper().Serialize()
+    for cut in (1, len(good) // 2, len(good) - 1):
+        with pytest.raises(WrapperDecodeError):
+            DeviceIPCWrapper.Deserialize(good[:cut])
+    rng = random.Random(1234)
+    for _ in range(200):
+        blob = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        with pytest.raises(WrapperDecodeError):
+            DeviceIPCWrapper.Deserialize(blob)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("dtype", "object", "unknown dtype"),
+        ("shape", (2, -3), "non-negative"),
+        ("shape", [1] * 40, "at most"),
+        ("stride", (1,), "differ in rank"),
+        ("storage_offset", -1, "storage_offset"),
+        ("segment", "../../etc/passwd", "invalid segment name"),
+        ("segment_bytes", 1 << 70, "segment_bytes"),
+    ],
+)
+def test_peer_state_is_validated(field, value, match):
+    # A forged payload: a genuine wrapper class with one field set to a hostile value.
+    forged = CpuShmIPCWrapper.__new__(CpuShmIPCWrapper)
+    forged.__dict__.update(_wrapper().__getstate__())
+    forged.__dict__[field] = value
+    payload = pickle.dumps(forged)
+    with pytest.raises(WrapperDecodeError, match=match):
+        DeviceIPCWrapper.Deserialize(payload)
+
+
+def test_state_with_extra_or_missing_fields_is_refused():
+    w = _wrapper()
+    state = w.__getstate__()
+    obj = CpuShmIPCWrapper.__new__(CpuShmIPCWrapper)
+    with pytest.raises(WrapperDecodeError, match="exactly the fields"):
+        obj.__setstate__({**state, "__class__": "x"})
+    state.pop("segment")
+    with pytest.raises(WrapperDecodeError, match="exactly the fields"):
+        obj.__setstate__(state)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int8])
+def test_dtype_names_round_trip(dt):
+    assert dtype_from_name(dtype_name(dt)) is dt
+
+
+def test_unknown_dtype_name_lists_the_supported_ones():
+    with pytest.raises(ValueError, match="unknown dtype 'float128'.*bfloat16"):
+        dtype_from_name("float128")
