@@ -1,0 +1,410 @@
+"""The worker-side client: register KV caches with lmshm-server and keep them registered.
+
+``MPClient(url)`` says HELLO (protocol version, pid, host identity, isolated_ipc), opens the
+fd-channel link the server offers, and starts a heartbeat thread. ``register_kv_caches``
+wraps the tensors (``wrap_kv_caches``: zero copy for memory from ``empty_shared``), sends any
+file descriptors over the link, then one REGISTER_KV_CACHE with every layer.
+
+What the client keeps: the producer-side wrappers of every live registration. They keep the
+segments (and memfds) alive, and they are what the heartbeat re-sends when it notices that
+the server restarted (a new server id, or "no session"): it says HELLO again and re-registers
+every cached instance by itself. A timed-out request drops its ZeroMQ socket for a fresh one
+and resumes the same session with its token, so registrations survive a slow moment.
+
+Threads: one lock serialises every exchange on the DEALER socket; the heartbeat takes it for
+one PING at a time. Errors from the server become ``ServerError`` subclasses carrying the
+server's code and message; silence becomes ``ServerTimeout`` naming the URL.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import msgspec
+import torch
+
+from lmshm.multiprocess import codec, mq, protocol
+from lmshm.multiprocess.fdchannel import FdChannelClient, FdChannelError
+from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.platform import ipc_policy
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+logger = logging.getLogger(__name__)
+
+URL_ENV = "LMSHM_URL"
+FD_SOCKET_ENV = "LMSHM_FD_SOCKET"
+
+
+# ---- errors -----------------------------------------------------------------------------
+
+
+class LmshmError(Exception):
+    """Base of every error lmshm's client raises."""
+
+
+class ServerError(LmshmError):
+    """The server answered with an error reply; ``code`` and ``message`` are the server's."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, code: int, message: str) -> None:
+        try:
+            self.code = ErrorCode(code)
+        except ValueError:
+            self.code = code  # type: ignore[assignment]
+        self.message = message
+        name = self.code.name if isinstance(self.code, ErrorCode) else str(code)
+        super().__init__(f"{name}: {message}")
+
+
+class InvalidArgument(ServerError):
+    pass
+
+
+class AlreadyExists(ServerError):
+    pass
+
+
+class NotFound(ServerError):
+    pass
+
+
+class Unavailable(ServerError):
+    pass
+
+
+class Unsupported(ServerError):
+    pass
+
+
+class PermissionDenied(ServerError):
+    pass
+
+
+class InternalServerError(ServerError):
+    pass
+
+
+_ERRORS: dict[int, type[ServerError]] = {
+    ErrorCode.INVALID_ARG: InvalidArgument,
+    ErrorCode.ALREADY_EXISTS: AlreadyExists,
+    ErrorCode.NOT_FOUND: NotFound,
+    ErrorCode.UNAVAILABLE: Unavailable,
+    ErrorCode.UNSUPPORTED: Unsupported,
+    ErrorCode.PERMISSION_DENIED: PermissionDenied,
+    ErrorCode.INTERNAL: InternalServerError,
+}
+
+
+def server_error(reply: protocol.ErrorReply) -> ServerError:
+    return _ERRORS.get(reply.code, ServerError)(reply.code, reply.message)
+
+
+class ServerTimeout(LmshmError, TimeoutError):
+    """The server did not answer in time; ``url`` names it."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class MessageTooLarge(LmshmError, ValueError):
+    """A request is larger than the server accepts (``--max-message-bytes``)."""
+
+
+# ---- the client -------------------------------------------------------------------------
+
+
+@dataclass
+class _Cached:
+    """A live registration, kept so that it can be re-sent after a server restart."""
+
+    request: protocol.RegisterKVCache
+    wrappers: list[DeviceIPCWrapper]
+
+
+def _exchange(dealer: mq.DealerClient, msg: Any, timeout_s: Optional[float] = None,
+              max_bytes: Optional[int] = None) -> Any:
+    """Send one request, return the reply struct; error replies raise ``ServerError``."""
+    body = codec.encode(msg)
+    if max_bytes is not None and len(body) > max_bytes:
+        raise MessageTooLarge(
+            f"{type(msg).__name__} is {len(body)} bytes, more than the server at {dealer.url} accepts "
+            f"({max_bytes} bytes, lmshm-server --max-message-bytes)")
+    try:
+        raw = dealer.request(body, timeout_s, what=type(msg).__name__.upper())
+    except mq.TransportTimeout as exc:
+        raise ServerTimeout(exc.url, str(exc)) from None
+    try:
+        reply = codec.decode_reply(raw)
+    except codec.CodecError as exc:
+        raise LmshmError(f"undecodable reply from {dealer.url}: {exc}") from None
+    if isinstance(reply, protocol.ErrorReply):
+        raise server_error(reply)
+    return reply
+
+
+class MPClient:
+    """A worker's connection to lmshm-server. See the module docstring.
+
+    ``url`` defaults to ``$LMSHM_URL`` or tcp://127.0.0.1:5555. ``fd_socket`` overrides the
+    fd-channel path the server announces (when the worker sees it under another path, e.g. in
+    a container); ``$LMSHM_FD_SOCKET`` does the same. ``heartbeat_interval_s`` overrides the
+    server's suggestion; ``heartbeat=False`` turns the thread off (then nothing re-registers
+    after a restart, and the server reclaims a silent session after its reap timeout).
+    """
+
+    def __init__(
+        self,
+        url: Optional[str] = None,
+        *,
+        timeout_s: float = 10.0,
+        client_name: str = "",
+        fd_socket: Optional[str] = None,
+        heartbeat: bool = True,
+        heartbeat_interval_s: Optional[float] = None,
+    ) -> None:
+        self.url = mq.check_url(url or os.environ.get(URL_ENV) or mq.DEFAULT_URL)
+        self.timeout_s = timeout_s
+        self.client_name = client_name
+        self._fd_socket_override = fd_socket or os.environ.get(FD_SOCKET_ENV) or None
+        self._lock = threading.RLock()
+        self._dealer = mq.DealerClient(self.url, timeout_s=timeout_s)
+        self._link: Optional[FdChannelClient] = None
+        self._hello: Optional[protocol.HelloReply] = None
+        self._cached: dict[str, _Cached] = {}
+        self._closed = False
+        self._stop = threading.Event()
+        self._heartbeat_thread: Optional[threading.Thread] = None
+        #: Times this client re-registered its caches after a server restart.
+        self.reregistrations = 0
+        try:
+            with self._lock:
+                self._say_hello()
+        except BaseException:
+            self._teardown()
+            raise
+        if heartbeat:
+            interval = heartbeat_interval_s or self._hello.heartbeat_interval_s
+            self._heartbeat_thread = threading.Thread(
+                target=self._heartbeat, args=(interval,), name="lmshm-heartbeat", daemon=True)
+            self._heartbeat_thread.start()
+
+    # ---- session ------------------------------------------------------------------------
+    @property
+    def session_id(self) -> Optional[int]:
+        return None if self._hello is None else self._hello.session_id
+
+    @property
+    def server_id(self) -> Optional[str]:
+        return None if self._hello is None else self._hello.server_id
+
+    def _say_hello(self) -> protocol.HelloReply:
+        boot_id, pid_ns = protocol.host_identity()
+        resume = self._hello.session_token if self._hello is not None else ""
+        isolated = ipc_policy.is_isolated_ipc()
+        reply = _exchange(self._dealer, protocol.Hello(
+            protocol_version=protocol.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id,
+            pid_namespace=pid_ns, isolated_ipc=isolated, client_name=self.client_name,
+            resume_token=resume))
+        if not (reply.resumed and self._link is not None and not self._link.broken()):
+            self._open_link(reply, required=isolated)
+        self._hello = reply
+        return reply
+
+    def _open_link(self, hello: protocol.HelloReply, *, required: bool) -> None:
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        path = self._fd_socket_override or hello.fd_socket
+        if not path:
+            return
+        try:
+            self._link = FdChannelClient(path, hello.session_token, timeout_s=self.timeout_s)
+        except FdChannelError as exc:
+            if required:
+                raise LmshmError(str(exc)) from None
+            logger.info("lmshm: no fd-channel link (%s); the server will notice this worker's exit "
+                        "through pidfd or the heartbeat timeout", exc)
+
+    def _request(self, msg: Any, timeout_s: Optional[float] = None) -> Any:
+        """One exchange; a lost session (server restarted) is re-established once."""
+        with self._lock:
+            if self._closed:
+                raise LmshmError("this MPClient is closed")
+            max_bytes = self._hello.max_message_bytes if self._hello else None
+            try:
+                return _exchange(self._dealer, msg, timeout_s, max_bytes)
+            except Unavailable as exc:
+                if "no session" not in exc.message:
+                    raise
+            self._recover()
+            return _exchange(self._dealer, msg, timeout_s, max_bytes)
+
+    def _recover(self) -> None:
+        """Say HELLO again; if the server no longer knows us, re-register everything."""
+        old_server = self.server_id
+        reply = self._say_hello()
+        if reply.resumed:
+            return
+        logger.warning("lmshm: server at %s %s; re-registering %d instance(s)", self.url,
+                       "restarted" if reply.server_id != old_server else "dropped this session",
+                       len(self._cached))
+        for iid, cached in list(self._cached.items()):
+            try:
+                self._send_fds(cached.wrappers)
+                _exchange(self._dealer, cached.request, None, reply.max_message_bytes)
+            except LmshmError as exc:
+                logger.error("lmshm: re-registering %r failed: %s", iid, exc)
+        self.reregistrations += 1
+
+    def _heartbeat(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    pong = _exchange(self._dealer, protocol.Ping(), min(self.timeout_s, max(1.0, 2 * interval)))
+                    if pong.server_id != self.server_id or not pong.session_known:
+                        self._recover()
+            except ServerTimeout:
+                logger.debug("lmshm: heartbeat to %s timed out", self.url)
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must keep going
+                logger.warning("lmshm: heartbeat to %s failed: %s", self.url, exc)
+
+    def _send_fds(self, wrappers: list[DeviceIPCWrapper]) -> None:
+        fds: dict[str, int] = {}
+        for w in wrappers:
+            fds.update(w.export_fds())
+        if not fds:
+            return
+        if self._link is None:
+            raise LmshmError(
+                f"{len(fds)} file descriptor(s) must travel to the server, but this client has no fd-channel "
+                f"link to {self.url}'s fd socket; pass fd_socket=PATH (or LMSHM_FD_SOCKET) as the worker sees it")
+        try:
+            self._link.send_fds(fds)
+        except (FdChannelError, OSError) as exc:
+            raise LmshmError(f"sending file descriptors to the server failed: {exc}") from None
+
+    # ---- public API ---------------------------------------------------------------------
+    def register_kv_caches(
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        instance_id: Optional[str] = None,
+        *,
+        model_name: str = "",
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> str:
+        """Register every layer with the server, all or nothing. Returns the instance id.
+
+        CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
+        once (see ``wrap_kv_caches``).
+        """
+        from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
+
+        instance_id = instance_id or uuid.uuid4().hex
+        wrappers = wrap_kv_caches(kv_caches)
+        request = protocol.RegisterKVCache(
+            instance_id=instance_id, model_name=model_name, world_size=world_size, worker_rank=rank,
+            layers=[protocol.Layer(name, w) for name, w in zip(kv_caches, wrappers)])
+        try:
+            with self._lock:
+                self._send_fds(wrappers)
+                self._request(request)
+                previous = self._cached.pop(instance_id, None)
+                self._cached[instance_id] = _Cached(request, wrappers)
+        except BaseException:
+            release_wrappers(wrappers)
+            raise
+        if previous is not None:
+            release_wrappers(previous.wrappers)
+        return instance_id
+
+    def unregister_kv_caches(self, instance_id: str) -> bool:
+        """Release ``instance_id`` on the server. Returns True if the server deferred it."""
+        from lmshm.platform.kv_wrap import release_wrappers
+
+        with self._lock:
+            try:
+                reply = self._request(protocol.UnregisterKVCache(instance_id))
+            except NotFound:
+                cached = self._cached.pop(instance_id, None)
+                if cached is not None:
+                    release_wrappers(cached.wrappers)
+                raise
+            cached = self._cached.pop(instance_id, None)
+        if cached is not None:
+            release_wrappers(cached.wrappers)
+        return reply.deferred
+
+    def registered(self) -> list[str]:
+        """Instance ids this client registered and has not unregistered."""
+        with self._lock:
+            return list(self._cached)
+
+    def status(self) -> protocol.StatusReply:
+        return self._request(protocol.Status())
+
+    def ping(self) -> float:
+        """One empty round trip; returns its duration in seconds."""
+        t0 = time.perf_counter()
+        self._request(protocol.Ping())
+        return time.perf_counter() - t0
+
+    def peek(self, instance_id: str, layer_name: str, offset: int = 0, length: int = 64) -> bytes:
+        """Bytes of a registered layer, read by the server through its own mapping."""
+        return self._request(protocol.Peek(instance_id, layer_name, offset, length)).data
+
+    def close(self) -> None:
+        """Unregister what this client registered (best effort), stop the heartbeat, disconnect."""
+        if self._closed:
+            return
+        self._stop.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.timeout_s + 1)
+        with self._lock:
+            for iid in list(self._cached):
+                try:
+                    _exchange(self._dealer, protocol.UnregisterKVCache(iid), min(self.timeout_s, 2.0))
+                except LmshmError as exc:
+                    logger.info("lmshm: unregistering %r at close failed: %s", iid, exc)
+            self._closed = True
+            self._teardown()
+
+    def _teardown(self) -> None:
+        from lmshm.platform.kv_wrap import release_wrappers
+
+        for cached in self._cached.values():
+            release_wrappers(cached.wrappers)
+        self._cached.clear()
+        if self._link is not None:
+            self._link.close()
+            self._link = None
+        self._dealer.close()
+
+    def __enter__(self) -> "MPClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def query_status(url: Optional[str] = None, timeout_s: float = 5.0) -> protocol.StatusReply:
+    """One STATUS request without a session (what ``lmshm status`` uses)."""
+    dealer = mq.DealerClient(mq.check_url(url or os.environ.get(URL_ENV) or mq.DEFAULT_URL), timeout_s=timeout_s)
+    try:
+        return _exchange(dealer, protocol.Status())
+    finally:
+        dealer.close()
+
+
+def status_as_dict(status: protocol.StatusReply) -> dict[str, Any]:
+    return msgspec.to_builtins(status)

@@ -1,0 +1,115 @@
+"""Bytes <-> protocol structs: msgpack via msgspec, wrappers under ext code 1.
+
+What travels how:
+- protocol structs are msgpack maps tagged by their ``type`` code (see ``protocol.py``);
+- ``torch.dtype`` travels as its name (``"float16"``), ``torch.Size`` as a list of ints;
+- an IPC wrapper travels as msgpack extension type **1** whose payload is
+  ``wrapper.Serialize()`` (a pickle of the wrapper's concrete class and plain-data state).
+
+The one thing that matters here: **decoding never runs code a peer chose.** Ext 1 payloads
+go through ``safe_loads``, an unpickler whose ``find_class`` admits only registered lmshm
+wrapper classes (nothing from ``builtins``, ``os``, ...), and whose wrappers validate their
+state field by field. Any other ext code, a truncated frame or random bytes become a
+``CodecError``, which the server answers with ``INVALID_ARG``. Decoding a wrapper maps
+nothing; mapping happens later, in the registry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+
+from lmshm.multiprocess import protocol
+from lmshm.platform.base.ipc_wrapper import (
+    DeviceIPCWrapper,
+    WrapperDecodeError,
+    dtype_from_name,
+    dtype_name,
+    safe_loads,
+)
+
+#: msgpack extension type code of an lmshm wrapper.
+WRAPPER_EXT_CODE = 1
+
+
+class CodecError(ValueError):
+    """A message could not be encoded or decoded; the text says what and why."""
+
+
+def _enc_hook(obj: Any) -> Any:
+    if isinstance(obj, DeviceIPCWrapper):
+        return msgspec.msgpack.Ext(WRAPPER_EXT_CODE, obj.Serialize())
+    if isinstance(obj, torch.dtype):
+        return dtype_name(obj)
+    if isinstance(obj, torch.Size):
+        return list(obj)
+    raise NotImplementedError(f"lmshm cannot put a {type(obj).__name__} on the wire")
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    if code != WRAPPER_EXT_CODE:
+        raise CodecError(f"unknown msgpack extension type {code}; lmshm only sends {WRAPPER_EXT_CODE} (wrapper)")
+    return safe_loads(data)
+
+
+def _dec_hook(type_: type, obj: Any) -> Any:
+    if isinstance(type_, type) and issubclass(type_, DeviceIPCWrapper):
+        if isinstance(obj, type_):
+            return obj
+        raise CodecError(f"expected an lmshm wrapper (ext type {WRAPPER_EXT_CODE}), got {type(obj).__name__}")
+    if type_ is torch.dtype:
+        try:
+            return dtype_from_name(obj)
+        except ValueError as exc:
+            raise CodecError(str(exc)) from None
+    if type_ is torch.Size:
+        if isinstance(obj, list) and all(type(v) is int and v >= 0 for v in obj):
+            return torch.Size(obj)
+        raise CodecError(f"a torch.Size must be a list of non-negative ints, got {obj!r}")
+    raise NotImplementedError(f"no decoder for {type_!r}")
+
+
+_encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+class Decoder:
+    """Decodes one body into one of ``types`` (a Union of structs), or raises ``CodecError``."""
+
+    def __init__(self, types: Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(types, ext_hook=_ext_hook, dec_hook=_dec_hook)
+
+    def decode(self, data: bytes | memoryview) -> Any:
+        try:
+            return self._decoder.decode(data)
+        except CodecError:
+            raise
+        except WrapperDecodeError as exc:
+            raise CodecError(f"refused wrapper payload: {exc}") from None
+        except msgspec.ValidationError as exc:
+            raise CodecError(f"invalid message: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise CodecError(f"undecodable message ({len(data)} bytes): {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - whatever a hostile payload triggers
+            raise CodecError(f"undecodable message: {type(exc).__name__}: {exc}") from None
+
+
+def encode(msg: Any) -> bytes:
+    """Encode a protocol struct (or any plain data) to msgpack bytes."""
+    try:
+        return _encoder.encode(msg)
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        raise CodecError(f"cannot encode {type(msg).__name__}: {exc}") from None
+
+
+request_decoder = Decoder(protocol.Request)
+reply_decoder = Decoder(protocol.Reply)
+
+
+def decode_request(data: bytes | memoryview) -> protocol.Request:
+    return request_decoder.decode(data)
+
+
+def decode_reply(data: bytes | memoryview) -> protocol.Reply:
+    return reply_decoder.decode(data)

@@ -1,0 +1,257 @@
+"""ZeroMQ transport: the server's ROUTER loop and the worker's DEALER with timeouts.
+
+Frames. A request is ``[request_id, body]`` (the ROUTER adds the peer's identity in front);
+the reply is ``[request_id, body]``. ``request_id`` is 8 bytes chosen by the client; the
+client ignores any reply whose id is not the one it waits for, so a late answer to a request
+it gave up on can never be taken for the answer to the next one. This module moves bytes and
+knows nothing of msgpack or the protocol.
+
+The server loop is single-threaded: one ``zmq.Poller`` watches the ROUTER and any raw file
+descriptors the server adds (the fd channel's sockets, pidfds of watched workers, the
+signal wake-up pipe), and calls back. Nothing here blocks for longer than one tick.
+
+Limits. ``max_message_bytes`` is set as ZMQ_MAXMSGSIZE on the ROUTER, so libzmq drops the
+*connection* of a peer that sends a larger frame before the bytes are buffered (the peer
+sees no reply; lmshm's client checks the limit before sending and fails with a clear
+error instead). A message that passes libzmq but is malformed -- wrong number of frames,
+an id that is not 8 bytes, more bytes in total than the limit -- is handed to the server as
+a *problem* so that it still gets an ``INVALID_ARG`` reply.
+
+``ipc://`` endpoints are created mode 0600 (umask during bind, then chmod) and unlinked on
+close. ``tcp://HOST:0`` binds a free port; ``url`` then reports the real one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+REQUEST_ID_BYTES = 8
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class TransportError(RuntimeError):
+    """The endpoint is unusable (bad URL, address in use, ...)."""
+
+
+class TransportTimeout(TimeoutError):
+    """No reply from ``url`` within ``timeout_s``."""
+
+    def __init__(self, url: str, timeout_s: float, what: str = "request") -> None:
+        super().__init__(
+            f"lmshm server at {url} did not answer a {what} within {timeout_s:g} s; "
+            "is lmshm-server running there (lmshm status --url URL)?"
+        )
+        self.url = url
+        self.timeout_s = timeout_s
+
+
+def check_url(url: str) -> str:
+    """Validate an endpoint: ``tcp://HOST:PORT`` or ``ipc://PATH``."""
+    if url.startswith("ipc://"):
+        if len(url) == len("ipc://"):
+            raise TransportError(f"{url!r}: ipc:// needs a socket path")
+        return url
+    if url.startswith("tcp://"):
+        host, sep, port = url[len("tcp://"):].rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise TransportError(f"{url!r}: expected tcp://HOST:PORT with a port from 0 to 65535")
+        return url
+    raise TransportError(f"{url!r}: lmshm speaks tcp://HOST:PORT or ipc://PATH")
+
+
+def ipc_path(url: str) -> Optional[str]:
+    return url[len("ipc://"):] if url.startswith("ipc://") else None
+
+
+# ---- server side ------------------------------------------------------------------------
+
+#: on_request(identity, request_id, body, problem): problem is None for a well-formed frame.
+RequestHandler = Callable[[bytes, bytes, Optional[bytes], Optional[str]], None]
+
+
+class RouterServer:
+    """A bound ROUTER socket and the poll loop around it."""
+
+    def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+        check_url(url)
+        if max_message_bytes < 1024:
+            raise TransportError(f"max_message_bytes={max_message_bytes} is too small (minimum 1024)")
+        self.max_message_bytes = max_message_bytes
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._ipc_path: Optional[str] = None
+        try:
+            self.url = self._bind(url)
+        except BaseException:
+            self._sock.close(0)
+            self._ctx.term()
+            raise
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._fd_callbacks: dict[int, Callable[[], None]] = {}
+
+    def _bind(self, url: str) -> str:
+        path = ipc_path(url)
+        bind_to = url
+        if url.startswith("tcp://") and url.endswith(":0"):
+            bind_to = url[:-2] + ":*"
+        old_umask = os.umask(0o177) if path else None
+        try:
+            self._sock.bind(bind_to)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"cannot listen on {url}: {exc.strerror}") from None
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
+        if path:
+            self._ipc_path = path
+            os.chmod(path, 0o600)
+        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def watch_fd(self, fd: int, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` from the loop whenever ``fd`` is readable."""
+        self._poller.register(fd, zmq.POLLIN)
+        self._fd_callbacks[fd] = callback
+
+    def unwatch_fd(self, fd: int) -> None:
+        if self._fd_callbacks.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+
+    def reply(self, identity: bytes, request_id: bytes, body: bytes) -> None:
+        try:
+            self._sock.send_multipart([identity, request_id, body], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not us
+            logger.warning("lmshm: could not reply to a peer: %s", exc.strerror)
+
+    def _receive_one(self, on_request: RequestHandler) -> bool:
+        try:
+            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return False
+        identity, rest = frames[0], frames[1:]
+        total = sum(len(f) for f in rest)
+        request_id = rest[0] if rest and len(rest[0]) == REQUEST_ID_BYTES else b""
+        if total > self.max_message_bytes:
+            on_request(identity, request_id, None,
+                       f"message of {total} bytes exceeds the server's limit of {self.max_message_bytes} bytes")
+        elif len(rest) != 2 or len(rest[0]) != REQUEST_ID_BYTES:
+            shape = [len(f) for f in rest]
+            on_request(identity, request_id, None,
+                       f"malformed message: expected 2 frames [8-byte request id, body], got frame sizes {shape}")
+        else:
+            on_request(identity, request_id, rest[1], None)
+        return True
+
+    def serve(
+        self,
+        on_request: RequestHandler,
+        *,
+        on_tick: Callable[[], None],
+        tick_s: float,
+        stop: Callable[[], bool],
+        batch: int = 64,
+    ) -> None:
+        """Poll until ``stop()``; ``on_tick()`` runs at least every ``tick_s`` seconds."""
+        next_tick = time.monotonic() + tick_s
+        while not stop():
+            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
+            events = dict(self._poller.poll(timeout_ms))
+            if self._sock in events:
+                for _ in range(batch):  # bounded, so fds and ticks are never starved
+                    if not self._receive_one(on_request):
+                        break
+            for fd, callback in list(self._fd_callbacks.items()):
+                if fd in events and fd in self._fd_callbacks:
+                    callback()
+            if time.monotonic() >= next_tick:
+                on_tick()
+                next_tick = time.monotonic() + tick_s
+
+    def drain(self, on_request: RequestHandler, limit: int = 1024) -> int:
+        """Hand every message already queued to ``on_request`` (used at shutdown)."""
+        n = 0
+        while n < limit and self._receive_one(on_request):
+            n += 1
+        return n
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+        if self._ipc_path:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+            self._ipc_path = None
+
+
+# ---- client side ------------------------------------------------------------------------
+
+
+class DealerClient:
+    """One DEALER connection with request/reply matching and a per-request timeout.
+
+    Not thread-safe: callers serialise ``request`` (``MPClient`` holds a lock). After a
+    timeout the socket is closed and a fresh one connected (the "lazy pirate" pattern), so
+    a dead or restarted server never leaves stale requests queued; the new socket has a new
+    ZeroMQ identity, which is why sessions are resumed by token, not by identity.
+    """
+
+    def __init__(self, url: str, *, timeout_s: float = 5.0) -> None:
+        self.url = check_url(url)
+        self.timeout_s = timeout_s
+        self._ctx = zmq.Context()
+        self._ids = itertools.count(1)
+        self._salt = os.getpid() << 32
+        self._sock: Optional[zmq.Socket] = None
+        self._connect()
+
+    def _connect(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        sock.connect(self.url)
+        self._sock = sock
+
+    def reset(self) -> None:
+        """Drop the socket (and anything queued on it) and connect a fresh one."""
+        if self._sock is not None:
+            self._sock.close(0)
+        self._connect()
+
+    def request(self, body: bytes, timeout_s: Optional[float] = None, what: str = "request") -> bytes:
+        if self._sock is None:
+            raise TransportError("the client is closed")
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        rid = ((self._salt | next(self._ids)) & (2**64 - 1)).to_bytes(REQUEST_ID_BYTES, "big")
+        self._sock.send_multipart([rid, body], copy=False)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                if time.monotonic() < deadline:
+                    continue
+                self.reset()
+                raise TransportTimeout(self.url, timeout, what)
+            frames = self._sock.recv_multipart()
+            if len(frames) == 2 and frames[0] == rid:
+                return frames[1]
+            # a late reply to an earlier request, or garbage: ignore it
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(0)
+            self._sock = None
+        self._ctx.term()

@@ -1,0 +1,310 @@
+"""The server's registry: which KV caches are mapped, under which instance id, owned by whom.
+
+The registry is the single owner of "what is registered". It does not count mappings:
+each wrapper's ``to_tensor()`` takes its share from the process-wide ``MAPPINGS`` table
+(lmshm.platform.base.mappings), which is the one refcount for every wrapper kind -- named
+shm, memfd, CUDA IPC, VMM. A registration holds, per layer, the decoded wrapper and the
+tensor it mapped; releasing a registration drops the tensors and closes the wrappers, and
+``MAPPINGS`` unmaps a segment when its last user is gone.
+
+Rules (design.md section 4):
+- register maps every layer at once, all or nothing: if layer k fails, layers < k are
+  released before the error (which names layer k and why) is raised;
+- a live id with different content is ALREADY_EXISTS; identical content from the same owner
+  is an idempotent refresh (the new wrappers are closed, nothing is mapped twice);
+- unregister of an unknown id is NOT_FOUND; only the owner may unregister;
+- ``hold(instance_id)`` brackets a data operation: an unregister (or reclaim) that arrives
+  while a hold is open takes the id out of the namespace at once but defers the release
+  until the last holder leaves;
+- every registration is released exactly once (``_release`` is guarded by a flag under the
+  lock), whether by unregister, owner reclaim or shutdown. Reclaim after the owner died also
+  calls ``release_orphaned()`` so a dead worker leaves nothing in /dev/shm.
+
+Thread safety: one lock guards the tables; mapping and unmapping run outside it, so a slow
+open never blocks status or other owners.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator, Sequence
+
+import torch
+
+from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+logger = logging.getLogger(__name__)
+
+MAX_INSTANCE_ID_CHARS = 256
+MAX_LAYERS = 65536
+
+
+class RegistryError(Exception):
+    """A refused registry operation; ``code`` is the ErrorCode the server replies with."""
+
+    code: ErrorCode = ErrorCode.INVALID_ARG
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRegistration(RegistryError):
+    code = ErrorCode.INVALID_ARG
+
+
+class InstanceExists(RegistryError):
+    code = ErrorCode.ALREADY_EXISTS
+
+
+class InstanceNotFound(RegistryError):
+    code = ErrorCode.NOT_FOUND
+
+
+class NotOwner(RegistryError):
+    code = ErrorCode.PERMISSION_DENIED
+
+
+@dataclass(eq=False)
+class Registration:
+    instance_id: str
+    owner: Hashable                 # the server's session id
+    owner_pid: int
+    client_name: str
+    model_name: str
+    world_size: int
+    worker_rank: int
+    layer_names: tuple[str, ...]
+    wrappers: tuple[DeviceIPCWrapper, ...]
+    tensors: dict[str, torch.Tensor]
+    created: float = field(default_factory=time.time)
+    holds: int = 0
+    unregistered: bool = False      # out of the namespace; released when holds reach 0
+    orphaned: bool = False          # the owner died: release_orphaned() on release
+    released: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.wrappers)
+
+    def same_content(self, model_name: str, world_size: int, worker_rank: int,
+                     layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> bool:
+        return (self.model_name == model_name and self.world_size == world_size
+                and self.worker_rank == worker_rank
+                and self.layer_names == tuple(n for n, _ in layers)
+                and self.wrappers == tuple(w for _, w in layers))
+
+
+def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False) -> None:
+    for w in wrappers:
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001 - close must not raise, but a bug must not stop the loop
+            logger.exception("lmshm: closing %r failed", w)
+        if orphaned:
+            try:
+                w.release_orphaned()
+            except Exception:  # noqa: BLE001
+                logger.exception("lmshm: release_orphaned on %r failed", w)
+
+
+def _check_request(instance_id: str, world_size: int, worker_rank: int,
+                   layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> None:
+    if not instance_id or len(instance_id) > MAX_INSTANCE_ID_CHARS or not instance_id.isprintable():
+        raise InvalidRegistration(
+            f"instance id {instance_id[:80]!r} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
+    if world_size < 1 or not 0 <= worker_rank < world_size:
+        raise InvalidRegistration(
+            f"instance {instance_id!r}: worker_rank {worker_rank} is not in [0, world_size={world_size})")
+    if not layers:
+        raise InvalidRegistration(f"instance {instance_id!r}: a registration needs at least one layer")
+    if len(layers) > MAX_LAYERS:
+        raise InvalidRegistration(f"instance {instance_id!r}: {len(layers)} layers is more than {MAX_LAYERS}")
+    seen: set[str] = set()
+    for name, _ in layers:
+        if not name:
+            raise InvalidRegistration(f"instance {instance_id!r}: a layer has an empty name")
+        if name in seen:
+            raise InvalidRegistration(f"instance {instance_id!r}: layer name {name!r} appears twice")
+        seen.add(name)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[str, Registration] = {}
+        self._mapping: set[str] = set()  # ids reserved while their layers are being mapped
+        self._draining: list[Registration] = []
+
+    # ---- register -----------------------------------------------------------------------
+    def register(
+        self,
+        *,
+        owner: Hashable,
+        owner_pid: int,
+        instance_id: str,
+        model_name: str,
+        world_size: int,
+        worker_rank: int,
+        layers: Sequence[tuple[str, DeviceIPCWrapper]],
+        client_name: str = "",
+    ) -> tuple[Registration, bool]:
+        """Map and record every layer. Returns ``(registration, refreshed)``.
+
+        Takes ownership of the wrappers in ``layers``: on any outcome they are either kept
+        by the registration or closed.
+        """
+        wrappers = [w for _, w in layers]
+        try:
+            _check_request(instance_id, world_size, worker_rank, layers)
+            with self._lock:
+                existing = self._live.get(instance_id)
+                if existing is not None:
+                    if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, layers):
+                        _close_quietly(wrappers)
+                        return existing, True
+                    raise InstanceExists(
+                        f"instance {instance_id!r} is already registered (model {existing.model_name!r}, "
+                        f"{len(existing.wrappers)} layers, owner pid {existing.owner_pid}); unregister it first "
+                        "or choose another instance id")
+                if instance_id in self._mapping:
+                    raise InstanceExists(f"instance {instance_id!r} is being registered right now")
+                self._mapping.add(instance_id)  # reserve the id; map outside the lock
+        except RegistryError:
+            _close_quietly(wrappers)
+            raise
+
+        try:
+            tensors = self._map_all(instance_id, layers)
+        except BaseException:
+            with self._lock:
+                self._mapping.discard(instance_id)
+            _close_quietly(wrappers)
+            raise
+        reg = Registration(instance_id, owner, owner_pid, client_name, model_name, world_size, worker_rank,
+                           tuple(n for n, _ in layers), tuple(wrappers), tensors)
+        with self._lock:
+            self._mapping.discard(instance_id)
+            self._live[instance_id] = reg
+        return reg, False
+
+    @staticmethod
+    def _map_all(instance_id: str, layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        for k, (name, wrapper) in enumerate(layers):
+            try:
+                tensors[name] = wrapper.to_tensor()
+            except Exception as exc:  # noqa: BLE001 - any mapping failure refuses the whole registration
+                tensors.clear()  # drop layers < k before the caller closes the wrappers
+                raise InvalidRegistration(
+                    f"instance {instance_id!r}: layer {k} ({name!r}, {wrapper.kind}) could not be mapped: "
+                    f"{exc}; no layer of this registration was kept") from None
+        return tensors
+
+    # ---- unregister and reclaim ---------------------------------------------------------
+    def unregister(self, instance_id: str, *, owner: Hashable, force: bool = False) -> bool:
+        """Take ``instance_id`` out of the namespace. Returns True if the release is deferred."""
+        with self._lock:
+            reg = self._live.get(instance_id)
+            if reg is None:
+                raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
+            if reg.owner != owner and not force:
+                raise NotOwner(
+                    f"instance {instance_id!r} belongs to another client (pid {reg.owner_pid}); "
+                    "only its owner may unregister it")
+            deferred = self._unlink_locked(reg)
+        if not deferred:
+            self._release(reg)
+        return deferred
+
+    def release_owner(self, owner: Hashable, *, orphaned: bool) -> list[str]:
+        """Unregister everything ``owner`` holds (its session ended). Returns the instance ids."""
+        with self._lock:
+            regs = [r for r in self._live.values() if r.owner == owner]
+            now = [r for r in regs if not self._unlink_locked(r, orphaned=orphaned)]
+            for r in regs:
+                r.orphaned = r.orphaned or orphaned
+        for r in now:
+            self._release(r)
+        return [r.instance_id for r in regs]
+
+    def release_all(self) -> int:
+        """Shutdown: release every registration now, held or not. Returns how many."""
+        with self._lock:
+            regs = list(self._live.values()) + self._draining
+            self._live.clear()
+            self._draining = []
+            for r in regs:
+                r.unregistered = True
+        for r in regs:
+            self._release(r)
+        return len(regs)
+
+    def _unlink_locked(self, reg: Registration, orphaned: bool = False) -> bool:
+        del self._live[reg.instance_id]
+        reg.unregistered = True
+        reg.orphaned = reg.orphaned or orphaned
+        if reg.holds:
+            self._draining.append(reg)
+            return True
+        return False
+
+    def _release(self, reg: Registration) -> None:
+        with self._lock:
+            if reg.released:
+                return
+            reg.released = True
+            if reg in self._draining:
+                self._draining.remove(reg)
+        reg.tensors.clear()  # tensors hold child leases: drop them before closing
+        _close_quietly(reg.wrappers, orphaned=reg.orphaned)
+        logger.info("lmshm: released instance %r (%d layers%s)", reg.instance_id, len(reg.wrappers),
+                    ", owner gone" if reg.orphaned else "")
+
+    # ---- data operations ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def hold(self, instance_id: str) -> Iterator[Registration]:
+        """Keep ``instance_id``'s mappings alive for the duration of a data operation."""
+        with self._lock:
+            reg = self._live.get(instance_id)
+            if reg is None:
+                raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
+            reg.holds += 1
+        try:
+            yield reg
+        finally:
+            with self._lock:
+                reg.holds -= 1
+                release = reg.holds == 0 and reg.unregistered
+            if release:
+                self._release(reg)
+
+    # ---- introspection ------------------------------------------------------------------
+    def get(self, instance_id: str) -> Registration:
+        with self._lock:
+            reg = self._live.get(instance_id)
+        if reg is None:
+            raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
+        return reg
+
+    def registrations(self) -> list[Registration]:
+        with self._lock:
+            return list(self._live.values())
+
+    def owned_by(self, owner: Hashable) -> list[str]:
+        with self._lock:
+            return [r.instance_id for r in self._live.values() if r.owner == owner]
+
+    @property
+    def draining(self) -> int:
+        with self._lock:
+            return len(self._draining)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
