@@ -1,0 +1,145 @@
+"""The wire codec: every message round-trips; hostile bytes are refused and run nothing."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import msgspec
+import pytest
+import torch
+
+from lmshm.multiprocess import codec, protocol
+from lmshm.multiprocess.codec import CodecError
+from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
+
+
+def _shm_wrapper(name: str = "lmshm-1-abcdef") -> CpuShmIPCWrapper:
+    return CpuShmIPCWrapper(dtype="float16", shape=(2, 4, 8), stride=(32, 8, 1), storage_offset=64,
+                            device="cpu", segment=name, segment_bytes=1 << 20, byte_offset=0)
+
+
+def _register(*layers: protocol.Layer) -> protocol.RegisterKVCache:
+    return protocol.RegisterKVCache(instance_id="inst-0", model_name="llama", world_size=2,
+                                    worker_rank=1, layers=list(layers))
+
+
+class _RunsACommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+class _Evals:
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __reduce__(self):
+        return (eval, (self.source,))
+
+
+def _raw_register(payload: bytes, ext_code: int = codec.WRAPPER_EXT_CODE) -> bytes:
+    """A REGISTER_KV_CACHE body whose layer carries ``payload`` under ``ext_code``."""
+    return msgspec.msgpack.encode({
+        "type": int(protocol.MsgType.REGISTER_KV_CACHE), "instance_id": "x", "model_name": "m",
+        "world_size": 1, "worker_rank": 0,
+        "layers": [["layer0", msgspec.msgpack.Ext(ext_code, payload)]],
+    })
+
+
+@pytest.mark.parametrize("msg", [
+    protocol.Hello(protocol_version=1, pid=123, boot_id="b", pid_namespace="pid:[1]", isolated_ipc=True,
+                   client_name="w", resume_token="t"),
+    protocol.UnregisterKVCache("inst-0"),
+    protocol.Status(),
+    protocol.Ping(),
+    protocol.Peek("inst-0", "layer0", 16, 32),
+])
+def test_every_request_round_trips(msg):
+    assert codec.decode_request(codec.encode(msg)) == msg
+
+
+def test_wrappers_travel_as_ext_code_1_and_decode_to_equal_wrappers():
+    fd_wrapper = CpuFdIPCWrapper(dtype="bfloat16", shape=(8,), stride=(1,), storage_offset=0, device="cpu",
+                                 segment="lmshm-2-beef", segment_bytes=4096, byte_offset=0)
+    msg = _register(protocol.Layer("l0", _shm_wrapper()), protocol.Layer("l1", fd_wrapper))
+    data = codec.encode(msg)
+    raw = msgspec.msgpack.decode(data, ext_hook=lambda code, buf: (code, bytes(buf)))
+    assert [layer[1][0] for layer in raw["layers"]] == [1, 1]
+    back = codec.decode_request(data)
+    assert back == msg
+    assert [type(layer.wrapper) for layer in back.layers] == [CpuShmIPCWrapper, CpuFdIPCWrapper]
+
+
+def test_replies_round_trip_including_status_and_errors():
+    status = protocol.StatusReply(
+        server_id="s", server_pid=1, protocol_version=1, isolated_ipc=False, uptime_s=1.5, sessions=1,
+        mappings=2, draining=0, registrations=[protocol.RegistrationInfo(
+            "i", 1, 2, "w", "m", 1, 0, 3, 4096, ["cpu-shm"], ["cpu"], 0.25)])
+    for reply in (status, protocol.ErrorReply(protocol.ErrorCode.NOT_FOUND, "no such id"),
+                  protocol.Pong("s", True), protocol.PeekReply(b"\x00\x01")):
+        assert codec.decode_reply(codec.encode(reply)) == reply
+
+
+def test_torch_dtypes_and_sizes_travel_as_plain_data():
+    class Shape(msgspec.Struct):
+        dtype: torch.dtype
+        size: torch.Size
+
+    data = codec.encode(Shape(torch.bfloat16, torch.Size([2, 3])))
+    assert msgspec.msgpack.decode(data) == {"dtype": "bfloat16", "size": [2, 3]}
+    back = codec.Decoder(Shape).decode(data)
+    assert back.dtype is torch.bfloat16 and back.size == torch.Size([2, 3])
+    with pytest.raises(CodecError, match="unknown dtype"):
+        codec.Decoder(Shape).decode(msgspec.msgpack.encode({"dtype": "float1024", "size": []}))
+
+
+def test_pickle_that_would_run_a_shell_command_is_refused_and_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    body = _raw_register(pickle.dumps(_RunsACommand(f"touch {marker}")))
+    with pytest.raises(CodecError, match=r"refusing to unpickle .*system"):
+        codec.decode_request(body)
+    assert not marker.exists()
+
+
+def test_pickle_naming_builtins_eval_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    body = _raw_register(pickle.dumps(_Evals(f"open({str(marker)!r}, 'w')")))
+    with pytest.raises(CodecError, match=r"refusing to unpickle builtins\.eval"):
+        codec.decode_request(body)
+    assert not marker.exists()
+
+
+def test_unknown_extension_code_is_refused():
+    with pytest.raises(CodecError, match="unknown msgpack extension type 7"):
+        codec.decode_request(_raw_register(_shm_wrapper().Serialize(), ext_code=7))
+
+
+def test_a_plain_value_where_a_wrapper_belongs_is_refused():
+    body = msgspec.msgpack.encode({"type": 2, "instance_id": "x", "model_name": "m", "world_size": 1,
+                                   "worker_rank": 0, "layers": [["layer0", "lmshm-1-ab"]]})
+    with pytest.raises(CodecError, match="expected an lmshm wrapper"):
+        codec.decode_request(body)
+
+
+def test_truncated_random_and_mistyped_bytes_give_a_codec_error():
+    good = codec.encode(_register(protocol.Layer("l0", _shm_wrapper())))
+    rng = torch.Generator().manual_seed(7)
+    bad_bodies = [good[:n] for n in (0, 1, len(good) // 2, len(good) - 1)]
+    bad_bodies += [bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())
+                   for n in (1, 17, 300)]
+    bad_bodies += [msgspec.msgpack.encode({"type": 42}), msgspec.msgpack.encode([1, 2, 3]),
+                   msgspec.msgpack.encode({"type": 5, "surprise": 1}),
+                   _raw_register(pickle.dumps(_shm_wrapper())[:-3])]
+    for body in bad_bodies:
+        with pytest.raises(CodecError):
+            codec.decode_request(body)
+
+
+def test_message_codes_are_explicit_and_distinct():
+    assert protocol.MsgType.HELLO == 1 and protocol.MsgType.PING == 5 and protocol.MsgType.ERROR == 199
+    assert [c.value for c in protocol.ErrorCode] == list(range(1, 8))
+    tags = [t.__struct_config__.tag for t in (*protocol.Request.__args__, *protocol.Reply.__args__)]
+    assert len(set(tags)) == len(tags)
