@@ -49,6 +49,9 @@ from lmshm.platform.base.mappings import MAPPINGS
 logger = logging.getLogger("lmshm.server")
 
 TICK_S = 0.05
+#: How long a live, pid-watched worker may be without its fd-channel link before its session
+#: ends: a dying process closes its sockets a moment before its pidfd turns readable.
+LINK_GRACE_S = 0.25
 
 
 @dataclass
@@ -74,6 +77,7 @@ class Session:
     pid: int
     client_name: str
     pidfd: Optional[int] = None
+    link_lost: Optional[float] = None    # when its fd-channel link closed while the pid lived
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -101,7 +105,7 @@ class Server:
         try:
             self.fdchannel = FdChannelServer(
                 config.fd_socket or default_path(self.router.url),
-                authenticate=lambda token: (s.id if (s := self._by_token.get(token)) else None),
+                authenticate=self._authenticate_link,
                 on_link_closed=self._link_closed,
                 watch=self.router.watch_fd,
                 unwatch=self.router.unwatch_fd,
@@ -301,10 +305,24 @@ class Server:
     def _pid_exited(self, session: Session) -> None:
         self._end_session(session, f"worker pid {session.pid} exited", orphaned=True)
 
+    def _authenticate_link(self, token: str) -> Optional[int]:
+        session = self._by_token.get(token)
+        if session is None:
+            return None
+        session.link_lost = None  # a (re)connected link
+        return session.id
+
     def _link_closed(self, session_id: Any) -> None:
         session = self._sessions.get(session_id)
-        if session is not None:
-            self._end_session(session, "fd-channel connection closed", orphaned=not self._pid_alive(session))
+        if session is None:
+            return
+        if self._pid_alive(session):
+            # A dying process closes its sockets before its pidfd turns readable. Give the
+            # pidfd a moment to say "exited" (orphaned: unlink names); a worker that merely
+            # closed its client is released after the grace period (_reap_silent).
+            session.link_lost = time.monotonic()
+            return
+        self._end_session(session, "fd-channel connection closed", orphaned=True)
 
     def _pid_alive(self, session: Session) -> bool:
         """True only if the pidfd proves the worker still runs."""
@@ -313,10 +331,15 @@ class Server:
         return not select.select([session.pidfd], [], [], 0)[0]
 
     def _reap_silent(self) -> None:
-        deadline = time.monotonic() - self.config.reap_timeout_s
-        for session in [s for s in self._sessions.values() if s.last_seen < deadline]:
-            self._end_session(session, f"no message for {self.config.reap_timeout_s:g} s",
-                              orphaned=not self._pid_alive(session))
+        now = time.monotonic()
+        deadline = now - self.config.reap_timeout_s
+        for session in list(self._sessions.values()):
+            if session.link_lost is not None and now - session.link_lost > LINK_GRACE_S:
+                self._end_session(session, "fd-channel connection closed by a live worker",
+                                  orphaned=not self._pid_alive(session))
+            elif session.last_seen < deadline:
+                self._end_session(session, f"no message for {self.config.reap_timeout_s:g} s",
+                                  orphaned=not self._pid_alive(session))
 
     def _end_session(self, session: Session, reason: str, *, orphaned: bool) -> None:
         if self._sessions.pop(session.id, None) is None:

@@ -1,0 +1,87 @@
+"""Reclaim: a dead, disconnected or silent worker's registrations are released, promptly."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from lmshm.multiprocess import codec, protocol
+from lmshm.multiprocess.client import MPClient, query_status
+
+from conftest import lmshm_segments, raw_exchange, scratch_dir, ServerProcess, wait_for
+
+
+@pytest.fixture(scope="module")
+def fast_reap_server():
+    """Sessions silent for 0.5 s are reaped; workers beat every 0.1 s."""
+    with scratch_dir() as path:
+        server = ServerProcess(path, "--reap-timeout", "0.5")
+        yield server
+        if server.alive:
+            assert server.stop() == 0, server.log()
+
+
+def _reclaim_seconds(server, worker, iid: str) -> float:
+    t0 = time.monotonic()
+    worker.kill()  # SIGKILL
+    wait_for(lambda: all(r.instance_id != iid for r in query_status(server.url).registrations),
+             5, 0.005, f"{iid} to be reclaimed")
+    return time.monotonic() - t0
+
+
+@pytest.mark.parametrize("layout", ["one", "per-layer"])
+def test_killed_worker_is_reclaimed_within_one_second_with_nothing_left_in_dev_shm(
+        fast_reap_server, start_worker, layout):
+    worker = start_worker(fast_reap_server.url)
+    reg = worker.ok("register", layers=8, layout=layout)
+    assert set(reg["segments"]) <= lmshm_segments()
+    elapsed = _reclaim_seconds(fast_reap_server, worker, reg["instance_id"])
+    assert elapsed < 1.0, f"reclaimed after {elapsed:.3f} s"
+    assert not set(reg["segments"]) & lmshm_segments(), "the dead worker's segments are still in /dev/shm"
+    status = query_status(fast_reap_server.url)
+    assert status.mappings == 0 and status.sessions == 0
+    assert "worker pid" in fast_reap_server.log() and "exited" in fast_reap_server.log()
+
+
+def test_worker_the_server_cannot_watch_by_pid_is_reclaimed_through_its_link(fast_reap_server, start_worker):
+    # Claiming another PID namespace stops the server from using pidfd; the fd-channel link's
+    # EOF (the kernel closes it when the process dies) is what reclaims it.
+    worker = start_worker(fast_reap_server.url, "--fake-pid-namespace")
+    reg = worker.ok("register", layers=4)
+    elapsed = _reclaim_seconds(fast_reap_server, worker, reg["instance_id"])
+    assert elapsed < 1.0, f"reclaimed after {elapsed:.3f} s"
+    assert not set(reg["segments"]) & lmshm_segments()
+    assert "fd-channel connection closed" in fast_reap_server.log()
+
+
+def test_a_silent_session_is_reaped_after_the_heartbeat_timeout(fast_reap_server):
+    # A bare HELLO from "another namespace", no link, no heartbeat: only the timeout is left.
+    boot_id, _ = protocol.host_identity()
+    hello = codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, pid=os.getpid(),
+                                        boot_id=boot_id, pid_namespace="pid:[1]", isolated_ipc=False))
+    assert raw_exchange(fast_reap_server.url, [b"\x00" * 8, hello]) is not None
+    assert query_status(fast_reap_server.url).sessions == 1
+    t0 = time.monotonic()
+    wait_for(lambda: query_status(fast_reap_server.url).sessions == 0, 3, 0.02, "the silent session to go")
+    assert 0.3 < time.monotonic() - t0 < 1.5
+    assert "no message for 0.5 s" in fast_reap_server.log()
+
+
+def test_a_live_worker_with_a_heartbeat_is_not_reaped(fast_reap_server, start_worker):
+    worker = start_worker(fast_reap_server.url, "--fake-pid-namespace", "--heartbeat", "0.1")
+    iid = worker.ok("register", layers=2)["instance_id"]
+    time.sleep(1.5)  # three reap timeouts
+    assert [r.instance_id for r in query_status(fast_reap_server.url).registrations] == [iid]
+    worker.ok("unregister", instance_id=iid)
+
+
+def test_client_close_releases_its_registrations(fast_reap_server, start_worker):
+    worker = start_worker(fast_reap_server.url)
+    worker.ok("register", layers=2)
+    worker.ok("register", layers=2)
+    assert len(query_status(fast_reap_server.url).registrations) == 2
+    worker.ok("close")
+    status = query_status(fast_reap_server.url)
+    assert status.registrations == [] and status.mappings == 0
