@@ -1,32 +1,50 @@
-"""CUDA IPC wrappers. PLACEHOLDER until the CUDA issue lands: the classes exist (so that
-selection and the unpickler allow-list can name them) but refuse to wrap or map.
+"""CUDA IPC wrappers.
 
-Importing this package never imports cupy or cuda-python.
+- ``CudaIPCWrapper`` ("cuda-torch"): PyTorch storage sharing; any stride; needs a shared /dev/shm.
+- ``RawCudaIPCWrapper`` ("cuda-raw"): legacy driver IPC handles of cudaMalloc memory; works across
+  containers (``isolated_ipc``); also built from a raw pointer (``from_pointer``) for TRT-LLM pools.
+- ``VmmCudaIPCWrapper`` ("cuda-vmm"): VMM memory (expandable segments, vLLM sleep mode) as a POSIX
+  fd (over the server's fd channel) or a fabric handle (``use_vmm_api``).
+
+Selection (``device_registry.resolve_kv_wrapper_factory("cuda")``): use_vmm_api -> VMM, else
+isolated_ipc -> raw, else torch. Importing this package imports neither cupy nor cuda-python and
+does not initialise CUDA: ``driver.py`` is the only module that touches cuda-python, on first call.
+See docs/design/cuda-wrappers.md.
 """
 
 from __future__ import annotations
 
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmshm.platform.cuda.devices import UnknownDeviceError, resolve_device_uuid
+from lmshm.platform.cuda.driver import CudaDriverError
+from lmshm.platform.cuda.errors import (
+    CudaExportError,
+    CudaUnavailableError,
+    FdChannelRequiredError,
+    NotCudaMallocMemoryError,
+    NotVmmMemoryError,
+    VmmNotExportableError,
+    VmmSpansChunksError,
+    fd_channel_required,
+)
+from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
+from lmshm.platform.cuda.torch_ipc import CudaIPCWrapper
+from lmshm.platform.cuda.vmm_alloc import empty_vmm
+from lmshm.platform.cuda.vmm_ipc import VmmCudaIPCWrapper
 
-
-class _UnavailableCudaWrapper(DeviceIPCWrapper):
-    device_type = "cuda"
-
-    @classmethod
-    def wrap(cls, tensor):  # type: ignore[override]
-        raise NotImplementedError(f"{cls.__name__} is not available in this build of lmshm yet")
-
-    def to_tensor(self):  # type: ignore[override]
-        raise NotImplementedError(f"{type(self).__name__} is not available in this build of lmshm yet")
-
-
-class CudaIPCWrapper(_UnavailableCudaWrapper):
-    kind = "cuda-torch"
-
-
-class RawCudaIPCWrapper(_UnavailableCudaWrapper):
-    kind = "cuda-raw"
-
-
-class VmmCudaIPCWrapper(_UnavailableCudaWrapper):
-    kind = "cuda-vmm"
+__all__ = [
+    "CudaDriverError",
+    "CudaExportError",
+    "CudaIPCWrapper",
+    "CudaUnavailableError",
+    "FdChannelRequiredError",
+    "NotCudaMallocMemoryError",
+    "NotVmmMemoryError",
+    "RawCudaIPCWrapper",
+    "UnknownDeviceError",
+    "VmmCudaIPCWrapper",
+    "VmmNotExportableError",
+    "VmmSpansChunksError",
+    "empty_vmm",
+    "fd_channel_required",
+    "resolve_device_uuid",
+]

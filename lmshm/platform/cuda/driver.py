@@ -1,0 +1,401 @@
+"""The one gateway to the CUDA driver: the only module that imports cuda-python.
+
+Every driver call lmshm makes goes through ``CudaDriver._call``, which checks the result and
+raises ``CudaDriverError`` carrying the call's name, the CUDA error name (and its text) and
+the pointer, handle or device involved. Wrappers call the small methods below and never see
+a raw ``(CUresult, ...)`` tuple.
+
+- cuda-python is imported on the first driver call, never at module import: ``cuda.bindings``
+  (cuda-python 12.6+ and 13.x), falling back to the old ``cuda.cuda`` module (12.0-12.5).
+- Handle structs are read and written through their pointer (``getPtr()``), since
+  cuda-bindings 13 removed the ``.reserved`` byte field of ``CUipcMemHandle``.
+- A thread that has no current CUDA context (a fresh Python thread that never ran a CUDA
+  call) gets the device's primary context bound before the call -- the same context torch and
+  CuPy use -- and keeps it; a thread bound to another device's context gets the right one
+  pushed for the call and popped after. Without this, driver calls fail with
+  CUDA_ERROR_INVALID_CONTEXT, which looks like a bad pointer.
+
+The driver object is process-wide and swappable (``install_driver``) so that CPU-only tests
+can run the refcount and error logic against a fake; the fake lives in the tests and is
+named ``fake_driver``. ``calls`` counts successful calls by name (tests and the benchmark
+read the number of IPC opens from it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+from collections import Counter
+from typing import Any, Callable, Iterator
+
+from lmshm.platform.cuda.errors import CudaUnavailableError
+
+logger = logging.getLogger(__name__)
+
+IPC_HANDLE_BYTES = 64      # sizeof(CUipcMemHandle) == sizeof(cudaIpcMemHandle_t)
+FABRIC_HANDLE_BYTES = 64   # sizeof(CUmemFabricHandle)
+_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
+
+# CUmemAllocationHandleType bits, by the names lmshm uses on the wire and in messages.
+HANDLE_TYPE_BITS = {"posix-fd": 0x1, "fabric": 0x8}
+_HANDLE_BIT_NAMES = {0x1: "POSIX_FILE_DESCRIPTOR", 0x2: "WIN32", 0x4: "WIN32_KMT", 0x8: "FABRIC"}
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed. ``call``, ``error`` (e.g. CUDA_ERROR_INVALID_VALUE) and
+    ``subject`` (the pointer, handle or device) are kept as attributes."""
+
+    def __init__(self, call: str, error: str, subject: str = "", description: str = "") -> None:
+        self.call = call
+        self.error = error
+        self.subject = subject
+        self.description = description
+        detail = error + (f": {description}" if description else "") + (f", {subject}" if subject else "")
+        super().__init__(f"{call} failed ({detail})")
+
+
+def hexptr(ptr: int) -> str:
+    return f"0x{int(ptr):x}"
+
+
+def handle_digest(handle: bytes) -> str:
+    """A short, recognisable spelling of handle bytes for messages."""
+    return bytes(handle[:8]).hex() + ("..." if len(handle) > 8 else "")
+
+
+def handle_type_names(bits: int) -> str:
+    if bits == 0:
+        return "NONE"
+    names = [name for bit, name in _HANDLE_BIT_NAMES.items() if bits & bit]
+    rest = bits & ~sum(_HANDLE_BIT_NAMES)
+    if rest:
+        names.append(hex(rest))
+    return "|".join(names)
+
+
+def error_name(code: Any) -> str:
+    name = getattr(code, "name", None)
+    return name if isinstance(name, str) else f"CUresult {int(code)}"
+
+
+def check(call: str, result: Any, subject: str = "",
+          describe: Callable[[Any], str] | None = None) -> Any:
+    """Check what a cuda-python call returned: ``(CUresult, *outputs)``.
+
+    Returns None, the single output, or the tuple of outputs. A non-zero CUresult raises
+    CudaDriverError naming ``call``, the error and ``subject``.
+    """
+    if isinstance(result, tuple):
+        code, outputs = result[0], result[1:]
+    else:
+        code, outputs = result, ()
+    if int(code) != 0:
+        description = ""
+        if describe is not None:
+            try:
+                description = describe(code)
+            except Exception:  # noqa: BLE001 - the description is a nicety
+                description = ""
+        raise CudaDriverError(call, error_name(code), subject, description)
+    if not outputs:
+        return None
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def load_bindings() -> Any:
+    """The cuda-python driver module, imported now."""
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6, 13.x
+    except ImportError:
+        try:
+            from cuda import cuda as driver  # type: ignore[no-redef]  # cuda-python 12.0 - 12.5
+        except ImportError as exc:
+            raise CudaUnavailableError(
+                "lmshm's CUDA wrappers need cuda-python (import name cuda.bindings): install "
+                "'lmshm[cuda13]' for CUDA 13 or 'lmshm[cuda12]' for CUDA 12"
+            ) from exc
+    return driver
+
+
+def _as_int(value: Any) -> int:
+    """An integer from a cuda-python handle/pointer object (or an int)."""
+    if value is None:
+        return 0
+    try:
+        return int(value)
+    except TypeError:
+        return ctypes.c_void_p.from_address(int(value.getPtr())).value or 0
+
+
+def _struct_bytes(obj: Any, size: int) -> bytes:
+    return ctypes.string_at(int(obj.getPtr()), size)
+
+
+def _fill_struct(obj: Any, data: bytes) -> Any:
+    ctypes.memmove(int(obj.getPtr()), bytes(data), len(data))
+    return obj
+
+
+class CudaDriver:
+    """The real driver, over cuda-python. One per process (``get_driver()``)."""
+
+    name = "cuda-python"
+
+    def __init__(self, bindings: Any = None) -> None:
+        self._bindings = bindings
+        self._lock = threading.Lock()
+        self._initialized = False
+        self._devices: dict[int, Any] = {}
+        self._primary: dict[int, Any] = {}
+        self.calls: Counter[str] = Counter()
+
+    # ---- plumbing --------------------------------------------------------------------------
+    @property
+    def b(self) -> Any:
+        if self._bindings is None:
+            self._bindings = load_bindings()
+        return self._bindings
+
+    def _describe(self, code: Any) -> str:
+        text = check("cuGetErrorString", self.b.cuGetErrorString(code))
+        return text.decode() if isinstance(text, bytes) else str(text or "")
+
+    def _call(self, name: str, *args: Any, subject: str = "") -> Any:
+        out = check(name, getattr(self.b, name)(*args), subject, self._describe)
+        self.calls[name] += 1
+        return out
+
+    def _init(self) -> None:
+        if self._initialized:
+            return
+        with self._lock:
+            if not self._initialized:
+                self._call("cuInit", 0)
+                self._initialized = True
+
+    def _device(self, ordinal: int) -> Any:
+        dev = self._devices.get(ordinal)
+        if dev is None:
+            self._init()
+            dev = self._call("cuDeviceGet", ordinal, subject=f"device=cuda:{ordinal}")
+            self._devices[ordinal] = dev
+        return dev
+
+    def _primary_context(self, ordinal: int) -> Any:
+        ctx = self._primary.get(ordinal)
+        if ctx is None:
+            dev = self._device(ordinal)
+            with self._lock:
+                ctx = self._primary.get(ordinal)
+                if ctx is None:
+                    # Retained for the life of the process: torch and CuPy use the same one.
+                    ctx = self._call("cuDevicePrimaryCtxRetain", dev, subject=f"device=cuda:{ordinal}")
+                    self._primary[ordinal] = ctx
+        return ctx
+
+    def current_context(self) -> int:
+        """The calling thread's current context handle, 0 if it has none."""
+        self._init()
+        return _as_int(self._call("cuCtxGetCurrent"))
+
+    @contextlib.contextmanager
+    def bound(self, ordinal: int) -> Iterator[None]:
+        """Run the block with a context of device ``ordinal`` current on this thread."""
+        self._init()
+        if _as_int(self._call("cuCtxGetCurrent")) == 0:
+            self._call("cuCtxSetCurrent", self._primary_context(ordinal), subject=f"device=cuda:{ordinal}")
+            yield
+            return
+        if _as_int(self._call("cuCtxGetDevice")) == _as_int(self._device(ordinal)):
+            yield
+            return
+        self._call("cuCtxPushCurrent", self._primary_context(ordinal), subject=f"device=cuda:{ordinal}")
+        try:
+            yield
+        finally:
+            try:
+                self._call("cuCtxPopCurrent")
+            except CudaDriverError:
+                logger.exception("lmshm: restoring this thread's CUDA context failed")
+
+    # ---- pointers and legacy IPC -----------------------------------------------------------
+    def address_range(self, ptr: int, ordinal: int) -> tuple[int, int]:
+        """(base, size) of the allocation -- for VMM memory, of the mapped chunk -- holding ``ptr``."""
+        with self.bound(ordinal):
+            base, size = self._call("cuMemGetAddressRange", ptr, subject=f"ptr={hexptr(ptr)}")
+        return _as_int(base), int(size)
+
+    def is_legacy_ipc_capable(self, ptr: int, ordinal: int) -> bool:
+        attr = self.b.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+        with self.bound(ordinal):
+            return bool(self._call("cuPointerGetAttribute", attr, ptr, subject=f"ptr={hexptr(ptr)}"))
+
+    def ipc_get_handle(self, base: int, ordinal: int) -> bytes:
+        with self.bound(ordinal):
+            handle = self._call("cuIpcGetMemHandle", base, subject=f"ptr={hexptr(base)}")
+        return _struct_bytes(handle, IPC_HANDLE_BYTES)
+
+    def ipc_open(self, handle: bytes, ordinal: int) -> int:
+        h = _fill_struct(self.b.CUipcMemHandle(), handle)
+        with self.bound(ordinal):
+            ptr = self._call("cuIpcOpenMemHandle", h, _IPC_MEM_LAZY_ENABLE_PEER_ACCESS,
+                             subject=f"handle={handle_digest(handle)}, device=cuda:{ordinal}")
+        return _as_int(ptr)
+
+    def ipc_close(self, ptr: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuIpcCloseMemHandle", ptr, subject=f"ptr={hexptr(ptr)}")
+
+    # ---- VMM ------------------------------------------------------------------------------
+    def _handle_type(self, kind: str) -> Any:
+        t = self.b.CUmemAllocationHandleType
+        return {"posix-fd": t.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                "fabric": t.CU_MEM_HANDLE_TYPE_FABRIC}[kind]
+
+    def _device_prop(self, ordinal: int, handle_type: str | None = None) -> Any:
+        b = self.b
+        prop = b.CUmemAllocationProp()
+        prop.type = b.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = b.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = ordinal
+        if handle_type is not None:
+            prop.requestedHandleTypes = self._handle_type(handle_type)
+        return prop
+
+    def retain_allocation(self, ptr: int, ordinal: int) -> int:
+        with self.bound(ordinal):
+            return _as_int(self._call("cuMemRetainAllocationHandle", ptr, subject=f"ptr={hexptr(ptr)}"))
+
+    def release_allocation(self, handle: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuMemRelease", handle, subject=f"allocation handle=0x{handle:x}")
+
+    def allocation_handle_types(self, handle: int, ordinal: int) -> int:
+        """The requestedHandleTypes bitmask the allocation was created with."""
+        with self.bound(ordinal):
+            prop = self._call("cuMemGetAllocationPropertiesFromHandle", handle,
+                              subject=f"allocation handle=0x{handle:x}")
+        try:
+            return int(prop.requestedHandleTypes)
+        except (TypeError, ValueError):
+            # A combination of bits is no member of the enum: read the C field itself
+            # (CUmemAllocationProp: int type; int requestedHandleTypes; ...).
+            return ctypes.c_int.from_address(int(prop.getPtr()) + 4).value
+
+    def export_posix_fd(self, handle: int, ordinal: int) -> int:
+        with self.bound(ordinal):
+            fd = self._call("cuMemExportToShareableHandle", handle, self._handle_type("posix-fd"), 0,
+                            subject=f"allocation handle=0x{handle:x}, type=POSIX_FILE_DESCRIPTOR")
+        return int(fd)
+
+    def export_fabric(self, handle: int, ordinal: int) -> bytes:
+        with self.bound(ordinal):
+            fh = self._call("cuMemExportToShareableHandle", handle, self._handle_type("fabric"), 0,
+                            subject=f"allocation handle=0x{handle:x}, type=FABRIC")
+        return _struct_bytes(fh, FABRIC_HANDLE_BYTES)
+
+    def import_posix_fd(self, fd: int, ordinal: int) -> int:
+        with self.bound(ordinal):
+            # For POSIX fds the driver takes the fd itself in the void* slot.
+            return _as_int(self._call("cuMemImportFromShareableHandle", int(fd), self._handle_type("posix-fd"),
+                                      subject=f"fd={fd}, device=cuda:{ordinal}"))
+
+    def import_fabric(self, data: bytes, ordinal: int) -> int:
+        fh = _fill_struct(self.b.CUmemFabricHandle(), data)
+        with self.bound(ordinal):
+            # For fabric handles the driver takes a pointer to the 64-byte handle.
+            return _as_int(self._call("cuMemImportFromShareableHandle", int(fh.getPtr()),
+                                      self._handle_type("fabric"),
+                                      subject=f"fabric handle={handle_digest(data)}, device=cuda:{ordinal}"))
+
+    def granularity(self, ordinal: int) -> int:
+        flag = self.b.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        with self.bound(ordinal):
+            return int(self._call("cuMemGetAllocationGranularity", self._device_prop(ordinal), flag,
+                                  subject=f"device=cuda:{ordinal}"))
+
+    def reserve(self, size: int, ordinal: int) -> int:
+        with self.bound(ordinal):
+            return _as_int(self._call("cuMemAddressReserve", size, 0, 0, 0, subject=f"size={size}"))
+
+    def free_address(self, ptr: int, size: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuMemAddressFree", ptr, size, subject=f"ptr={hexptr(ptr)}, size={size}")
+
+    def map(self, ptr: int, size: int, handle: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuMemMap", ptr, size, 0, handle, 0,
+                       subject=f"ptr={hexptr(ptr)}, size={size}, allocation handle=0x{handle:x}")
+
+    def unmap(self, ptr: int, size: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuMemUnmap", ptr, size, subject=f"ptr={hexptr(ptr)}, size={size}")
+
+    def set_access(self, ptr: int, size: int, ordinal: int) -> None:
+        b = self.b
+        desc = b.CUmemAccessDesc()
+        desc.location.type = b.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = ordinal
+        desc.flags = b.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        with self.bound(ordinal):
+            self._call("cuMemSetAccess", ptr, size, [desc], 1,
+                       subject=f"ptr={hexptr(ptr)}, size={size}, device=cuda:{ordinal}")
+
+    def create_allocation(self, size: int, ordinal: int, handle_type: str) -> int:
+        """cuMemCreate of ``size`` bytes on ``ordinal``, exportable as ``handle_type``."""
+        with self.bound(ordinal):
+            return _as_int(self._call("cuMemCreate", size, self._device_prop(ordinal, handle_type), 0,
+                                      subject=f"size={size}, device=cuda:{ordinal}, handle type={handle_type}"))
+
+    # ---- devices ---------------------------------------------------------------------------
+    def device_attribute(self, name: str, ordinal: int) -> int:
+        attr = getattr(self.b.CUdevice_attribute, name)
+        return int(self._call("cuDeviceGetAttribute", attr, self._device(ordinal),
+                              subject=f"{name}, device=cuda:{ordinal}"))
+
+    def mem_info(self, ordinal: int) -> tuple[int, int]:
+        """(free, total) bytes of device ``ordinal``."""
+        with self.bound(ordinal):
+            free, total = self._call("cuMemGetInfo", subject=f"device=cuda:{ordinal}")
+        return int(free), int(total)
+
+    def device_uuid(self, ordinal: int) -> str:
+        from lmshm.platform.cuda import devices
+
+        return devices.device_uuid(ordinal)
+
+    def local_ordinal(self, uuid: str) -> int:
+        from lmshm.platform.cuda import devices
+
+        return devices.local_ordinal(uuid)
+
+    # ---- memory as tensors -----------------------------------------------------------------
+    def as_uint8_tensor(self, ptr: int, nbytes: int, ordinal: int, owner: Any) -> Any:
+        """A torch uint8 tensor over device memory that keeps ``owner`` alive."""
+        from lmshm.platform.cuda.rebuild import uint8_tensor
+
+        return uint8_tensor(ptr, nbytes, ordinal, owner)
+
+
+_driver: Any = None
+_driver_lock = threading.Lock()
+
+
+def get_driver() -> Any:
+    """The process's driver gateway (created on first use; imports nothing until called)."""
+    global _driver
+    if _driver is None:
+        with _driver_lock:
+            if _driver is None:
+                _driver = CudaDriver()
+    return _driver
+
+
+def install_driver(driver: Any) -> Any:
+    """Replace the process's driver gateway (tests install ``fake_driver``); returns the old one."""
+    global _driver
+    with _driver_lock:
+        old, _driver = _driver, driver
+    return old

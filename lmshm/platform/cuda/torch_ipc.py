@@ -1,0 +1,140 @@
+"""CudaIPCWrapper: PyTorch's own CUDA storage sharing (the default CUDA wrapper).
+
+Producer: ``storage._share_cuda_()`` -- the same call ``torch.multiprocessing`` makes -- yields
+the storage's IPC handle (of its caching-allocator block), the storage's size and offset in that
+block, a reference-counter slot in a ``/dev/shm`` file, and an event handle. lmshm carries those
+as plain bytes and ints (no torch object is pickled) together with the caller's exact view, so
+any stride works: the consumer rebuilds with ``tensor.set_(storage, offset, shape, stride)``.
+
+Consumer: ``UntypedStorage._new_shared_cuda(...)`` opens the handle (torch keeps one driver
+mapping per block per process and closes it when the last storage on it dies) and waits on the
+producer's event. Storages are shared through ``MAPPINGS`` (one entry per wrapper identity) and
+through torch's own cache of received storages, so 64 views of one storage map it once; when a
+storage is already open, the duplicate's reference counter is released at once, as torch does.
+
+Explicit release -- nothing is left to the garbage collector: ``close()`` releases the wrapper's
+lease; the last lease drops the table's reference to the storage; when no tensor built from it
+remains, torch's IPC deleter runs right then (reference counting, no cycle involved): it
+decrements the producer's counter in ``/dev/shm`` and, if this was the last storage on that
+block in the process, calls ``cudaIpcCloseMemHandle``. On the producer side, a block freed while
+a consumer still maps it waits in torch's "limbo" list; the next allocation or
+``torch.cuda.ipc_collect()`` returns it once the counter reaches zero.
+
+Requires what torch sharing requires: both processes see the same ``/dev/shm`` (and IPC
+namespace). Separate containers use the raw wrapper (``isolated_ipc``). Each wrapper's bytes
+are meant to be mapped by one consumer process (torch's counter counts one consumer per share).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Hashable
+
+import torch
+
+from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, dtype_name
+from lmshm.platform.cuda._common import CudaWrapperBase, check_bytes, check_int, producer_id, producer_ordinal
+from lmshm.platform.cuda.driver import get_driver
+
+#: Storages opened with ``_new_shared_cuda`` in this process (torch maps each block once).
+stats: Counter[str] = Counter()
+
+_MAX_HANDLE = 64 * 1024
+
+
+class CudaIPCWrapper(CudaWrapperBase):
+    """A CUDA tensor shared through PyTorch's storage IPC (needs a shared /dev/shm)."""
+
+    kind = "cuda-torch"
+    extra_fields = ("producer", "torch_handle", "storage_bytes", "storage_byte_offset",
+                    "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+
+    # ---- producer --------------------------------------------------------------------------
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor, name: str = "tensor") -> "CudaIPCWrapper":
+        ordinal = producer_ordinal(cls, tensor, name)
+        dt = dtype_name(tensor.dtype)
+        if tensor.numel() == 0:
+            raise ValueError(f"{name} is empty (shape={tuple(tensor.shape)}); there is nothing to share")
+        storage = tensor.untyped_storage()
+        (_device, handle, size_bytes, offset_bytes, ref_handle, ref_offset,
+         event_handle, event_sync) = storage._share_cuda_()
+        wrapper = cls(dtype=dt, shape=tuple(tensor.shape), stride=tuple(tensor.stride()),
+                      storage_offset=tensor.storage_offset(), device=get_driver().device_uuid(ordinal),
+                      producer=producer_id(), torch_handle=bytes(handle), storage_bytes=int(size_bytes),
+                      storage_byte_offset=int(offset_bytes), ref_counter_handle=bytes(ref_handle),
+                      ref_counter_offset=int(ref_offset), event_handle=bytes(event_handle or b""),
+                      event_sync_required=bool(event_sync))
+        wrapper._keepalive = storage
+        return wrapper
+
+    # ---- wire checks -----------------------------------------------------------------------
+    def _validate_extra(self) -> None:
+        super()._validate_extra()
+        cls = type(self)
+        check_bytes(cls, "torch_handle", self.torch_handle, max_len=_MAX_HANDLE)
+        check_bytes(cls, "ref_counter_handle", self.ref_counter_handle, max_len=4096)
+        check_bytes(cls, "event_handle", self.event_handle, max_len=4096)
+        if not self.torch_handle:
+            raise WrapperDecodeError(f"{cls.__name__}: torch_handle is empty")
+        check_int(cls, "storage_bytes", self.storage_bytes, lo=1)
+        check_int(cls, "storage_byte_offset", self.storage_byte_offset)
+        check_int(cls, "ref_counter_offset", self.ref_counter_offset)
+        if type(self.event_sync_required) is not bool:
+            raise WrapperDecodeError(f"{cls.__name__}: event_sync_required must be a bool")
+        item = self.torch_dtype.itemsize
+        need = (self.storage_offset * item + self.span_bytes) if self.numel else 0
+        if self.numel == 0 or need > self.storage_bytes:
+            raise WrapperDecodeError(
+                f"{cls.__name__}: view (shape={self.shape}, stride={self.stride}, storage_offset="
+                f"{self.storage_offset}, {self.dtype}) needs {need} bytes of a {self.storage_bytes}-byte storage"
+            )
+
+    # ---- consumer --------------------------------------------------------------------------
+    def _mapping_key(self) -> Hashable:
+        return ("cuda-torch", self.torch_handle, self.storage_byte_offset,
+                self.ref_counter_handle, self.ref_counter_offset)
+
+    def _open(self, ordinal: int) -> torch.UntypedStorage:
+        if self._exported_here():
+            raise RuntimeError(
+                f"{type(self).__name__}: a CUDA IPC handle cannot be opened in the process that "
+                "exported it; map it in another process, or use the original tensor here"
+            )
+        from torch.multiprocessing import reductions
+
+        torch.cuda._lazy_init()
+        cache_key = (self.torch_handle, self.storage_byte_offset)
+        storage = reductions.storage_from_cache(torch.UntypedStorage, cache_key)
+        if storage is not None:
+            # Already open here: this share's counter is not needed, give it back now.
+            torch.UntypedStorage._release_ipc_counter(self.ref_counter_handle, self.ref_counter_offset,
+                                                       device=ordinal)
+            return storage
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ordinal, self.torch_handle, self.storage_bytes, self.storage_byte_offset,
+            self.ref_counter_handle, self.ref_counter_offset, self.event_handle, self.event_sync_required,
+        )
+        reductions.shared_cache[cache_key] = reductions.StorageWeakRef(storage)
+        stats["storage_opens"] += 1
+        return storage
+
+    @staticmethod
+    def _close_mapping(storage: Any) -> None:
+        # Dropping the table's reference is the whole job: torch unmaps when the last tensor
+        # on the storage is gone (see the module docstring).
+        del storage
+
+    def to_tensor(self) -> torch.Tensor:
+        self._check_open()
+        ordinal = get_driver().local_ordinal(self.device)
+        lease, fresh = self._lease_for(self._mapping_key(), lambda: self._open(ordinal), self._close_mapping)
+        try:
+            out = torch.empty(0, dtype=self.torch_dtype, device=torch.device("cuda", ordinal))
+            out.set_(lease.value, self.storage_offset, self.shape, self.stride)
+        except BaseException:
+            if fresh:
+                lease.release()
+            raise
+        self._lease = lease
+        return out

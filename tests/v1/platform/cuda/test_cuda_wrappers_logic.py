@@ -1,0 +1,397 @@
+"""Refcount, unwinding, selection and error wording of the CUDA wrappers -- on a CPU, against
+``fake_driver`` (a fake of the driver gateway). test_cuda_gpu.py covers the same behaviour on a
+real GPU; these tests pin the logic around the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from lmshm.platform import ipc_policy
+from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError
+from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.cuda import (
+    CudaIPCWrapper,
+    NotCudaMallocMemoryError,
+    NotVmmMemoryError,
+    RawCudaIPCWrapper,
+    UnknownDeviceError,
+    VmmCudaIPCWrapper,
+    VmmNotExportableError,
+    VmmSpansChunksError,
+    fd_channel_required,
+)
+from lmshm.platform.device_registry import resolve_kv_wrapper_factory
+
+from fake_driver import GRANULARITY, UUIDS
+
+MiB = 1 << 20
+
+
+def over_the_wire(w: DeviceIPCWrapper) -> DeviceIPCWrapper:
+    return DeviceIPCWrapper.Deserialize(w.Serialize())
+
+
+def deliver_fds(w: DeviceIPCWrapper, session: str = "test") -> None:
+    for token, fd in w.export_fds().items():
+        FD_INBOX.put(token, os.dup(fd), session)
+
+
+@pytest.fixture
+def fd_session():
+    yield "test"
+    FD_INBOX.close_session("test")
+
+
+# ---- raw: legacy IPC ----------------------------------------------------------------------
+
+def test_raw_round_trip_rebuilds_an_interior_view_over_the_same_bytes(fake_driver, as_consumer):
+    base = fake_driver.malloc(1 * MiB)
+    ptr = base + 4096                                        # an interior pointer
+    fake_driver.write(ptr, bytes(range(16)) * 4)
+    w = RawCudaIPCWrapper.from_pointer(ptr, 64, torch.float16, (4, 8), 0, name="layer0")
+    assert (w.alloc_offset, w.alloc_size, w.device) == (4096, 1 * MiB, UUIDS[0])
+    as_consumer()
+    peer = over_the_wire(w)
+    t = peer.to_tensor()
+    assert t.dtype == torch.float16 and t.shape == (4, 8)
+    assert bytes(t.view(torch.uint8).flatten().tolist()) == bytes(range(16)) * 4
+    t.view(torch.uint8)[0, 0] = 0xAB                         # zero copy: the producer sees it
+    assert fake_driver.read(ptr, 1) == b"\xab"
+    del t
+    peer.close()
+    w.close()
+    assert fake_driver.live_mappings() == 0
+
+
+def test_two_wrappers_on_one_allocation_open_it_once_and_the_last_close_unmaps(fake_driver, as_consumer):
+    base = fake_driver.malloc(1 * MiB)
+    fake_driver.write(base + 8192, b"\x07" * 16)
+    a = RawCudaIPCWrapper.from_pointer(base, 4096, torch.uint8, (4096,), 0)
+    b = RawCudaIPCWrapper.from_pointer(base + 8192, 16, torch.uint8, (16,), 0)
+    as_consumer()
+    a, b = over_the_wire(a), over_the_wire(b)
+    opens = MAPPINGS.opens_total
+    ta, tb = a.to_tensor(), b.to_tensor()
+    assert fake_driver.calls["cuIpcOpenMemHandle"] == 1 and MAPPINGS.opens_total == opens + 1
+    a.close()
+    del ta
+    assert fake_driver.calls["cuIpcCloseMemHandle"] == 0      # b still maps it
+    assert bytes(tb.tolist()) == b"\x07" * 16
+    b.close()
+    assert fake_driver.calls["cuIpcCloseMemHandle"] == 0      # tb still lives
+    del tb
+    assert fake_driver.calls["cuIpcCloseMemHandle"] == 1 and fake_driver.live_mappings() == 0
+    b.close()                                                 # idempotent
+    assert fake_driver.calls["cuIpcCloseMemHandle"] == 1
+
+
+def test_a_failing_unmap_is_logged_not_raised(fake_driver, as_consumer, caplog):
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 1024, torch.bfloat16, (512,), 0)
+    as_consumer()
+    w = over_the_wire(w)
+    w.to_tensor()
+    fake_driver.fail_next("cuIpcCloseMemHandle", "CUDA_ERROR_INVALID_CONTEXT")
+    with caplog.at_level(logging.ERROR):
+        w.close()
+    assert "releasing mapping" in caplog.text and "CUDA_ERROR_INVALID_CONTEXT" in caplog.text
+    assert not [k for k in MAPPINGS.keys() if k[0] == "cuda-ipc"]
+    fake_driver.ranges.clear()
+
+
+def test_a_handle_is_never_opened_by_the_process_that_exported_it(fake_driver):
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 1024, torch.uint8, (1024,), 0)
+    with pytest.raises(RuntimeError, match="cannot be opened in the process that exported it"):
+        over_the_wire(w).to_tensor()
+    assert fake_driver.calls["cuIpcOpenMemHandle"] == 0
+
+
+def test_raw_on_vmm_memory_says_the_memory_is_not_cudamalloc_and_what_to_do(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    with pytest.raises(NotCudaMallocMemoryError) as info:
+        RawCudaIPCWrapper.from_pointer(va, 1024, torch.float16, (512,), 0, name="model.layers.3.attn")
+    msg = str(info.value)
+    assert "'model.layers.3.attn'" in msg and f"ptr={hex(va)}" in msg and UUIDS[0] in msg
+    assert "expandable" in msg and "sleep mode" in msg and "LMSHM_USE_VMM_API=1" in msg
+
+
+def test_raw_reports_the_driver_error_when_the_handle_export_fails(fake_driver):
+    base = fake_driver.malloc(1 * MiB)
+    fake_driver.fail_next("cuIpcGetMemHandle", "CUDA_ERROR_INVALID_VALUE")
+    with pytest.raises(NotCudaMallocMemoryError, match=r"cuIpcGetMemHandle failed \(CUDA_ERROR_INVALID_VALUE.*use_vmm_api"):
+        RawCudaIPCWrapper.from_pointer(base, 1024, torch.uint8, (1024,), 0)
+
+
+def test_raw_refuses_a_pointer_outside_any_allocation(fake_driver):
+    with pytest.raises(Exception, match=r"cuMemGetAddressRange failed \(CUDA_ERROR_NOT_FOUND, ptr=0x1000\)"):
+        RawCudaIPCWrapper.from_pointer(0x1000, 16, torch.uint8, (16,), 0)
+
+
+def test_from_pointer_checks_its_arguments(fake_driver):
+    base = fake_driver.malloc(1 * MiB)
+    with pytest.raises(ValueError, match="nbytes=100 does not match shape"):
+        RawCudaIPCWrapper.from_pointer(base, 100, torch.float16, (64,), 0)
+    with pytest.raises(ValueError, match="not a dense layout"):
+        RawCudaIPCWrapper.from_pointer(base, 64, torch.float16, (4, 8), 0, stride=(16, 1))
+    with pytest.raises(ValueError, match="not aligned"):
+        RawCudaIPCWrapper.from_pointer(base + 1, 64, torch.float16, (32,), 0)
+    # a transposed (permuted) dense layout is fine, as is a device named by UUID
+    w = RawCudaIPCWrapper.from_pointer(base, 64, "float16", (8, 4), UUIDS[0], stride=(1, 8))
+    assert w.stride == (1, 8)
+    w.close()
+
+
+def test_an_unknown_gpu_is_named_with_the_visible_ones(fake_driver, as_consumer):
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+    as_consumer()
+    w = over_the_wire(w)
+    fake_driver.uuids = [UUIDS[1]]
+    with pytest.raises(UnknownDeviceError, match=f"GPU {UUIDS[0]} is not visible.*cuda:0={UUIDS[1]}"):
+        w.to_tensor()
+    assert fake_driver.calls["cuIpcOpenMemHandle"] == 0
+
+
+def test_the_consumer_checks_the_view_against_the_mapped_size(fake_driver, as_consumer):
+    base = fake_driver.malloc(64 * 1024)
+    w = RawCudaIPCWrapper.from_pointer(base, 1024, torch.uint8, (1024,), 0)
+    as_consumer()
+    state = w.__getstate__()
+    state.update(alloc_size=1 * MiB, alloc_offset=512 * 1024)  # a peer lying about the allocation
+    liar = RawCudaIPCWrapper.__new__(RawCudaIPCWrapper)
+    liar.__setstate__(state)
+    with pytest.raises(ValueError, match="run past the mapped allocation"):
+        liar.to_tensor()
+    assert fake_driver.live_mappings() == 0 and fake_driver.calls["cuIpcCloseMemHandle"] == 1
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("ipc_handle", b"short", "ipc_handle must be 64 bytes"),
+    ("device", "cuda:0", "device must be a GPU UUID"),
+    ("alloc_offset", -1, "alloc_offset must be an int"),
+    ("alloc_offset", 1 * MiB, "do not fit an allocation"),
+    ("alloc_offset", 1, "not aligned"),
+    ("stride", (16, 2), "not a dense layout"),
+    ("storage_offset", 3, "storage_offset must be 0"),
+    ("producer", "me", "malformed producer id"),
+])
+def test_malformed_raw_fields_from_a_peer_are_refused(fake_driver, field, value, match):
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 64, torch.float16, (4, 8), 0)
+    state = w.__getstate__()
+    state[field] = value
+    w.close()
+    with pytest.raises(WrapperDecodeError, match=match):
+        RawCudaIPCWrapper.__new__(RawCudaIPCWrapper).__setstate__(state)
+
+
+# ---- VMM -------------------------------------------------------------------------------------
+
+def test_vmm_posix_fd_round_trip_travels_by_token_and_maps_once(fake_driver, as_consumer, fd_session):
+    va = fake_driver.vmm_pool(GRANULARITY, 2)
+    fake_driver.write(va + GRANULARITY + 256, b"\x5a" * 32)
+    views = [VmmCudaIPCWrapper.from_pointer(va + GRANULARITY + 256 * i, 256, torch.float8_e4m3fn, (256,), 0)
+             for i in range(1, 4)]
+    assert all(v.handle_type == "posix-fd" and v.alloc_size == GRANULARITY for v in views)
+    assert views[0].alloc_offset == 256
+    tokens = [t for v in views for t in v.export_fds()]
+    assert len(set(tokens)) == 3 and all(t == v.fd_token for t, v in zip(tokens, views))
+    for v in views:
+        deliver_fds(v)
+    as_consumer()
+    peers = [over_the_wire(v) for v in views]
+    ts = [p.to_tensor() for p in peers]
+    assert fake_driver.calls["cuMemImportFromShareableHandle"] == 1
+    assert ts[0].dtype == torch.float8_e4m3fn
+    assert bytes(ts[0].view(torch.uint8)[:32].tolist()) == b"\x5a" * 32
+    for p in peers:
+        p.close()
+    assert fake_driver.live_mappings() == 1                   # the tensors keep it
+    del ts
+    assert fake_driver.live_mappings() == 0 and fake_driver.live_imported_handles() == 0
+    assert not fake_driver.reserved.keys() - {va}             # the importer's range is freed
+    for v in views:
+        fd = v._fd
+        v.close()
+        with pytest.raises(OSError):
+            os.fstat(fd)                                       # the producer's fd is closed
+
+
+def test_vmm_fabric_handles_travel_inside_the_wrapper(fake_driver, as_consumer):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    w = VmmCudaIPCWrapper.from_pointer(va, 1024, torch.bfloat16, (512,), 0, handle_type="fabric")
+    assert w.export_fds() == {} and len(w.fabric_handle) == 64 and not w.needs_fd_channel
+    as_consumer()
+    peer = over_the_wire(w)
+    t = peer.to_tensor()
+    assert t.shape == (512,) and t.dtype == torch.bfloat16
+    del t
+    peer.close()
+    w.close()
+    assert fake_driver.live_mappings() == 0
+
+
+def test_the_handle_type_follows_the_environment(fake_driver, monkeypatch):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    monkeypatch.setenv("LMSHM_VMM_HANDLE_TYPE", "fabric")
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    assert w.handle_type == "fabric"
+    w.close()
+    monkeypatch.setenv("LMSHM_VMM_HANDLE_TYPE", "dmabuf")
+    with pytest.raises(ValueError, match="LMSHM_VMM_HANDLE_TYPE='dmabuf'.*posix-fd or fabric"):
+        VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+
+
+def test_a_tensor_spanning_two_chunks_is_refused_with_a_hint(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 2)
+    with pytest.raises(VmmSpansChunksError) as info:
+        VmmCudaIPCWrapper.from_pointer(va + GRANULARITY - 64, 128, torch.uint8, (128,), 0, name="kv")
+    msg = str(info.value)
+    assert "span several physical allocations" in msg and "expandable segments" in msg and "'kv'" in msg
+    assert fake_driver.calls["cuMemExportToShareableHandle"] == 0
+
+
+def test_an_allocation_not_exportable_as_requested_is_refused_with_a_hint(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    with pytest.raises(VmmNotExportableError) as info:
+        VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0, handle_type="posix-fd")
+    msg = str(info.value)
+    assert "requestedHandleTypes=FABRIC" in msg and "LMSHM_VMM_HANDLE_TYPE" in msg
+    assert fake_driver.handle_refs[next(iter(fake_driver.handles))] == 1   # the retain was released
+
+
+def test_vmm_on_cudamalloc_memory_says_to_turn_use_vmm_api_off(fake_driver):
+    base = fake_driver.malloc(1 * MiB)
+    with pytest.raises(NotVmmMemoryError, match=r"cuMemRetainAllocationHandle failed.*LMSHM_USE_VMM_API=0"):
+        VmmCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+
+
+@pytest.mark.parametrize("failing", ["cuMemAddressReserve", "cuMemMap", "cuMemSetAccess"])
+def test_a_failed_import_undoes_every_step_that_succeeded(fake_driver, as_consumer, fd_session, failing):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    deliver_fds(w)
+    as_consumer()
+    peer = over_the_wire(w)
+    reserved_before = dict(fake_driver.reserved)
+    fake_driver.fail_next(failing, "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(Exception, match=f"{failing} failed"):
+        peer.to_tensor()
+    assert fake_driver.reserved == reserved_before
+    assert fake_driver.live_mappings() == 0 and fake_driver.live_imported_handles() == 0
+    assert peer._lease is None and not [k for k in MAPPINGS.keys() if k[0] == "cuda-vmm"]
+    w.close()
+
+
+def test_a_missing_fd_points_at_the_fd_channel(fake_driver, as_consumer):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    as_consumer()
+    with pytest.raises(LookupError, match="no file descriptor was received.*SCM_RIGHTS"):
+        over_the_wire(w).to_tensor()
+    w.close()
+
+
+def test_only_the_producer_can_export_the_fd(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    with pytest.raises(RuntimeError, match="only the producer"):
+        over_the_wire(w).export_fds()
+    w.close()
+    with pytest.raises(RuntimeError, match="only the producer"):
+        w.export_fds()
+
+
+def test_the_fd_channel_error_says_what_to_change():
+    err = fd_channel_required("layers 0-31", "connect /tmp/lmshm.fds: No such file or directory")
+    msg = str(err)
+    assert msg.startswith("layers 0-31: cannot register VMM memory exported as POSIX file descriptors")
+    assert "/tmp/lmshm.fds" in msg and "LMSHM_VMM_HANDLE_TYPE=fabric" in msg and "use_vmm_api" in msg
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(handle_type="ipc"), "handle_type must be one of"),
+    (dict(fd_token="../../etc/passwd"), "valid fd_token"),
+    (dict(fabric_handle=b"x" * 64), "no fabric handle"),
+    (dict(alloc_id=-5), "alloc_id must be an int"),
+])
+def test_malformed_vmm_fields_from_a_peer_are_refused(fake_driver, change, match):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    state = w.__getstate__()
+    state.update(change)
+    w.close()
+    with pytest.raises(WrapperDecodeError, match=match):
+        VmmCudaIPCWrapper.__new__(VmmCudaIPCWrapper).__setstate__(state)
+
+
+# ---- torch storage sharing: wire checks only (the rest needs a GPU) ------------------------
+
+def torch_wrapper_state(**change):
+    state = dict(dtype="float16", shape=(4, 8), stride=(1, 4), storage_offset=2, device=UUIDS[0],
+                 producer="123-0123456789ab", torch_handle=b"c" + b"\0" * 64, storage_bytes=1024,
+                 storage_byte_offset=0, ref_counter_handle=b"/torch_1_2", ref_counter_offset=3,
+                 event_handle=b"\0" * 64, event_sync_required=True)
+    state.update(change)
+    return state
+
+
+def test_the_torch_wrapper_carries_plain_data_and_any_stride():
+    w = CudaIPCWrapper(**torch_wrapper_state())
+    peer = over_the_wire(w)
+    assert peer == w and peer.stride == (1, 4) and peer.storage_offset == 2
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(event_sync_required=1), "event_sync_required must be a bool"),
+    (dict(storage_bytes=16), "needs 68 bytes of a 16-byte storage"),
+    (dict(torch_handle=b""), "torch_handle is empty"),
+    (dict(ref_counter_handle="not bytes"), "ref_counter_handle must be bytes"),
+])
+def test_malformed_torch_fields_from_a_peer_are_refused(change, match):
+    with pytest.raises(WrapperDecodeError, match=match):
+        CudaIPCWrapper(**torch_wrapper_state(**change))
+
+
+def test_wrapping_a_cpu_tensor_with_a_cuda_wrapper_is_a_clear_error():
+    for cls in (CudaIPCWrapper, RawCudaIPCWrapper, VmmCudaIPCWrapper):
+        with pytest.raises(ValueError, match=f"{cls.__name__} wraps CUDA tensors, got one on cpu"):
+            cls.wrap(torch.zeros(4), name="layer0")
+
+
+# ---- selection ----------------------------------------------------------------------------
+
+@pytest.fixture
+def switches(monkeypatch):
+    monkeypatch.delenv(ipc_policy.ISOLATED_IPC_ENV, raising=False)
+    monkeypatch.delenv(ipc_policy.USE_VMM_API_ENV, raising=False)
+    yield
+    ipc_policy.set_isolated_ipc(None)
+    ipc_policy.set_use_vmm_api(None)
+
+
+@pytest.mark.parametrize("isolated,vmm,expected", [
+    (False, False, CudaIPCWrapper),
+    (True, False, RawCudaIPCWrapper),
+    (False, True, VmmCudaIPCWrapper),
+    (True, True, VmmCudaIPCWrapper),
+])
+def test_cuda_selection_follows_design_section_3(switches, isolated, vmm, expected):
+    ipc_policy.set_isolated_ipc(isolated)
+    ipc_policy.set_use_vmm_api(vmm)
+    assert resolve_kv_wrapper_factory("cuda") is expected
+
+
+def test_cuda_selection_reads_the_environment_at_every_call(switches, monkeypatch):
+    assert resolve_kv_wrapper_factory("cuda") is CudaIPCWrapper
+    monkeypatch.setenv("LMSHM_ISOLATED_IPC", "1")
+    assert resolve_kv_wrapper_factory("cuda") is RawCudaIPCWrapper
+    monkeypatch.setenv("LMSHM_USE_VMM_API", "on")
+    assert resolve_kv_wrapper_factory("cuda") is VmmCudaIPCWrapper
