@@ -1,0 +1,15 @@
+"""The README's main job, scripts/demo, end to end (its Python part: python -m lmshm.demo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_demo_registers_two_workers_proves_zero_copy_and_shuts_down_cleanly():
+    proc = subprocess.run([sys.executable, "-m", "lmshm.demo"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "demo-worker-0" in out and "demo-worker-1" in out and "OWNER PID" in out
+    assert out.count(" ok\n") == 4 and "MISMATCH" not in out
+    assert "exited with status 0 after SIGTERM" in out and "holds 0 registration(s), 0 mapping(s)" in out
