@@ -395,3 +395,22 @@ def test_cuda_selection_reads_the_environment_at_every_call(switches, monkeypatc
     assert resolve_kv_wrapper_factory("cuda") is RawCudaIPCWrapper
     monkeypatch.setenv("LMSHM_USE_VMM_API", "on")
     assert resolve_kv_wrapper_factory("cuda") is VmmCudaIPCWrapper
+
+
+# ---- the GPU tests' producer plumbing (no GPU needed for this part) ---------------------------
+
+def test_the_spawned_producer_answers_reports_errors_and_passes_fds():
+    from lmshm.platform.cuda.testing import PeerError, Producer
+
+    with Producer() as producer:
+        assert producer.pid == producer.proc.pid != os.getpid()
+        out = producer.call("memfd", b"over SCM_RIGHTS")
+        fd = out["fds"]["selftest"]
+        try:
+            assert os.pread(fd, 64, 0) == b"over SCM_RIGHTS"
+        finally:
+            os.close(fd)
+        with pytest.raises(PeerError, match="KeyError: 'nothing'"):
+            producer.call("digest", "nothing")
+        producer.call("close_wrappers")
+    assert not producer.proc.is_alive()

@@ -1,0 +1,359 @@
+"""Spawned producer processes for the GPU tests and the GPU benchmark.
+
+A CUDA IPC handle cannot be opened by the process that exported it, so every GPU check needs
+a second process. ``Producer`` spawns one (``multiprocessing`` spawn context: no CUDA state is
+inherited) that allocates tensors, wraps them and answers named operations over a pipe; the
+calling process plays the consumer (the server's role): it decodes the wrapper bytes, files
+the fds it received in ``FD_INBOX`` and maps with ``to_tensor()``. File descriptors (VMM POSIX
+handles) travel over the same pipe with SCM_RIGHTS, as they would over the fd channel.
+
+``measure_reclaim`` is the worker-crash scenario: the producer exports a pool, the consumer
+maps it, the producer is SIGKILLed, the consumer releases its mappings (what the server's
+reclaim does) and the device's free memory is polled until the pool is back.
+
+Nothing here runs at import; it needs a CUDA device, CuPy and cuda-python when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing import reduction
+from typing import Any, Iterator
+
+PATTERN_PRIME = 251
+
+KINDS = ("cuda-torch", "cuda-raw", "cuda-vmm")
+
+
+class PeerError(RuntimeError):
+    """An operation failed in the producer process; the message carries its traceback."""
+
+
+def wrapper_class(kind: str) -> type:
+    from lmshm.platform import cuda
+
+    return {"cuda-torch": cuda.CudaIPCWrapper, "cuda-raw": cuda.RawCudaIPCWrapper,
+            "cuda-vmm": cuda.VmmCudaIPCWrapper}[kind]
+
+
+def apply_view(t: Any, view: tuple = ()) -> Any:
+    """Apply a small, picklable view recipe: ("select", dim, i), ("slice", dim, a, b), ("permute", dims)."""
+    for step in view:
+        op, *args = step
+        if op == "select":
+            t = t.select(args[0], args[1])
+        elif op == "slice":
+            t = t.narrow(args[0], args[1], args[2] - args[1])
+        elif op == "permute":
+            t = t.permute(*args[0])
+        else:
+            raise ValueError(f"unknown view step {step!r}")
+    return t
+
+
+def digest(t: Any) -> str:
+    """sha256 of a tensor's elements in logical order (bytes, so fp8 NaN patterns compare)."""
+    import torch
+
+    u8 = t.contiguous().view(torch.uint8)
+    return hashlib.sha256(u8.cpu().numpy().tobytes()).hexdigest()
+
+
+# ---- the producer process -----------------------------------------------------------------
+
+class _ProducerState:
+    def __init__(self) -> None:
+        self.tensors: dict[str, Any] = {}
+        self.wrappers: list[Any] = []
+
+    # every op_* method is callable from the parent
+    def op_ping(self) -> int:
+        return os.getpid()
+
+    def op_memfd(self, data: bytes) -> dict:
+        """A memfd holding ``data`` (checks the fd plumbing without a GPU)."""
+        fd = os.memfd_create("lmshm-selftest", os.MFD_CLOEXEC)
+        os.write(fd, data)
+        self.wrappers.append(_FdCloser(fd))
+        return {"fds": {"selftest": fd}}
+
+    def op_alloc(self, name: str, shape: tuple, dtype: str, memory: str = "torch",
+                 handle_type: str = "posix-fd", chunk_bytes: int | None = None, seed: int = 0) -> dict:
+        import torch
+
+        from lmshm.platform.cuda import empty_vmm
+
+        dt = getattr(torch, dtype)
+        if memory == "torch":
+            t = torch.empty(shape, dtype=dt, device="cuda")
+        elif memory == "vmm":
+            t = empty_vmm(shape, dt, "cuda", handle_type=handle_type, chunk_bytes=chunk_bytes)
+        else:
+            raise ValueError(f"unknown memory kind {memory!r}")
+        u8 = t.view(torch.uint8).view(-1)
+        pattern = (torch.arange(u8.numel(), device="cuda", dtype=torch.int64) * 131 + seed) % PATTERN_PRIME
+        u8.copy_(pattern.to(torch.uint8))
+        torch.cuda.synchronize()
+        self.tensors[name] = t
+        return {"ptr": t.data_ptr(), "nbytes": u8.numel()}
+
+    def _wrap(self, name: str, kind: str, view: tuple, options: dict) -> Any:
+        t = apply_view(self.tensors[name], view)
+        w = wrapper_class(kind).wrap(t, name=name, **options)
+        self.wrappers.append(w)
+        return w
+
+    def op_wrap(self, name: str, kind: str, view: tuple = (), in_fresh_thread: bool = False,
+                **options: Any) -> dict:
+        """Wrap one view; optionally from a new thread that has no current CUDA context."""
+        from lmshm.platform.cuda.driver import get_driver
+
+        if not in_fresh_thread:
+            w = self._wrap(name, kind, view, options)
+            return {"payload": w.Serialize(), "fds": w.export_fds()}
+        out: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                out["ctx_before"] = get_driver().current_context()
+                w = self._wrap(name, kind, view, options)
+                out.update(payload=w.Serialize(), fds=w.export_fds())
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+                out["error"] = exc
+
+        th = threading.Thread(target=run, name="lmshm-fresh-thread")
+        th.start()
+        th.join()
+        if "error" in out:
+            raise out["error"]
+        return out
+
+    def op_wrap_views(self, name: str, kind: str, views: list, **options: Any) -> dict:
+        """Wrap many views (or many tensors: views of ("", name_i)); timed."""
+        t0 = time.perf_counter()
+        ws = []
+        for v in views:
+            tname, view = (v[1], ()) if v and v[0] == "tensor" else (name, v)
+            ws.append(self._wrap(tname, kind, tuple(view), options))
+        payloads = [w.Serialize() for w in ws]
+        elapsed = time.perf_counter() - t0
+        fds: dict[str, int] = {}
+        for w in ws:
+            fds.update(w.export_fds())
+        return {"payloads": payloads, "fds": fds, "wrap_s": elapsed}
+
+    def op_try_wrap(self, name: str, kind: str, view: tuple = (), **options: Any) -> dict:
+        try:
+            self._wrap(name, kind, view, options)
+        except Exception as exc:  # noqa: BLE001 - the parent inspects it
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"error": None, "message": ""}
+
+    def op_digest(self, name: str, view: tuple = ()) -> str:
+        return digest(apply_view(self.tensors[name], view))
+
+    def op_read(self, name: str, view: tuple = (), n: int = 16) -> bytes:
+        import torch
+
+        torch.cuda.synchronize()
+        u8 = apply_view(self.tensors[name], view).contiguous().view(torch.uint8).view(-1)
+        return bytes(u8[:n].cpu().tolist())
+
+    def op_free(self, name: str) -> None:
+        import torch
+
+        self.tensors.pop(name, None)
+        torch.cuda.synchronize()
+
+    def op_close_wrappers(self) -> None:
+        for w in self.wrappers:
+            w.close()
+        self.wrappers.clear()
+
+    def op_device_attribute(self, name: str) -> int:
+        from lmshm.platform.cuda.driver import get_driver
+
+        return get_driver().device_attribute(name, 0)
+
+
+class _FdCloser:
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _producer_main(conn: Any) -> None:
+    state = _ProducerState()
+    while True:
+        try:
+            op, args, kwargs = conn.recv()
+        except EOFError:
+            return
+        if op == "exit":
+            conn.send(("ok", None, []))
+            return
+        fds: dict[str, int] = {}
+        try:
+            result = getattr(state, f"op_{op}")(*args, **kwargs)
+            if isinstance(result, dict) and "fds" in result:
+                fds = result.pop("fds")
+            reply = ("ok", result, list(fds))
+        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+            reply = ("err", traceback.format_exc(), [])
+            fds = {}
+        conn.send(reply)
+        for fd in fds.values():
+            reduction.send_handle(conn, fd, os.getppid())
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str] | None) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Producer:
+    """A spawned producer process. ``call(op, ...)`` runs ``op_<op>`` there and returns its result.
+
+    Results that carry file descriptors come back with ``"fds": {token: fd}``, the fds now
+    owned by this process (file them in ``FD_INBOX``). ``env`` is set in the child's
+    environment before it starts (e.g. ``PYTORCH_CUDA_ALLOC_CONF``).
+    """
+
+    def __init__(self, env: dict[str, str] | None = None, start_timeout_s: float = 180.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe(duplex=True)
+        with _environment(env):
+            self.proc = ctx.Process(target=_producer_main, args=(child,), name="lmshm-producer", daemon=True)
+            self.proc.start()
+        child.close()
+        self.pid = self.call("ping", timeout_s=start_timeout_s)
+
+    def call(self, op: str, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
+        self.conn.send((op, args, kwargs))
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"producer did not answer {op!r} within {timeout_s} s")
+        status, result, tokens = self.conn.recv()
+        if status == "err":
+            raise PeerError(f"producer op {op!r} failed:\n{result}")
+        if tokens:
+            result["fds"] = {t: reduction.recv_handle(self.conn) for t in tokens}
+        return result
+
+    def kill(self) -> float:
+        """SIGKILL the producer; returns the monotonic time of the kill."""
+        t = time.monotonic()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        return t
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("exit", (), {}))
+                self.conn.poll(10)
+            except (OSError, EOFError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        self.conn.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- the consumer side ------------------------------------------------------------------------
+
+def receive(payload: bytes, fds: dict[str, int] | None = None, session: str = "gpu-test") -> Any:
+    """Decode a wrapper as the server would, filing its fds in FD_INBOX first."""
+    from lmshm.platform.base.fds import FD_INBOX
+    from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+    for token, fd in (fds or {}).items():
+        FD_INBOX.put(token, fd, session)
+    return DeviceIPCWrapper.Deserialize(payload)
+
+
+def open_count(kind: str) -> int:
+    """Driver-level opens so far in this process for wrappers of ``kind``."""
+    if kind == "cuda-torch":
+        from lmshm.platform.cuda.torch_ipc import stats
+
+        return stats["storage_opens"]
+    from lmshm.platform.cuda.driver import get_driver
+
+    name = "cuIpcOpenMemHandle" if kind == "cuda-raw" else "cuMemImportFromShareableHandle"
+    return get_driver().calls[name]
+
+
+def free_bytes(ordinal: int = 0) -> int:
+    from lmshm.platform.cuda.driver import get_driver
+
+    return get_driver().mem_info(ordinal)[0]
+
+
+def measure_reclaim(kind: str, pool_bytes: int, layers: int = 8, timeout_s: float = 10.0,
+                    session: str = "reclaim") -> dict[str, float]:
+    """Kill a producer whose pool this process maps; release; time until the pool is free again.
+
+    Returns ``reclaim_s`` (kill -> at least 95% of the pool free again), ``pinned_frac``
+    (share of the pool still held after the producer died, before this process released its
+    mappings) and ``recovered_frac``.
+    """
+    import gc
+
+    import torch
+
+    from lmshm.platform.base.fds import FD_INBOX
+
+    memory = "vmm" if kind == "cuda-vmm" else "torch"
+    per_layer = pool_bytes // layers
+    wrappers, tensors = [], []
+    with Producer() as producer:
+        producer.call("alloc", "pool", (layers, per_layer), "uint8", memory=memory)
+        out = producer.call("wrap_views", "pool", kind, [(("select", 0, i),) for i in range(layers)])
+        for i, payload in enumerate(out["payloads"]):
+            w = receive(payload, out["fds"] if i == 0 else None, session)
+            wrappers.append(w)
+            tensors.append(w.to_tensor())
+        torch.cuda.synchronize()
+        before = free_bytes()
+        t_kill = producer.kill()
+        producer.proc.join(timeout_s)
+        time.sleep(0.05)
+        pinned = max(0.0, 1.0 - (free_bytes() - before) / pool_bytes)
+        # What the server's reclaim does: close every wrapper, drop every tensor.
+        for w in wrappers:
+            w.close()
+        wrappers.clear()
+        tensors.clear()
+        gc.collect()
+        FD_INBOX.close_session(session)
+        deadline = t_kill + timeout_s
+        gained = free_bytes() - before
+        while gained < 0.95 * pool_bytes and time.monotonic() < deadline:
+            time.sleep(0.005)
+            gained = free_bytes() - before
+        reclaim_s = time.monotonic() - t_kill
+    return {"reclaim_s": reclaim_s, "pinned_frac": pinned, "recovered_frac": gained / pool_bytes}

@@ -1,0 +1,222 @@
+"""The CUDA wrappers on a real GPU, across spawned processes (skipped without CUDA).
+
+The test process plays the consumer (the server's role); a spawned ``Producer`` allocates,
+wraps and answers. Run them all, with the benchmark, through ``scripts/gpu-check``.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _missing() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device visible"
+    for mod, pkg in (("cupy", "cupy-cuda13x / cupy-cuda12x"), ("cuda.bindings", "cuda-python")):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return f"{pkg} is not installed"
+        except ModuleNotFoundError:
+            return f"{pkg} is not installed"
+    return ""
+
+
+_REASON = _missing()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
+
+if not _REASON:
+    from lmshm.platform.base.fds import FD_INBOX
+    from lmshm.platform.base.mappings import MAPPINGS
+    from lmshm.platform.cuda import NotCudaMallocMemoryError
+    from lmshm.platform.cuda.driver import get_driver
+    from lmshm.platform.cuda.testing import Producer, digest, measure_reclaim, open_count, receive
+
+DTYPES = ["float16", "bfloat16", "float8_e4m3fn"]
+KIND_MEMORY = {"cuda-torch": "torch", "cuda-raw": "torch", "cuda-vmm": "vmm"}
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def producer():
+    with Producer() as p:
+        yield p
+
+
+@pytest.fixture(autouse=True)
+def _clean_consumer():
+    yield
+    gc.collect()
+    FD_INBOX.close_session("gpu-test")
+    left = [k for k in MAPPINGS.keys() if str(k[0]).startswith("cuda")]
+    assert not left, f"CUDA mappings left open: {left}"
+
+
+def map_one(producer, name, kind, view=(), **options):
+    out = producer.call("wrap", name, kind, view, **options)
+    w = receive(out["payload"], out.get("fds"))
+    return w, w.to_tensor()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
+def test_round_trip_is_zero_copy(producer, kind, dtype):
+    name = f"rt-{kind}-{dtype}"
+    producer.call("alloc", name, (4, 64, 128), dtype, memory=KIND_MEMORY[kind], seed=7)
+    w, t = map_one(producer, name, kind)
+    assert t.dtype == getattr(torch, dtype) and t.shape == (4, 64, 128) and t.is_cuda
+    assert digest(t) == producer.call("digest", name)
+    t.view(torch.uint8).view(-1)[:16].fill_(0xA5)
+    torch.cuda.synchronize()
+    assert producer.call("read", name, (), 16) == b"\xa5" * 16
+    del t
+    w.close()
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("kind", ["cuda-raw", "cuda-vmm"])
+def test_interior_pointers_carry_their_offset_and_share_one_open(producer, kind):
+    name = f"interior-{kind}"
+    producer.call("alloc", name, (8, 1024), "float16", memory=KIND_MEMORY[kind], seed=3)
+    opens = open_count(kind)
+    w3, t3 = map_one(producer, name, kind, (("select", 0, 3),))
+    w5, t5 = map_one(producer, name, kind, (("select", 0, 5),))
+    assert w5.alloc_offset - w3.alloc_offset == 2 * 1024 * 2 and w3.alloc_offset >= 3 * 2048
+    assert open_count(kind) - opens == 1
+    assert digest(t3) == producer.call("digest", name, (("select", 0, 3),))
+    assert digest(t5) == producer.call("digest", name, (("select", 0, 5),))
+    del t3, t5
+    w3.close()
+    w5.close()
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
+def test_an_nhd_view_over_hnd_storage_comes_back_with_its_strides(producer, kind):
+    name = f"nhd-{kind}"
+    producer.call("alloc", name, (2, 4, 8, 16, 64), "bfloat16", memory=KIND_MEMORY[kind], seed=5)  # HND
+    nhd = (("permute", (0, 1, 3, 2, 4)),)
+    w, t = map_one(producer, name, kind, nhd)
+    ref = torch.empty(2, 4, 8, 16, 64, dtype=torch.bfloat16, device="meta").permute(0, 1, 3, 2, 4)
+    assert t.shape == ref.shape and t.stride() == ref.stride()
+    assert digest(t) == producer.call("digest", name, nhd)
+    del t
+    w.close()
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
+def test_two_wrappers_open_once_closing_one_keeps_the_other_and_the_last_close_unmaps(producer, kind):
+    name = f"rc-{kind}"
+    producer.call("alloc", name, (2, 4096), "float16", memory=KIND_MEMORY[kind], seed=11)
+    drv = get_driver()
+    opens = open_count(kind)
+    closes = drv.calls["cuIpcCloseMemHandle"] + drv.calls["cuMemUnmap"]
+    a, ta = map_one(producer, name, kind, (("select", 0, 0),))
+    b, tb = map_one(producer, name, kind, (("select", 0, 1),))
+    assert open_count(kind) - opens == 1
+    a.close()
+    del ta
+    gc.collect()
+    assert digest(tb) == producer.call("digest", name, (("select", 0, 1),))   # still mapped and valid
+    b.close()
+    del tb
+    gc.collect()
+    assert not [k for k in MAPPINGS.keys() if str(k[0]).startswith("cuda")]
+    if kind != "cuda-torch":                                # torch closes its own handle
+        assert drv.calls["cuIpcCloseMemHandle"] + drv.calls["cuMemUnmap"] - closes == 1
+    b.close()
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("handle_type", ["posix-fd", "fabric"])
+def test_a_cumemcreate_pool_is_exported_both_ways(producer, handle_type):
+    if handle_type == "fabric" and not producer.call("device_attribute", "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"):
+        pytest.skip("this GPU/driver does not support fabric handles (no IMEX fabric)")
+    name = f"pool-{handle_type}"
+    chunk = 2 * MiB
+    inside = (("select", 0, 2), ("slice", 0, 256, 768))
+    try:
+        producer.call("alloc", name, (4, chunk // 2), "float16", memory="vmm", handle_type=handle_type,
+                      chunk_bytes=chunk, seed=9)             # 4 chunks of 2 MiB, one row each
+        w, t = map_one(producer, name, "cuda-vmm", inside, handle_type=handle_type)
+    except Exception as exc:  # noqa: BLE001
+        if handle_type == "fabric":
+            producer.call("free", name)
+            pytest.skip(f"fabric handles are refused on this system: {str(exc).splitlines()[-1]}")
+        raise
+    assert w.handle_type == handle_type and w.alloc_size == chunk and w.alloc_offset == 512
+    assert digest(t) == producer.call("digest", name, inside)
+    spanning = producer.call("try_wrap", name, "cuda-vmm", (("slice", 0, 1, 3),), handle_type=handle_type)
+    assert spanning["error"] == "VmmSpansChunksError" and "expandable segments" in spanning["message"]
+    del t
+    w.close()
+    producer.call("free", name)
+
+
+def test_raw_on_vmm_memory_gives_the_not_cudamalloc_hint(producer):
+    producer.call("alloc", "vmm-for-raw", (1024,), "float16", memory="vmm")
+    out = producer.call("try_wrap", "vmm-for-raw", "cuda-raw")
+    assert out["error"] == NotCudaMallocMemoryError.__name__
+    assert "LMSHM_USE_VMM_API=1" in out["message"] and "expandable" in out["message"]
+    producer.call("free", "vmm-for-raw")
+
+
+def test_torch_expandable_segments_refuse_raw_and_share_through_vmm():
+    with Producer(env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}) as p:
+        p.call("alloc", "kv", (256, 1024), "float16", memory="torch", seed=1)   # 512 KiB
+        raw = p.call("try_wrap", "kv", "cuda-raw")
+        assert raw["error"] == "NotCudaMallocMemoryError" and "use_vmm_api" in raw["message"]
+        probe = p.call("try_wrap", "kv", "cuda-vmm")
+        if probe["error"] == "VmmNotExportableError":
+            pytest.skip(f"this torch build allocates expandable segments without a POSIX-fd handle type: {probe['message']}")
+        assert probe["error"] is None, probe
+        w, t = map_one(p, "kv", "cuda-vmm")
+        assert digest(t) == p.call("digest", "kv")
+        del t
+        w.close()
+
+
+@pytest.mark.parametrize("kind", ["cuda-raw", "cuda-vmm"])
+def test_a_producer_thread_with_no_current_context_still_exports(producer, kind):
+    name = f"thread-{kind}"
+    producer.call("alloc", name, (64, 64), "float16", memory=KIND_MEMORY[kind], seed=13)
+    out = producer.call("wrap", name, kind, (), in_fresh_thread=True)
+    assert out["ctx_before"] == 0                          # the thread really had no context
+    w = receive(out["payload"], out.get("fds"))
+    result: dict = {}
+
+    def consume():                                         # and the consumer side likewise
+        result["ctx_before"] = get_driver().current_context()
+        t = w.to_tensor()
+        result["digest"] = digest(t)
+
+    th = threading.Thread(target=consume)
+    th.start()
+    th.join()
+    assert result["ctx_before"] == 0
+    assert result["digest"] == producer.call("digest", name)
+    w.close()
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
+def test_a_sigkilled_workers_gpu_memory_comes_back_within_two_seconds(kind):
+    pool = 4 << 30
+    r = measure_reclaim(kind, pool, session="gpu-test")
+    print(f"\n{kind}: reclaim {r['reclaim_s'] * 1000:.0f} ms, pinned after death "
+          f"{r['pinned_frac']:.0%}, recovered {r['recovered_frac']:.0%}")
+    assert r["recovered_frac"] >= 0.95, r
+    assert r["reclaim_s"] <= 2.0, r
+
+
+def test_vmm_wrapper_refuses_cudamalloc_memory_with_a_hint(producer):
+    producer.call("alloc", "plain", (1024,), "float16", memory="torch")
+    out = producer.call("try_wrap", "plain", "cuda-vmm")
+    assert out["error"] == "NotVmmMemoryError" and "LMSHM_USE_VMM_API=0" in out["message"]
+    producer.call("free", "plain")
