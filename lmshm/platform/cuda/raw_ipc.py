@@ -21,11 +21,14 @@ still be alive when the consumer opens it.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Hashable
 
-from lmshm.platform.cuda._common import DeviceMapping, FlatCudaWrapper, check_bytes, producer_id, quietly
+from lmshm.platform.cuda._common import DeviceMapping, FlatCudaWrapper, check_bytes, producer_id
 from lmshm.platform.cuda.driver import IPC_HANDLE_BYTES, CudaDriverError, get_driver, hexptr
 from lmshm.platform.cuda.errors import NOT_CUDA_MALLOC_HINT, CudaExportError, NotCudaMallocMemoryError
+
+logger = logging.getLogger(__name__)
 
 
 class RawCudaIPCWrapper(FlatCudaWrapper):
@@ -90,10 +93,11 @@ class RawCudaIPCWrapper(FlatCudaWrapper):
         drv = get_driver()
         base = drv.ipc_open(self.ipc_handle, ordinal)
         try:
+            # Trust the driver's size of what it mapped over the peer's word, where it tells.
             _, size = drv.address_range(base, ordinal)
-        except BaseException:
-            quietly("closing a CUDA IPC mapping after a failed open", drv.ipc_close, base, ordinal)
-            raise
+        except CudaDriverError as exc:
+            logger.debug("lmshm: no address range for an IPC mapping (%s); using the producer's size", exc)
+            size = self.alloc_size
         return DeviceMapping(base=base, size=size, ordinal=ordinal)
 
     @staticmethod

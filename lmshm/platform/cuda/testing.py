@@ -118,12 +118,15 @@ class _ProducerState:
         if not in_fresh_thread:
             w = self._wrap(name, kind, view, options)
             return {"payload": w.Serialize(), "fds": w.export_fds()}
+        t = self.tensors[name]
+        get_driver().device_uuid(t.device.index)   # warm torch's cache: the thread makes driver calls only
         out: dict[str, Any] = {}
 
         def run() -> None:
             try:
                 out["ctx_before"] = get_driver().current_context()
                 w = self._wrap(name, kind, view, options)
+                out["ctx_after"] = get_driver().current_context()
                 out.update(payload=w.Serialize(), fds=w.export_fds())
             except BaseException as exc:  # noqa: BLE001 - reported to the parent
                 out["error"] = exc
@@ -167,10 +170,12 @@ class _ProducerState:
         return bytes(u8[:n].cpu().tolist())
 
     def op_free(self, name: str) -> None:
+        """Drop a tensor and return its memory to the driver (not to torch's cache)."""
         import torch
 
         self.tensors.pop(name, None)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
     def op_close_wrappers(self) -> None:
         for w in self.wrappers:

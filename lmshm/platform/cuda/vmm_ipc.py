@@ -104,6 +104,12 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
                 SPANS_CHUNKS_HINT,
             )
         try:
+            legacy = drv.is_legacy_ipc_capable(ptr, ordinal)
+        except CudaDriverError:
+            legacy = False  # drivers without the attribute: let the retain below decide
+        if legacy:
+            raise NotVmmMemoryError(f"cannot share {where}: it is cudaMalloc memory, not VMM memory", NOT_VMM_HINT)
+        try:
             alloc = drv.retain_allocation(ptr, ordinal)
         except CudaDriverError as exc:
             raise NotVmmMemoryError(f"cannot share {where}: {exc}", NOT_VMM_HINT) from exc

@@ -269,6 +269,10 @@ def test_an_allocation_not_exportable_as_requested_is_refused_with_a_hint(fake_d
 
 def test_vmm_on_cudamalloc_memory_says_to_turn_use_vmm_api_off(fake_driver):
     base = fake_driver.malloc(1 * MiB)
+    with pytest.raises(NotVmmMemoryError, match=r"it is cudaMalloc memory, not VMM memory.*LMSHM_USE_VMM_API=0"):
+        VmmCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+    # a driver that cannot answer the attribute query: the retain's own error is reported
+    fake_driver.fail_next("cuPointerGetAttribute", "CUDA_ERROR_INVALID_VALUE")
     with pytest.raises(NotVmmMemoryError, match=r"cuMemRetainAllocationHandle failed.*LMSHM_USE_VMM_API=0"):
         VmmCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
 
