@@ -240,11 +240,11 @@ class DealerClient:
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                if time.monotonic() < deadline:
-                    continue
+            if remaining <= 0:
                 self.reset()
                 raise TransportTimeout(self.url, timeout, what)
+            if not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                continue
             frames = self._sock.recv_multipart()
             if len(frames) == 2 and frames[0] == rid:
                 return frames[1]
