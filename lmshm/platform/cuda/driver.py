@@ -172,7 +172,15 @@ class CudaDriver:
             return
         with self._lock:
             if not self._initialized:
-                self._call("cuInit", 0)
+                try:
+                    self._call("cuInit", 0)
+                except CudaDriverError:
+                    raise
+                except Exception as exc:  # libcuda missing: cuda-python raises its own error types
+                    raise CudaUnavailableError(
+                        f"cannot load the CUDA driver ({type(exc).__name__}: {exc}); lmshm's CUDA "
+                        "wrappers need an NVIDIA driver and a GPU in this process's container"
+                    ) from exc
                 self._initialized = True
 
     def _device(self, ordinal: int) -> Any:

@@ -86,3 +86,127 @@ def test_importing_the_cuda_package_imports_no_cuda_library_and_initialises_noth
         "assert d._driver is None\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_missing_nvidia_driver_is_a_clear_error_not_a_library_traceback():
+    from lmshm.platform.cuda.errors import CudaUnavailableError
+
+    class NoLibcuda:
+        def cuInit(self, flags):
+            raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via system search')
+
+    with pytest.raises(CudaUnavailableError, match="cannot load the CUDA driver.*need an NVIDIA driver"):
+        driver.CudaDriver(NoLibcuda()).mem_info(0)
+
+
+def test_a_failing_driver_call_is_checked_with_its_subject():
+    class FailingBindings:
+        class CUresult(enum.IntEnum):
+            CUDA_SUCCESS = 0
+            CUDA_ERROR_INVALID_VALUE = 1
+
+        def cuInit(self, flags):
+            return (self.CUresult.CUDA_SUCCESS,)
+
+        def cuCtxGetCurrent(self):
+            return (self.CUresult.CUDA_SUCCESS, 1)
+
+        def cuCtxGetDevice(self):
+            return (self.CUresult.CUDA_SUCCESS, 0)
+
+        def cuDeviceGet(self, ordinal):
+            return (self.CUresult.CUDA_SUCCESS, ordinal)
+
+        def cuIpcCloseMemHandle(self, ptr):
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+        def cuGetErrorString(self, code):
+            return (self.CUresult.CUDA_SUCCESS, b"invalid argument")
+
+    gateway = driver.CudaDriver(FailingBindings())
+    with pytest.raises(CudaDriverError, match=r"^cuIpcCloseMemHandle failed \(CUDA_ERROR_INVALID_VALUE: invalid argument, ptr=0x7f00\)$"):
+        gateway.ipc_close(0x7F00, 0)
+    assert gateway.calls["cuIpcCloseMemHandle"] == 0 and gateway.calls["cuInit"] == 1
+
+
+class ContextBindings:
+    """Just enough of cuda-python for the context logic: per-thread current context, devices 0-1."""
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+
+    def __init__(self):
+        import threading
+
+        self.tls = threading.local()
+        self.log = []
+        self.ok = self.CUresult.CUDA_SUCCESS
+
+    def _cur(self):
+        return getattr(self.tls, "ctx", 0)
+
+    def cuInit(self, flags):
+        return (self.ok,)
+
+    def cuDeviceGet(self, ordinal):
+        return (self.ok, ordinal)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        self.log.append(("retain", dev))
+        return (self.ok, 100 + dev)             # primary context of device d is 100 + d
+
+    def cuCtxGetCurrent(self):
+        return (self.ok, self._cur())
+
+    def cuCtxGetDevice(self):
+        return (self.ok, self._cur() - 100)
+
+    def cuCtxSetCurrent(self, ctx):
+        self.log.append(("set", ctx))
+        self.tls.ctx = ctx
+        return (self.ok,)
+
+    def cuCtxPushCurrent(self, ctx):
+        self.log.append(("push", ctx))
+        self.tls.stack = getattr(self.tls, "stack", []) + [self._cur()]
+        self.tls.ctx = ctx
+        return (self.ok,)
+
+    def cuCtxPopCurrent(self):
+        self.log.append(("pop", self._cur()))
+        popped, self.tls.ctx = self._cur(), self.tls.stack.pop()
+        return (self.ok, popped)
+
+    def cuMemGetInfo(self):
+        self.log.append(("meminfo", self._cur()))
+        return (self.ok, 1, 2)
+
+
+def test_a_thread_without_a_context_gets_the_devices_primary_context_and_keeps_it():
+    import threading
+
+    b = ContextBindings()
+    gateway = driver.CudaDriver(b)
+    seen = {}
+
+    def fresh_thread():
+        seen["before"] = gateway.current_context()
+        gateway.mem_info(1)
+        seen["after"] = gateway.current_context()
+
+    th = threading.Thread(target=fresh_thread)
+    th.start()
+    th.join()
+    assert seen == {"before": 0, "after": 101}
+    assert ("retain", 1) in b.log and ("set", 101) in b.log and ("meminfo", 101) in b.log
+
+
+def test_a_thread_bound_to_another_device_gets_the_right_context_for_the_call_only():
+    b = ContextBindings()
+    gateway = driver.CudaDriver(b)
+    b.tls.ctx = 100                                   # this thread works on device 0
+    gateway.mem_info(1)
+    assert b.log[-3:] == [("push", 101), ("meminfo", 101), ("pop", 101)]
+    assert gateway.current_context() == 100
+    gateway.mem_info(0)                               # already right: nothing pushed
+    assert b.log[-1] == ("meminfo", 100) and gateway.calls["cuDevicePrimaryCtxRetain"] == 1
