@@ -6,7 +6,7 @@ import concurrent.futures
 
 from lmshm.multiprocess.client import query_status
 
-from conftest import wait_for
+from harness import wait_for
 
 WORKERS = 8
 

@@ -11,7 +11,7 @@ import pytest
 
 from lmshm.multiprocess.client import query_status
 
-from conftest import wait_for
+from harness import wait_for
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 

@@ -10,7 +10,7 @@ import pytest
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import MPClient, query_status
 
-from conftest import lmshm_segments, raw_exchange, scratch_dir, ServerProcess, wait_for
+from harness import lmshm_segments, raw_exchange, scratch_dir, ServerProcess, wait_for
 
 
 @pytest.fixture(scope="module")
