@@ -12,7 +12,6 @@ one is freed the chunks are unmapped and released and the range is freed. Nothin
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -21,8 +20,6 @@ from lmshm.platform.base.ipc_wrapper import dtype_name
 from lmshm.platform.cuda import devices
 from lmshm.platform.cuda._common import quietly
 from lmshm.platform.cuda.driver import get_driver
-
-logger = logging.getLogger(__name__)
 
 
 def _round_up(n: int, to: int) -> int:
