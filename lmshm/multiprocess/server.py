@@ -297,9 +297,9 @@ class Server:
                 return protocol.ErrorReply(ErrorCode.INVALID_ARG,
                                            f"peek offset {req.offset} is outside layer {req.layer_name!r} ({span} bytes)")
             n = min(req.length, span - req.offset)
-            u8 = torch.empty(0, dtype=torch.uint8).set_(
+            u8 = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
                 tensor.untyped_storage(), tensor.storage_offset() * item + req.offset, (n,))
-            return protocol.PeekReply(u8.numpy().tobytes())
+            return protocol.PeekReply(u8.cpu().numpy().tobytes())  # a GPU layer: one small D2H copy
 
     # ---- session ends -------------------------------------------------------------------
     def _pid_exited(self, session: Session) -> None:
