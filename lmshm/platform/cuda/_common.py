@@ -104,6 +104,13 @@ class CudaWrapperBase(DeviceIPCWrapper):
             return self._lease, False
         return MAPPINGS.acquire(key, opener, closer), True
 
+    def _keep_lease(self, lease: Lease) -> None:
+        """Make ``lease`` this wrapper's; a second one won by a racing thread is given back."""
+        if self._lease is None:
+            self._lease = lease
+        elif self._lease is not lease:
+            lease.release()
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["producer"] = getattr(self, "producer", "")
@@ -244,7 +251,7 @@ class FlatCudaWrapper(CudaWrapperBase):
             if fresh:
                 lease.release()
             raise
-        self._lease = lease
+        self._keep_lease(lease)
         return out
 
     def describe(self) -> dict[str, Any]:

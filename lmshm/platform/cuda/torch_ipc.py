@@ -136,5 +136,5 @@ class CudaIPCWrapper(CudaWrapperBase):
             if fresh:
                 lease.release()
             raise
-        self._lease = lease
+        self._keep_lease(lease)
         return out

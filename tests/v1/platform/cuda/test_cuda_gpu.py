@@ -139,11 +139,11 @@ def test_a_cumemcreate_pool_is_exported_both_ways(producer, handle_type):
     if handle_type == "fabric" and not producer.call("device_attribute", "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"):
         pytest.skip("this GPU/driver does not support fabric handles (no IMEX fabric)")
     name = f"pool-{handle_type}"
-    chunk = 2 * MiB
+    chunk = max(2 * MiB, get_driver().granularity(0))
     inside = (("select", 0, 2), ("slice", 0, 256, 768))
     try:
         producer.call("alloc", name, (4, chunk // 2), "float16", memory="vmm", handle_type=handle_type,
-                      chunk_bytes=chunk, seed=9)             # 4 chunks of 2 MiB, one row each
+                      chunk_bytes=chunk, seed=9)             # 4 chunks, one row each
         w, t = map_one(producer, name, "cuda-vmm", inside, handle_type=handle_type)
     except Exception as exc:  # noqa: BLE001
         if handle_type == "fabric":

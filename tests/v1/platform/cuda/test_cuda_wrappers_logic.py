@@ -418,3 +418,31 @@ def test_the_spawned_producer_answers_reports_errors_and_passes_fds():
             producer.call("digest", "nothing")
         producer.call("close_wrappers")
     assert not producer.proc.is_alive()
+
+
+def test_threads_mapping_one_wrapper_at_once_leave_one_lease(fake_driver, as_consumer):
+    import threading
+
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 4096, torch.uint8, (4096,), 0)
+    as_consumer()
+    peer = over_the_wire(w)
+    barrier = threading.Barrier(4)
+    tensors = []
+
+    def map_it():
+        barrier.wait()
+        tensors.append(peer.to_tensor())
+
+    threads = [threading.Thread(target=map_it) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(tensors) == 4 and fake_driver.calls["cuIpcOpenMemHandle"] == 1
+    key = ("cuda-ipc", peer.ipc_handle)
+    assert MAPPINGS.refcount(key) == 1 + 4            # the wrapper's lease + one per tensor
+    tensors.clear()
+    peer.close()
+    w.close()
+    assert fake_driver.live_mappings() == 0
