@@ -28,7 +28,7 @@ import time
 import torch
 
 from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import MPClient, query_status
+from lmshm.multiprocess.client import MPClient, layer_groups, query_status
 from lmshm.multiprocess.registry import Registry
 from lmshm.platform.cpu import empty_shared
 from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
@@ -59,37 +59,44 @@ def _median_us(samples: list[float]) -> float:
     return statistics.median(samples) * 1e6
 
 
-def bench_register(client: MPClient, n: int, layout: str, reps: int) -> float:
+def bench_register(client: MPClient, n: int, layout: str, reps: int) -> tuple[float, float]:
+    """Median register and median PING, interleaved (PING, register, unregister) so that
+    both see the same machine load."""
     layers = _layers(n, layout)
-    samples = []
+    samples, pings = [], []
     for r in range(reps):
+        pings.append(client.ping())
         t0 = time.perf_counter()
         iid = client.register_kv_caches(layers, f"bench-{layout}-{n}-{r}")
         samples.append(time.perf_counter() - t0)
         client.unregister_kv_caches(iid)
-    return _median_us(samples)
+    return _median_us(samples), _median_us(pings)
 
 
-def bench_server_cost(n: int, layout: str, reps: int) -> tuple[float, float]:
-    """Per-layer microseconds of decode+map and of release, in this process."""
+def bench_server_cost(n: int, layout: str, reps: int) -> tuple[float, float, float]:
+    """Per-layer microseconds, in this process: decode + register (maps every group, checks
+    every layer's bounds); building every layer's server-side tensor; release."""
     layers = _layers(n, layout)
     wrappers = wrap_kv_caches(layers)
-    body = codec.encode(protocol.RegisterKVCache("bench", "m", 1, 0, [
-        protocol.Layer(name, w) for name, w in zip(layers, wrappers)]))
+    body = codec.encode(protocol.RegisterKVCache("bench", "m", 1, 0, layer_groups(list(layers), wrappers)))
     registry = Registry()
-    reg_t, rel_t = [], []
+    reg_t, view_t, rel_t = [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         req = codec.decode_request(body)
-        registry.register(owner=1, owner_pid=os.getpid(), instance_id="bench", model_name="m", world_size=1,
-                          worker_rank=0, layers=[(layer.name, layer.wrapper) for layer in req.layers])
+        reg, _ = registry.register(owner=1, owner_pid=os.getpid(), instance_id="bench", model_name="m",
+                                   world_size=1, worker_rank=0, groups=req.groups)
         t1 = time.perf_counter()
-        registry.unregister("bench", owner=1)
+        for name in layers:  # every layer's server-side tensor, as a first data operation would
+            reg.tensor(name)
         t2 = time.perf_counter()
+        registry.unregister("bench", owner=1)
+        t3 = time.perf_counter()
         reg_t.append(t1 - t0)
-        rel_t.append(t2 - t1)
+        view_t.append(t2 - t1)
+        rel_t.append(t3 - t2)
     release_wrappers(wrappers)
-    return _median_us(reg_t) / n, _median_us(rel_t) / n
+    return _median_us(reg_t) / n, _median_us(view_t) / n, _median_us(rel_t) / n
 
 
 def bench_reclaim(url: str, kills: int) -> list[float]:
@@ -131,13 +138,16 @@ def main() -> int:
                 client.ping()  # warm up
             ping = _median_us([client.ping() for _ in range(args.pings)])
             print(f"\nempty PING round trip: {ping:.0f} us\n")
-            print(f"{'layers':>6}  {'layout':<13} {'register us':>11}  {'x PING':>7}  "
-                  f"{'server us/layer':>15}  {'release us/layer':>16}")
+            print("register: median end-to-end MPClient.register_kv_caches; PING: median of the pings\n"
+                  "interleaved with those registrations; server columns: per layer, in-process\n")
+            print(f"{'layers':>6}  {'layout':<13} {'register us':>11}  {'PING us':>7}  {'x PING':>6}  "
+                  f"{'server us/layer':>15}  {'views us/layer':>14}  {'release us/layer':>16}")
             for n in LAYER_COUNTS:
                 for layout, label in (("one", "one segment"), ("per-layer", "per layer")):
-                    reg = bench_register(client, n, layout, args.reps)
-                    srv, rel = bench_server_cost(n, layout, args.reps)
-                    print(f"{n:>6}  {label:<13} {reg:>11.0f}  {reg / ping:>7.1f}  {srv:>15.1f}  {rel:>16.1f}")
+                    reg, row_ping = bench_register(client, n, layout, args.reps)
+                    srv, views, rel = bench_server_cost(n, layout, args.reps)
+                    print(f"{n:>6}  {label:<13} {reg:>11.0f}  {row_ping:>7.0f}  {reg / row_ping:>6.1f}  "
+                          f"{srv:>15.1f}  {views:>14.1f}  {rel:>16.1f}")
         if args.kills:
             times = bench_reclaim(url, args.kills)
             print(f"\nreclaim after SIGKILL (32 layers, {args.kills} kills): median "

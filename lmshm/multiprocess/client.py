@@ -129,6 +129,26 @@ class _Cached:
     wrappers: list[DeviceIPCWrapper]
 
 
+def layer_groups(names: list[str], wrappers: list[DeviceIPCWrapper]) -> list[protocol.LayerGroup]:
+    """Fold (name, wrapper) pairs into wire groups: a run of consecutive wrappers derived from
+    one leader (``wrap_kv_caches`` makes them for the views of one pool) becomes one group."""
+    groups: list[protocol.LayerGroup] = []
+    run_names: list[str] = []
+    run_offsets: list[int] = []
+    head: Optional[DeviceIPCWrapper] = None
+    for name, w in zip(names, wrappers):
+        if head is not None and (w.leader or w) is (head.leader or head):
+            run_names.append(name)
+            run_offsets.append(w.storage_offset)
+            continue
+        if head is not None:
+            groups.append(protocol.LayerGroup(head, run_names, run_offsets))
+        head, run_names, run_offsets = w, [name], [w.storage_offset]
+    if head is not None:
+        groups.append(protocol.LayerGroup(head, run_names, run_offsets))
+    return groups
+
+
 def _exchange(dealer: mq.DealerClient, msg: Any, timeout_s: Optional[float] = None,
               max_bytes: Optional[int] = None) -> Any:
     """Send one request, return the reply struct; error replies raise ``ServerError``."""
@@ -258,7 +278,7 @@ class MPClient:
                        len(self._cached))
         for iid, cached in list(self._cached.items()):
             try:
-                self._send_fds(cached.wrappers)
+                self._send_fds([g.wrapper for g in cached.request.groups])
                 _exchange(self._dealer, cached.request, None, reply.max_message_bytes)
             except LmshmError as exc:
                 logger.error("lmshm: re-registering %r failed: %s", iid, exc)
@@ -312,12 +332,13 @@ class MPClient:
 
         instance_id = instance_id or uuid.uuid4().hex
         wrappers = wrap_kv_caches(kv_caches)
+        groups = layer_groups(list(kv_caches), wrappers)
         request = protocol.RegisterKVCache(
             instance_id=instance_id, model_name=model_name, world_size=world_size, worker_rank=rank,
-            layers=[protocol.Layer(name, w) for name, w in zip(kv_caches, wrappers)])
+            groups=groups)
         try:
             with self._lock:
-                self._send_fds(wrappers)
+                self._send_fds([g.wrapper for g in groups])
                 self._request(request)
                 previous = self._cached.pop(instance_id, None)
                 self._cached[instance_id] = _Cached(request, wrappers)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from enum import IntEnum
-from typing import Union
+from typing import Annotated, Union
 
 import msgspec
 
@@ -93,11 +93,20 @@ def host_identity() -> tuple[str, str]:
     return boot_id, pid_ns
 
 
-class Layer(msgspec.Struct, frozen=True, array_like=True):
-    """One KV-cache layer: its name and the wrapper that reaches its bytes (ext code 1)."""
+class LayerGroup(msgspec.Struct, frozen=True, array_like=True):
+    """Consecutive KV-cache layers that one wrapper reaches (ext code 1).
 
-    name: str
+    Layer ``i`` of the group is named ``names[i]`` and is ``wrapper`` with its
+    ``storage_offset`` replaced by ``storage_offsets[i]`` (elements): same memory object,
+    dtype, shape and stride -- typically the per-layer views of one KV pool, so a
+    128-layer pool travels as one wrapper and two lists. Only kinds whose wrapper is
+    ``groupable`` may carry more than one layer; any other group has exactly one layer, at
+    the wrapper's own storage offset.
+    """
+
     wrapper: DeviceIPCWrapper
+    names: list[str]
+    storage_offsets: list[Annotated[int, msgspec.Meta(ge=0)]]
 
 
 class RegisterKVCache(_Message, tag=int(MsgType.REGISTER_KV_CACHE)):
@@ -107,7 +116,7 @@ class RegisterKVCache(_Message, tag=int(MsgType.REGISTER_KV_CACHE)):
     model_name: str
     world_size: int          # >= 1
     worker_rank: int         # 0 <= worker_rank < world_size
-    layers: list[Layer]      # in the engine's layer order; names unique
+    groups: list[LayerGroup]  # layers in the engine's order, runs grouped; names unique
 
 
 class UnregisterKVCache(_Message, tag=int(MsgType.UNREGISTER_KV_CACHE)):

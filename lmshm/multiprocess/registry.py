@@ -3,9 +3,12 @@
 The registry is the single owner of "what is registered". It does not count mappings:
 each wrapper's ``to_tensor()`` takes its share from the process-wide ``MAPPINGS`` table
 (lmshm.platform.base.mappings), which is the one refcount for every wrapper kind -- named
-shm, memfd, CUDA IPC, VMM. A registration holds, per layer, the decoded wrapper and the
-tensor it mapped; releasing a registration drops the tensors and closes the wrappers, and
-``MAPPINGS`` unmaps a segment when its last user is gone.
+shm, memfd, CUDA IPC, VMM. Layers arrive in groups (``protocol.LayerGroup``: one wrapper
+for a run of layers that differ only in storage offset). A registration holds, per group,
+the decoded wrapper and the tensor it mapped; a layer's own tensor is a view of that,
+bounds-checked at register time and built on first use. Releasing a registration drops the
+tensors and closes the wrappers, and ``MAPPINGS`` unmaps a segment when its last user is
+gone.
 
 Rules (design.md section 4):
 - register maps every layer at once, all or nothing: if layer k fails, layers < k are
@@ -35,7 +38,7 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 
 logger = logging.getLogger(__name__)
@@ -80,24 +83,58 @@ class Registration:
     world_size: int
     worker_rank: int
     layer_names: tuple[str, ...]
-    wrappers: tuple[DeviceIPCWrapper, ...]
-    tensors: dict[str, torch.Tensor]
+    groups: tuple[LayerGroup, ...]
+    # Per group, the tensor its wrapper's to_tensor() built; layer views derive from it.
+    bases: list[torch.Tensor]
+    # Layer name -> (group index, storage offset on the wire).
+    where: dict[str, tuple[int, int]]
     created: float = field(default_factory=time.time)
     holds: int = 0
     unregistered: bool = False      # out of the namespace; released when holds reach 0
     orphaned: bool = False          # the owner died: release_orphaned() on release
     released: bool = False
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def wrappers(self) -> tuple[DeviceIPCWrapper, ...]:
+        """One wrapper per group: what this registration maps and must close."""
+        return tuple(g.wrapper for g in self.groups)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_names)
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self.wrappers)
+        return sum(g.wrapper.nbytes * len(g.names) for g in self.groups)
+
+    def tensor(self, layer_name: str) -> torch.Tensor | None:
+        """The server-side tensor of one layer (aliasing the worker's memory), or None.
+
+        Built on first use: a view of its group's mapped tensor at the layer's offset, whose
+        bounds were checked at register time.
+        """
+        view = self.views.get(layer_name)
+        if view is not None:
+            return view
+        loc = self.where.get(layer_name)
+        if loc is None or self.released:
+            return None
+        group, offset = loc
+        base = self.bases[group]
+        delta = offset - self.groups[group].wrapper.storage_offset
+        view = base if delta == 0 else base.as_strided(base.size(), base.stride(), base.storage_offset() + delta)
+        return self.views.setdefault(layer_name, view)
+
+    def drop_tensors(self) -> None:
+        """Forget every tensor; they hold the mappings (child leases) until dropped."""
+        self.views.clear()
+        self.bases.clear()
 
     def same_content(self, model_name: str, world_size: int, worker_rank: int,
-                     layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> bool:
+                     groups: Sequence[LayerGroup]) -> bool:
         return (self.model_name == model_name and self.world_size == world_size
-                and self.worker_rank == worker_rank
-                and self.layer_names == tuple(n for n, _ in layers)
-                and self.wrappers == tuple(w for _, w in layers))
+                and self.worker_rank == worker_rank and self.groups == tuple(groups))
 
 
 def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False) -> None:
@@ -114,24 +151,37 @@ def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False)
 
 
 def _check_request(instance_id: str, world_size: int, worker_rank: int,
-                   layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> None:
+                   groups: Sequence[LayerGroup]) -> dict[str, tuple[int, int]]:
+    """Validate a request; return layer name -> (group index, storage offset)."""
     if not instance_id or len(instance_id) > MAX_INSTANCE_ID_CHARS or not instance_id.isprintable():
         raise InvalidRegistration(
             f"instance id {instance_id[:80]!r} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
     if world_size < 1 or not 0 <= worker_rank < world_size:
         raise InvalidRegistration(
             f"instance {instance_id!r}: worker_rank {worker_rank} is not in [0, world_size={world_size})")
-    if not layers:
+    total = sum(len(g.names) for g in groups)
+    if total == 0:
         raise InvalidRegistration(f"instance {instance_id!r}: a registration needs at least one layer")
-    if len(layers) > MAX_LAYERS:
-        raise InvalidRegistration(f"instance {instance_id!r}: {len(layers)} layers is more than {MAX_LAYERS}")
-    seen: set[str] = set()
-    for name, _ in layers:
-        if not name:
-            raise InvalidRegistration(f"instance {instance_id!r}: a layer has an empty name")
-        if name in seen:
-            raise InvalidRegistration(f"instance {instance_id!r}: layer name {name!r} appears twice")
-        seen.add(name)
+    if total > MAX_LAYERS:
+        raise InvalidRegistration(f"instance {instance_id!r}: {total} layers is more than {MAX_LAYERS}")
+    where: dict[str, tuple[int, int]] = {}
+    for gi, g in enumerate(groups):
+        w = g.wrapper
+        if len(g.names) != len(g.storage_offsets) or not g.names:
+            raise InvalidRegistration(
+                f"instance {instance_id!r}: group {gi} has {len(g.names)} names and "
+                f"{len(g.storage_offsets)} storage offsets; it needs one of each per layer, at least one")
+        if not w.groupable and (len(g.names) != 1 or g.storage_offsets[0] != w.storage_offset):
+            raise InvalidRegistration(
+                f"instance {instance_id!r}: a {w.kind} wrapper stands for exactly one layer at its own "
+                f"storage offset; group {gi} ({g.names[0]!r}) asks for {len(g.names)}")
+        for name, offset in zip(g.names, g.storage_offsets):
+            if not name:
+                raise InvalidRegistration(f"instance {instance_id!r}: a layer has an empty name")
+            if name in where:
+                raise InvalidRegistration(f"instance {instance_id!r}: layer name {name!r} appears twice")
+            where[name] = (gi, offset)
+    return where
 
 
 class Registry:
@@ -151,26 +201,26 @@ class Registry:
         model_name: str,
         world_size: int,
         worker_rank: int,
-        layers: Sequence[tuple[str, DeviceIPCWrapper]],
+        groups: Sequence[LayerGroup],
         client_name: str = "",
     ) -> tuple[Registration, bool]:
         """Map and record every layer. Returns ``(registration, refreshed)``.
 
-        Takes ownership of the wrappers in ``layers``: on any outcome they are either kept
-        by the registration or closed.
+        Takes ownership of the groups' wrappers: on any outcome they are either kept by the
+        registration or closed.
         """
-        wrappers = [w for _, w in layers]
+        wrappers = [g.wrapper for g in groups]
         try:
-            _check_request(instance_id, world_size, worker_rank, layers)
+            where = _check_request(instance_id, world_size, worker_rank, groups)
             with self._lock:
                 existing = self._live.get(instance_id)
                 if existing is not None:
-                    if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, layers):
+                    if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, groups):
                         _close_quietly(wrappers)
                         return existing, True
                     raise InstanceExists(
                         f"instance {instance_id!r} is already registered (model {existing.model_name!r}, "
-                        f"{len(existing.wrappers)} layers, owner pid {existing.owner_pid}); unregister it first "
+                        f"{existing.num_layers} layers, owner pid {existing.owner_pid}); unregister it first "
                         "or choose another instance id")
                 if instance_id in self._mapping:
                     raise InstanceExists(f"instance {instance_id!r} is being registered right now")
@@ -180,31 +230,49 @@ class Registry:
             raise
 
         try:
-            tensors = self._map_all(instance_id, layers)
+            bases = self._map_all(instance_id, groups)
         except BaseException:
             with self._lock:
                 self._mapping.discard(instance_id)
             _close_quietly(wrappers)
             raise
         reg = Registration(instance_id, owner, owner_pid, client_name, model_name, world_size, worker_rank,
-                           tuple(n for n, _ in layers), tuple(wrappers), tensors)
+                           tuple(where), tuple(groups), bases, where)
         with self._lock:
             self._mapping.discard(instance_id)
             self._live[instance_id] = reg
         return reg, False
 
     @staticmethod
-    def _map_all(instance_id: str, layers: Sequence[tuple[str, DeviceIPCWrapper]]) -> dict[str, torch.Tensor]:
-        tensors: dict[str, torch.Tensor] = {}
-        for k, (name, wrapper) in enumerate(layers):
+    def _map_all(instance_id: str, groups: Sequence[LayerGroup]) -> list[torch.Tensor]:
+        """Map every group; check that every layer's view fits its mapping. All or nothing."""
+        bases: list[torch.Tensor] = []
+        first = 0  # index of the group's first layer among all layers
+        for g in groups:
+            w = g.wrapper
             try:
-                tensors[name] = wrapper.to_tensor()
+                base = w.to_tensor()
             except Exception as exc:  # noqa: BLE001 - any mapping failure refuses the whole registration
-                tensors.clear()  # drop layers < k before the caller closes the wrappers
+                bases.clear()  # drop layers < k before the caller closes the wrappers
                 raise InvalidRegistration(
-                    f"instance {instance_id!r}: layer {k} ({name!r}, {wrapper.kind}) could not be mapped: "
+                    f"instance {instance_id!r}: layer {first} ({g.names[0]!r}, {w.kind}) could not be mapped: "
                     f"{exc}; no layer of this registration was kept") from None
-        return tensors
+            bases.append(base)
+            if len(g.storage_offsets) > 1:
+                # Same shape and stride for every layer: the extremes bound all the others.
+                for offset in (min(g.storage_offsets), max(g.storage_offsets)):
+                    try:
+                        base.as_strided(base.size(), base.stride(),
+                                        base.storage_offset() + offset - w.storage_offset)
+                    except RuntimeError:
+                        k = g.storage_offsets.index(offset)
+                        bases.clear()
+                        raise InvalidRegistration(
+                            f"instance {instance_id!r}: layer {first + k} ({g.names[k]!r}, {w.kind}) at "
+                            f"storage offset {offset} does not fit its mapped object ({w.describe()}); "
+                            "no layer of this registration was kept") from None
+            first += len(g.names)
+        return bases
 
     # ---- unregister and reclaim ---------------------------------------------------------
     def unregister(self, instance_id: str, *, owner: Hashable, force: bool = False) -> bool:
@@ -261,9 +329,9 @@ class Registry:
             reg.released = True
             if reg in self._draining:
                 self._draining.remove(reg)
-        reg.tensors.clear()  # tensors hold child leases: drop them before closing
+        reg.drop_tensors()  # tensors hold child leases: drop them before closing
         _close_quietly(reg.wrappers, orphaned=reg.orphaned)
-        logger.info("lmshm: released instance %r (%d layers%s)", reg.instance_id, len(reg.wrappers),
+        logger.info("lmshm: released instance %r (%d layers%s)", reg.instance_id, reg.num_layers,
                     ", owner gone" if reg.orphaned else "")
 
     # ---- data operations ----------------------------------------------------------------

@@ -249,11 +249,11 @@ class Server:
         reg, refreshed = self.registry.register(
             owner=session.id, owner_pid=session.pid, client_name=session.client_name,
             instance_id=req.instance_id, model_name=req.model_name, world_size=req.world_size,
-            worker_rank=req.worker_rank, layers=[(layer.name, layer.wrapper) for layer in req.layers])
+            worker_rank=req.worker_rank, groups=req.groups)
         if not refreshed:
             logger.info("lmshm: registered %r for pid %d: %d layers, %d bytes", reg.instance_id,
-                        session.pid, len(reg.wrappers), reg.nbytes)
-        return protocol.RegisterReply(reg.instance_id, len(reg.wrappers), reg.nbytes, refreshed)
+                        session.pid, reg.num_layers, reg.nbytes)
+        return protocol.RegisterReply(reg.instance_id, reg.num_layers, reg.nbytes, refreshed)
 
     def _unregister(self, identity: bytes, req: protocol.UnregisterKVCache) -> Any:
         session = self._by_identity[identity]
@@ -267,7 +267,7 @@ class Server:
             protocol.RegistrationInfo(
                 instance_id=r.instance_id, owner_session=r.owner, owner_pid=r.owner_pid,
                 client_name=r.client_name, model_name=r.model_name, world_size=r.world_size,
-                worker_rank=r.worker_rank, num_layers=len(r.wrappers), nbytes=r.nbytes,
+                worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
                 kinds=sorted({w.kind for w in r.wrappers}), devices=sorted({w.device for w in r.wrappers}),
                 age_s=round(now - r.created, 3))
             for r in sorted(self.registry.registrations(), key=lambda r: r.created)
@@ -286,7 +286,7 @@ class Server:
             return protocol.ErrorReply(ErrorCode.INVALID_ARG,
                                        f"peek length {req.length} is not in [0, {protocol.PEEK_MAX_BYTES}]")
         with self.registry.hold(req.instance_id) as reg:
-            tensor = reg.tensors.get(req.layer_name)
+            tensor = reg.tensor(req.layer_name)
             if tensor is None:
                 return protocol.ErrorReply(ErrorCode.NOT_FOUND,
                                            f"instance {req.instance_id!r} has no layer {req.layer_name!r}")

@@ -69,13 +69,29 @@ def _cpu_scope() -> contextlib.AbstractContextManager:
 
 
 def wrap_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[DeviceIPCWrapper]:
-    """One wrapper per layer, in dict order; all or nothing (see the module docstring)."""
+    """One wrapper per layer, in dict order; all or nothing (see the module docstring).
+
+    Layers that are views of one storage with one dtype, shape and stride (the per-layer
+    slices of a KV pool) are wrapped once; the others become ``sibling()``s of that first
+    wrapper, which costs a dict copy instead of a full wrap, and lets the client send the
+    whole run as one group.
+    """
     _check_batch(kv_caches)
     wrapped: list[DeviceIPCWrapper] = []
+    leaders: dict[tuple, DeviceIPCWrapper] = {}
     with _cpu_scope() as created_segments:
         for index, (name, tensor) in enumerate(kv_caches.items()):
             try:
-                wrapped.append(wrap_one_kv_cache(tensor, name))
+                storage_ptr = tensor.untyped_storage().data_ptr()
+                key = (storage_ptr, tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device())
+                leader = leaders.get(key)
+                if leader is not None:
+                    wrapped.append(leader.sibling_for(tensor, storage_ptr))  # type: ignore[attr-defined]
+                    continue
+                wrapper = wrap_one_kv_cache(tensor, name)
+                wrapped.append(wrapper)
+                if wrapper.groupable:
+                    leaders[key] = wrapper
             except Exception as exc:
                 release_wrappers(wrapped)
                 for seg in created_segments:

@@ -124,6 +124,10 @@ class DeviceIPCWrapper:
     device_type: ClassVar[str] = ""
     #: A short name for status tables ("cpu-shm", "cuda-raw", ...).
     kind: ClassVar[str] = ""
+    #: True when one wrapper can stand for several layers that differ only in storage
+    #: offset: ``to_tensor()`` returns a tensor whose storage covers the whole mapped object,
+    #: so a sibling layer is ``as_strided`` at another offset (bounds-checked by torch).
+    groupable: ClassVar[bool] = False
     #: Wire fields beyond the common ones, in order. Plain data only.
     extra_fields: ClassVar[tuple[str, ...]] = ()
     common_fields: ClassVar[tuple[str, ...]] = ("dtype", "shape", "stride", "storage_offset", "device")
@@ -222,6 +226,25 @@ class DeviceIPCWrapper:
 
     def _validate_extra(self) -> None:
         """Check the kind-specific fields of a state that may come from a peer."""
+
+    def sibling(self, storage_offset: int) -> "DeviceIPCWrapper":
+        """Producer side: this wrapper for another view with the same dtype, shape and stride
+        in the same storage, at ``storage_offset``. Only for ``groupable`` kinds; copies the
+        (already validated) state without checking it again, which is what makes wrapping
+        the per-layer views of one pool cheap. ``leader`` points at the wrapper it came from.
+        """
+        if not self.groupable:
+            raise TypeError(f"{type(self).__name__} cannot derive sibling wrappers")
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.storage_offset = storage_offset
+        new._lease = None
+        new._closed = False
+        new.leader = self.leader if self.leader is not None else self
+        return new
+
+    #: The wrapper this one was derived from with ``sibling()`` (None for an original).
+    leader: "DeviceIPCWrapper | None" = None
 
     def Serialize(self) -> bytes:  # noqa: N802 - the name engines already call
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)

@@ -28,6 +28,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import shutil
 import threading
@@ -58,12 +59,12 @@ def _human(n: int) -> str:
     raise AssertionError
 
 
+_NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f-]{1,90}")
+
+
 def valid_segment_name(name: object) -> bool:
     """A name this package could have made: ``lmshm-`` then hex digits and dashes."""
-    if not isinstance(name, str) or not name.startswith(SEGMENT_PREFIX) or len(name) > 100:
-        return False
-    rest = name[len(SEGMENT_PREFIX):]
-    return bool(rest) and all(c in "0123456789abcdef-" for c in rest)
+    return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
 
 
 def _reserve(fd: int, size: int, where: str) -> None:

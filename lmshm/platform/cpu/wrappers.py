@@ -94,6 +94,7 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
     """Shared logic of the two CPU kinds. Not registered itself (it has no ``kind``)."""
 
     device_type = "cpu"
+    groupable = True  # to_tensor() builds on a storage that spans the whole segment
     segment_kind: ClassVar[str] = ""
     extra_fields = ("segment", "segment_bytes", "byte_offset")
 
@@ -113,6 +114,15 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
         # Keep the segment mapped for as long as the producer wrapper is open.
         wrapper._producer = (seg, tensor.untyped_storage())
         return wrapper
+
+    def sibling_for(self, tensor: torch.Tensor, storage_ptr: int) -> "CpuSegmentWrapper":
+        """A wrapper for ``tensor``, a view with this wrapper's dtype, shape and stride over
+        the storage (at ``storage_ptr``) this wrapper's tensor had when it was wrapped (see
+        ``wrap_kv_caches``)."""
+        seg = self.__dict__["_producer"][0]
+        if storage_ptr != seg.base_ptr:
+            _place_in_segment(tensor, self.segment_kind)  # the group migrated: follow it
+        return self.sibling(tensor.storage_offset())
 
     def _close_extra(self) -> None:
         self.__dict__.pop("_producer", None)

@@ -19,9 +19,9 @@ def _shm_wrapper(name: str = "lmshm-1-abcdef") -> CpuShmIPCWrapper:
                             device="cpu", segment=name, segment_bytes=1 << 20, byte_offset=0)
 
 
-def _register(*layers: protocol.Layer) -> protocol.RegisterKVCache:
+def _register(*groups: protocol.LayerGroup) -> protocol.RegisterKVCache:
     return protocol.RegisterKVCache(instance_id="inst-0", model_name="llama", world_size=2,
-                                    worker_rank=1, layers=list(layers))
+                                    worker_rank=1, groups=list(groups))
 
 
 class _RunsACommand:
@@ -41,11 +41,11 @@ class _Evals:
 
 
 def _raw_register(payload: bytes, ext_code: int = codec.WRAPPER_EXT_CODE) -> bytes:
-    """A REGISTER_KV_CACHE body whose layer carries ``payload`` under ``ext_code``."""
+    """A REGISTER_KV_CACHE body whose one layer group carries ``payload`` under ``ext_code``."""
     return msgspec.msgpack.encode({
         "type": int(protocol.MsgType.REGISTER_KV_CACHE), "instance_id": "x", "model_name": "m",
         "world_size": 1, "worker_rank": 0,
-        "layers": [["layer0", msgspec.msgpack.Ext(ext_code, payload)]],
+        "groups": [[msgspec.msgpack.Ext(ext_code, payload), ["layer0"], [0]]],
     })
 
 
@@ -64,13 +64,22 @@ def test_every_request_round_trips(msg):
 def test_wrappers_travel_as_ext_code_1_and_decode_to_equal_wrappers():
     fd_wrapper = CpuFdIPCWrapper(dtype="bfloat16", shape=(8,), stride=(1,), storage_offset=0, device="cpu",
                                  segment="lmshm-2-beef", segment_bytes=4096, byte_offset=0)
-    msg = _register(protocol.Layer("l0", _shm_wrapper()), protocol.Layer("l1", fd_wrapper))
+    msg = _register(protocol.LayerGroup(_shm_wrapper(), ["l0", "l0b"], [0, 16]),
+                    protocol.LayerGroup(fd_wrapper, ["l1"], [fd_wrapper.storage_offset]))
     data = codec.encode(msg)
     raw = msgspec.msgpack.decode(data, ext_hook=lambda code, buf: (code, bytes(buf)))
-    assert [layer[1][0] for layer in raw["layers"]] == [1, 1]
+    assert [group[0][0] for group in raw["groups"]] == [1, 1]  # the wrapper of each group is ext 1
     back = codec.decode_request(data)
     assert back == msg
-    assert [type(layer.wrapper) for layer in back.layers] == [CpuShmIPCWrapper, CpuFdIPCWrapper]
+    assert [type(group.wrapper) for group in back.groups] == [CpuShmIPCWrapper, CpuFdIPCWrapper]
+
+
+def test_a_negative_storage_offset_in_a_group_is_refused_by_the_decoder():
+    msg = _register(protocol.LayerGroup(_shm_wrapper(), ["l0", "l1"], [0, 16]))
+    raw = msgspec.msgpack.decode(codec.encode(msg), ext_hook=lambda code, buf: msgspec.msgpack.Ext(code, bytes(buf)))
+    raw["groups"][0][2][1] = -16
+    with pytest.raises(codec.CodecError, match=">= 0"):
+        codec.decode_request(msgspec.msgpack.encode(raw))
 
 
 def test_replies_round_trip_including_status_and_errors():
@@ -119,13 +128,13 @@ def test_unknown_extension_code_is_refused():
 
 def test_a_plain_value_where_a_wrapper_belongs_is_refused():
     body = msgspec.msgpack.encode({"type": 2, "instance_id": "x", "model_name": "m", "world_size": 1,
-                                   "worker_rank": 0, "layers": [["layer0", "lmshm-1-ab"]]})
+                                   "worker_rank": 0, "groups": [["lmshm-1-ab", ["layer0"], [0]]]})
     with pytest.raises(CodecError, match="expected an lmshm wrapper"):
         codec.decode_request(body)
 
 
 def test_truncated_random_and_mistyped_bytes_give_a_codec_error():
-    good = codec.encode(_register(protocol.Layer("l0", _shm_wrapper())))
+    good = codec.encode(_register(protocol.LayerGroup(_shm_wrapper(), ["l0"], [0])))
     rng = torch.Generator().manual_seed(7)
     bad_bodies = [good[:n] for n in (0, 1, len(good) // 2, len(good) - 1)]
     bad_bodies += [bytes(torch.randint(0, 256, (n,), generator=rng, dtype=torch.uint8).tolist())

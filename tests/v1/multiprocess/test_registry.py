@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.multiprocess.registry import (
     InstanceExists,
     InstanceNotFound,
@@ -47,9 +47,14 @@ def consumer_layers(producers) -> list[tuple[str, DeviceIPCWrapper]]:
     return [(f"layer{i}", DeviceIPCWrapper.Deserialize(w.Serialize())) for i, w in enumerate(producers)]
 
 
+def as_groups(layers) -> list[LayerGroup]:
+    """One single-layer group per (name, wrapper), as a client sends unrelated wrappers."""
+    return [LayerGroup(w, [name], [w.storage_offset]) for name, w in layers]
+
+
 def register(reg: Registry, layers, owner="A", iid="inst"):
     return reg.register(owner=owner, owner_pid=os.getpid(), instance_id=iid, model_name="m",
-                        world_size=1, worker_rank=0, layers=layers)
+                        world_size=1, worker_rank=0, groups=as_groups(layers))
 
 
 def test_registration_maps_every_layer_onto_the_producers_bytes(pool):
@@ -58,7 +63,7 @@ def test_registration_maps_every_layer_onto_the_producers_bytes(pool):
     r, refreshed = register(reg, consumer_layers(producers))
     assert not refreshed and len(reg) == 1
     layers["layer2"].fill_(3.5)
-    assert torch.all(r.tensors["layer2"] == 3.5)
+    assert torch.all(r.tensor("layer2") == 3.5)
     assert r.nbytes == sum(t.numel() * 2 for t in layers.values())
     reg.release_all()
 
@@ -124,12 +129,12 @@ def test_unregister_while_held_is_deferred_until_the_holder_leaves(pool):
         assert reg.unregister("inst", owner="A") is True
         assert len(reg) == 0 and reg.draining == 1
         layers["layer0"].fill_(1.25)
-        assert torch.all(held.tensors["layer0"] == 1.25)  # still mapped
+        assert torch.all(held.tensor("layer0") == 1.25)  # still mapped
         assert not any(w.closed for w in r.wrappers)
         with pytest.raises(InstanceNotFound):
             reg.hold("inst").__enter__()
     assert r.released and reg.draining == 0
-    assert all(w.closed for w in r.wrappers) and not r.tensors
+    assert all(w.closed for w in r.wrappers) and not r.bases and not r.views
 
 
 def test_every_registration_is_released_exactly_once(pool):
@@ -175,12 +180,46 @@ def test_bad_requests_are_refused_before_anything_is_mapped(pool):
     for kwargs, match in [
         (dict(instance_id=""), "instance id"),
         (dict(world_size=2, worker_rank=2), "worker_rank 2"),
-        (dict(layers=[]), "at least one layer"),
-        (dict(layers=consumer_layers(producers)[:1] * 2), "appears twice"),
+        (dict(groups=[]), "at least one layer"),
+        (dict(groups=as_groups(consumer_layers(producers)[:1] * 2)), "appears twice"),
+        (dict(groups=[LayerGroup(producers[0], ["a", "b"], [0])]), "2 names and 1 storage offsets"),
     ]:
         args = dict(owner="A", owner_pid=1, instance_id="x", model_name="m", world_size=1, worker_rank=0,
-                    layers=consumer_layers(producers))
+                    groups=as_groups(consumer_layers(producers)))
         args.update(kwargs)
         with pytest.raises(InvalidRegistration, match=match):
             reg.register(**args)
     assert MAPPINGS.opens_total == opens
+
+
+def test_a_group_maps_its_segment_once_and_serves_every_layer(pool):
+    layers, producers = pool
+    # What the client sends for the 4 views of one pool: one wrapper, four names and offsets.
+    group = LayerGroup(DeviceIPCWrapper.Deserialize(producers[0].Serialize()), list(layers),
+                       [w.storage_offset for w in producers])
+    opens = MAPPINGS.opens_total
+    reg = Registry()
+    r, _ = reg.register(owner="A", owner_pid=1, instance_id="g", model_name="m", world_size=1,
+                        worker_rank=0, groups=[group])
+    assert MAPPINGS.opens_total == opens + 1 and r.num_layers == 4
+    assert r.nbytes == sum(t.numel() * t.element_size() for t in layers.values())
+    for i, (name, t) in enumerate(layers.items()):
+        t.fill_(i + 0.5)
+        server_side = r.tensor(name)
+        assert server_side.shape == t.shape and server_side.stride() == t.stride()
+        assert torch.all(server_side == i + 0.5), f"layer {name} must alias the producer's bytes"
+    assert r.tensor("no-such-layer") is None
+    reg.unregister("g", owner="A")
+    assert r.tensor("layer0") is None and not r.views
+
+
+def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(pool):
+    layers, producers = pool
+    wrapper = DeviceIPCWrapper.Deserialize(producers[0].Serialize())
+    too_far = producers[-1].storage_offset + producers[1].storage_offset  # one layer past the end
+    group = LayerGroup(wrapper, ["l0", "l1", "l2"], [0, producers[1].storage_offset, too_far])
+    reg = Registry()
+    with pytest.raises(InvalidRegistration, match=r"layer 2 \('l2', cpu-shm\) at storage offset \d+ does not fit"):
+        reg.register(owner="A", owner_pid=1, instance_id="g", model_name="m", world_size=1,
+                     worker_rank=0, groups=[group])
+    assert wrapper.closed and len(reg) == 0

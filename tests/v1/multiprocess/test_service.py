@@ -73,6 +73,22 @@ def test_the_server_reads_what_the_worker_writes_through_its_own_mapping(shared_
     worker.ok("unregister", instance_id=iid)
 
 
+def test_views_of_one_pool_travel_as_one_group_and_each_layer_reads_its_own_bytes(shared_server, start_worker):
+    worker = start_worker(shared_server.url)
+    layers = 16
+    iid = worker.ok("register", layers=layers, layout="one")["instance_id"]
+    status = query_status(shared_server.url)
+    [row] = [r for r in status.registrations if r.instance_id == iid]
+    assert row.num_layers == layers and status.mappings == 1  # one segment, mapped once
+    for i in (0, 7, layers - 1):
+        name = f"model.layers.{i}.attn"
+        worker.ok("fill", instance_id=iid, layer=name, bytes=[i, 100 + i, 200])
+        assert worker.ok("peek", instance_id=iid, layer=name)["bytes"][:3] == [i, 100 + i, 200]
+    # Never written (a fresh segment is zero-filled): each layer reads its own bytes.
+    assert worker.ok("peek", instance_id=iid, layer="model.layers.1.attn")["bytes"][:3] == [0, 0, 0]
+    worker.ok("unregister", instance_id=iid)
+
+
 def test_duplicate_id_is_already_exists_and_a_foreign_unregister_is_refused(shared_server, start_worker):
     a = start_worker(shared_server.url)
     b = start_worker(shared_server.url)
@@ -147,7 +163,7 @@ def test_malicious_pickles_are_refused_over_the_wire_and_run_nothing(shared_serv
                     pickle.dumps(_Evals(f"open({str(marker)!r}, 'w')"))):
         body = msgspec.msgpack.encode({
             "type": int(protocol.MsgType.REGISTER_KV_CACHE), "instance_id": "evil", "model_name": "m",
-            "world_size": 1, "worker_rank": 0, "layers": [["l0", msgspec.msgpack.Ext(1, payload)]]})
+            "world_size": 1, "worker_rank": 0, "groups": [[msgspec.msgpack.Ext(1, payload), ["l0"], [0]]]})
         reply = raw_reply(shared_server.url, body)
         assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.INVALID_ARG
         assert "refusing to unpickle" in reply.message
@@ -186,12 +202,13 @@ def test_oversized_messages_are_refused_and_the_server_survives(start_server):
     reply = codec.decode_reply(frames[1])
     assert reply.code == ErrorCode.INVALID_ARG and "exceeds the server's limit of 4096 bytes" in reply.message
     # lmshm's own client knows the limit from HELLO and refuses before sending.
-    pool = empty_shared((64, 4), torch.float16)
+    # (64 separate segments: views of one pool would travel as one compact group.)
+    layers = {f"layer.{i}": empty_shared((4,), torch.float16) for i in range(64)}
     with MPClient(server.url, heartbeat=False) as client:
         with pytest.raises(MessageTooLarge, match=r"more than the server .* accepts \(4096 bytes"):
-            client.register_kv_caches({f"layer.{i}": pool[i] for i in range(64)})
+            client.register_kv_caches(layers)
         assert client.ping() > 0
-    del pool
+    del layers
     assert server.alive
 
 
