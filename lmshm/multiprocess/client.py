@@ -300,18 +300,28 @@ class MPClient:
 
     def _send_fds(self, wrappers: list[DeviceIPCWrapper]) -> None:
         fds: dict[str, int] = {}
+        needy: list[DeviceIPCWrapper] = []
         for w in wrappers:
-            fds.update(w.export_fds())
+            exported = w.export_fds()
+            if exported:
+                fds.update(exported)
+                needy.append(w)
         if not fds:
             return
         if self._link is None:
-            raise LmshmError(
-                f"{len(fds)} file descriptor(s) must travel to the server, but this client has no fd-channel "
-                f"link to {self.url}'s fd socket; pass fd_socket=PATH (or LMSHM_FD_SOCKET) as the worker sees it")
+            raise LmshmError(self._fd_channel_message(
+                needy, f"this client has no fd-channel link to the server at {self.url}"))
         try:
             self._link.send_fds(fds)
         except (FdChannelError, OSError) as exc:
-            raise LmshmError(f"sending file descriptors to the server failed: {exc}") from None
+            raise LmshmError(self._fd_channel_message(needy, f"sending them failed: {exc}")) from None
+
+    @staticmethod
+    def _fd_channel_message(wrappers: list[DeviceIPCWrapper], reason: str) -> str:
+        kinds = sorted({w.kind for w in wrappers})
+        hints = list(dict.fromkeys(type(w).fd_channel_hint for w in wrappers if type(w).fd_channel_hint))
+        return (f"{len(wrappers)} wrapper(s) of kind {', '.join(kinds)} hand their memory over as file "
+                f"descriptors, but {reason}. " + " ".join(hints))
 
     # ---- public API ---------------------------------------------------------------------
     def register_kv_caches(

@@ -128,6 +128,8 @@ class DeviceIPCWrapper:
     #: offset: ``to_tensor()`` returns a tensor whose storage covers the whole mapped object,
     #: so a sibling layer is ``as_strided`` at another offset (bounds-checked by torch).
     groupable: ClassVar[bool] = False
+    #: What to do when this kind's fds cannot reach the consumer (see ``export_fds``).
+    fd_channel_hint: ClassVar[str] = ""
     #: Wire fields beyond the common ones, in order. Plain data only.
     extra_fields: ClassVar[tuple[str, ...]] = ()
     common_fields: ClassVar[tuple[str, ...]] = ("dtype", "shape", "stride", "storage_offset", "device")

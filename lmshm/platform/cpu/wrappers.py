@@ -243,6 +243,12 @@ class CpuFdIPCWrapper(CpuSegmentWrapper):
 
     kind = "cpu-memfd"
     segment_kind = "memfd"
+    fd_channel_hint = (
+        "isolated mode sends CPU memory as memfd file descriptors over the server's fd side "
+        "channel: start lmshm-server with --fd-socket on a path the worker can reach (pass it "
+        "as fd_socket=PATH or LMSHM_FD_SOCKET if the worker sees it elsewhere), or turn "
+        "isolated_ipc off where worker and server share /dev/shm"
+    )
 
     def export_fds(self) -> dict[str, int]:
         producer = self.__dict__.get("_producer")

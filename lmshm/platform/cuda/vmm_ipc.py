@@ -79,6 +79,7 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
     """A CUDA tensor in VMM memory, shared as a POSIX fd or fabric handle of its chunk."""
 
     kind = "cuda-vmm"
+    fd_channel_hint = FD_CHANNEL_HINT
     extra_fields = ("producer", "handle_type", "fd_token", "fabric_handle", "alloc_id",
                     "alloc_offset", "alloc_size")
 
