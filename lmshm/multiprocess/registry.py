@@ -44,6 +44,8 @@ from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 logger = logging.getLogger(__name__)
 
 MAX_INSTANCE_ID_CHARS = 256
+#: Instance ids starting with this are the server's own; clients may not register them.
+RESERVED_ID_PREFIX = "__lmshm"
 MAX_LAYERS = 65536
 
 
@@ -156,6 +158,9 @@ def _check_request(instance_id: str, world_size: int, worker_rank: int,
     if not instance_id or len(instance_id) > MAX_INSTANCE_ID_CHARS or not instance_id.isprintable():
         raise InvalidRegistration(
             f"instance id {instance_id[:80]!r} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
+    if instance_id.startswith(RESERVED_ID_PREFIX):
+        raise InvalidRegistration(
+            f"instance id {instance_id[:80]!r} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
     if world_size < 1 or not 0 <= worker_rank < world_size:
         raise InvalidRegistration(
             f"instance {instance_id!r}: worker_rank {worker_rank} is not in [0, world_size={world_size})")

@@ -179,6 +179,7 @@ def test_bad_requests_are_refused_before_anything_is_mapped(pool):
     opens = MAPPINGS.opens_total
     for kwargs, match in [
         (dict(instance_id=""), "instance id"),
+        (dict(instance_id="__lmshm.internal"), "reserved for the server"),
         (dict(world_size=2, worker_rank=2), "worker_rank 2"),
         (dict(groups=[]), "at least one layer"),
         (dict(groups=as_groups(consumer_layers(producers)[:1] * 2)), "appears twice"),
