@@ -203,6 +203,12 @@ def segment_of(tensor: torch.Tensor) -> Segment | None:
         seg = _live.get(tensor.untyped_storage().data_ptr())
     if seg is None or seg.unlinked:
         return None
+    if seg.kind == "shm" and not os.path.exists(seg.path):
+        # Someone else removed the name -- lmshm-server does, when it cannot tell this worker
+        # from a dead one. The memory is still ours, but no consumer can open it any more.
+        with _lock:
+            seg.unlinked = True
+        return None
     return seg
 
 

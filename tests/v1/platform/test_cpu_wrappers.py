@@ -327,3 +327,20 @@ def test_unsealed_memfd_is_refused(no_new_segments):
             w.to_tensor()
     finally:
         assert FD_INBOX.close_session("unsealed") == 1
+
+
+def test_a_segment_whose_name_was_removed_by_someone_else_is_rewrapped_into_a_fresh_one(no_new_segments):
+    pool = empty_shared((4, 16), torch.float32)
+    pool.fill_(2.5)
+    first = CpuShmIPCWrapper.wrap(pool)
+    CpuShmIPCWrapper.Deserialize(first.Serialize()).release_orphaned()  # what the server may do
+    assert first.segment not in _segments()
+    second = CpuShmIPCWrapper.wrap(pool)
+    assert second.segment != first.segment and second.segment in _segments()
+    consumer = CpuShmIPCWrapper.Deserialize(second.Serialize())
+    assert float(consumer.to_tensor().sum()) == 2.5 * 64, "the data moved with the pool"
+    pool[0, 0] = 7
+    assert consumer.to_tensor()[0, 0].item() == 7, "the caller's tensor was re-pointed"
+    for w in (consumer, second, first):
+        w.close()
+    del pool
