@@ -454,20 +454,31 @@ def resolve_config(args: argparse.Namespace, environ: Optional[dict[str, str]] =
             merged[key] = env[env_name]
         elif key in from_file:
             merged[key] = from_file[key]
+    def number(key: str, kind: type, value: Any) -> Any:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError):
+            toml_key = next(k for k, v in _TOML_KEYS.items() if v == key)
+            raise ConfigError(f"bad setting {toml_key} ({_ENV[key]}, or --config key {toml_key!r}): expected "
+                              f"{'an integer' if kind is int else 'a number'}, got {value!r}") from None
+
+    if "url" not in merged and ("host" in merged or "port" in merged):
+        port = number("port", int, merged.get("port", 5555))
+        merged["url"] = f"tcp://{merged.get('host', '127.0.0.1')}:{port}"
+    merged.pop("host", None)
+    merged.pop("port", None)
     try:
-        if "url" not in merged and ("host" in merged or "port" in merged):
-            merged["url"] = f"tcp://{merged.get('host', '127.0.0.1')}:{int(merged.get('port', 5555))}"
-        merged.pop("host", None)
-        merged.pop("port", None)
         for key in ("isolated_ipc", "allow_foreign_unregister"):
             if key in merged:
                 merged[key] = _parse_bool(_ENV[key], merged[key])
-        if "reap_timeout_s" in merged:
-            merged["reap_timeout_s"] = float(merged["reap_timeout_s"])
-        if "max_message_bytes" in merged:
-            merged["max_message_bytes"] = int(merged["max_message_bytes"])
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"bad setting: {exc}") from None
+    if "reap_timeout_s" in merged:
+        merged["reap_timeout_s"] = number("reap_timeout_s", float, merged["reap_timeout_s"])
+    if "max_message_bytes" in merged:
+        merged["max_message_bytes"] = number("max_message_bytes", int, merged["max_message_bytes"])
     config = ServerConfig(**{f.name: merged[f.name] for f in fields(ServerConfig) if f.name in merged})
     if config.reap_timeout_s <= 0:
         raise ConfigError(f"--reap-timeout must be positive, got {config.reap_timeout_s}")

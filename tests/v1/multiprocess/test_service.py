@@ -273,3 +273,14 @@ def test_settings_come_from_the_command_line_then_the_environment_then_the_confi
     config.write_text("nonsense = 1\n")
     with pytest.raises(ValueError, match="unknown key"):
         resolve_config(parse(["--config", str(config)]), environ={})
+
+
+@pytest.mark.parametrize("environ,match", [
+    ({"LMSHM_PORT": "abc"}, r"bad setting port \(LMSHM_PORT, or --config key 'port'\): expected an integer, got 'abc'"),
+    ({"LMSHM_REAP_TIMEOUT": "soon"}, r"reap_timeout .*expected a number, got 'soon'"),
+    ({"LMSHM_MAX_MESSAGE_BYTES": "1e3x"}, r"max_message_bytes .*expected an integer"),
+    ({"LMSHM_ISOLATED_IPC": "maybe"}, r"LMSHM_ISOLATED_IPC='maybe' is not a boolean"),
+])
+def test_bad_settings_name_the_setting_and_the_value(environ, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_config(build_arg_parser().parse_args([]), environ=environ)
