@@ -11,8 +11,10 @@ cuda-vmm (VMM, POSIX-fd handles) -- a spawned producer allocates and wraps, and 
 - copy GB/s: the consumer copies all 64 mapped layers into a local buffer (device to device),
   against the same copy from a local source; ratio = mapped / local (1.0: no penalty);
 - reclaim ms: the producer holding a --reclaim-gib GiB pool that the consumer maps is
-  SIGKILLed; time until the device's free memory shows >= 95% of the pool back, the consumer
-  releasing its mappings as soon as it sees the death (what the server's reclaim does).
+  SIGKILLed; time until the device's free memory is back to within 5% of the pool of what it
+  was before that producer started, the consumer releasing its mappings as soon as it sees the
+  death (what the server's reclaim does); pinned: the share still missing after the death,
+  before the release.
 
 Usage: python bench/gpu_registration.py [--layers 64] [--layer-mib 32] [--reclaim-gib 4]
            [--kinds cuda-torch,cuda-raw,cuda-vmm] [--json OUT.json] [--table OUT.txt]

@@ -8,10 +8,10 @@ may live in separate containers. TRT-LLM-style pools that no torch tensor descri
 ``RawCudaIPCWrapper.from_pointer(ptr, nbytes, dtype, shape, device)``.
 
 Consumer: ``cuIpcOpenMemHandle`` maps the whole allocation and returns its base; the tensor is
-rebuilt at ``base + alloc_offset``. The driver keeps one mapping per (process, allocation) and a
-single ``cuIpcCloseMemHandle`` tears it down for every user, so the open goes through the
-process-wide ``MAPPINGS`` table keyed by the handle bytes: one open per allocation, the last
-release closes, close is idempotent and a failing close is logged.
+rebuilt at ``base + alloc_offset``. The driver keeps one mapping per (process, allocation) (older
+drivers tore it down at the first ``cuIpcCloseMemHandle``; current ones count opens), so the
+open goes through the process-wide ``MAPPINGS`` table keyed by the handle bytes: one open per
+allocation, the last release closes, close is idempotent and a failing close is logged.
 
 Only cudaMalloc-style memory has legacy IPC handles: memory from the VMM API (PyTorch expandable
 segments, vLLM sleep mode) or from cudaMallocAsync pools is refused with a hint to use

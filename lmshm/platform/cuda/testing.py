@@ -28,6 +28,7 @@ from multiprocessing import reduction
 from typing import Any, Iterator
 
 PATTERN_PRIME = 251
+_FILL_PERIODS = 1 << 16          # one fill block: 251 * 65536 bytes (~16 MiB)
 
 KINDS = ("cuda-torch", "cuda-raw", "cuda-vmm")
 
@@ -66,6 +67,27 @@ def digest(t: Any) -> str:
     return hashlib.sha256(u8.cpu().numpy().tobytes()).hexdigest()
 
 
+def fill_pattern(u8: Any, seed: int = 0) -> None:
+    """Write ``(i * 131 + seed) % 251`` into byte ``i`` of the flat uint8 tensor ``u8``.
+
+    The pattern repeats every 251 bytes, so one block of whole periods (at most ~16 MiB) is
+    built once and copied along the tensor. No temporary the size of the tensor is made: an
+    int64 ``arange`` over a 4 GiB pool would leave ~64 GiB in the allocator's cache, which the
+    process's death then frees -- and which the reclaim measurements would mistake for the
+    pool coming back.
+    """
+    import torch
+
+    n = u8.numel()
+    period = torch.arange(PATTERN_PRIME, device=u8.device, dtype=torch.int64)
+    period = ((period * 131 + seed) % PATTERN_PRIME).to(torch.uint8)
+    block = period.repeat(min(_FILL_PERIODS, -(-n // PATTERN_PRIME)))
+    step = block.numel()                      # a multiple of the period: every block starts in phase
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        u8[start:stop].copy_(block[:stop - start])
+
+
 # ---- the producer process -----------------------------------------------------------------
 
 class _ProducerState:
@@ -98,9 +120,11 @@ class _ProducerState:
         else:
             raise ValueError(f"unknown memory kind {memory!r}")
         u8 = t.view(torch.uint8).view(-1)
-        pattern = (torch.arange(u8.numel(), device="cuda", dtype=torch.int64) * 131 + seed) % PATTERN_PRIME
-        u8.copy_(pattern.to(torch.uint8))
+        fill_pattern(u8, seed)
         torch.cuda.synchronize()
+        # Hand the fill's scratch back to the driver: this process should hold its tensors and
+        # nothing else (reclaim measurements; one cudaMalloc segment per separate allocation).
+        torch.cuda.empty_cache()
         self.tensors[name] = t
         return {"ptr": t.data_ptr(), "nbytes": u8.numel()}
 
@@ -242,8 +266,9 @@ class Producer:
     environment before it starts (e.g. ``PYTORCH_CUDA_ALLOC_CONF``).
     """
 
-    def __init__(self, env: dict[str, str] | None = None, start_timeout_s: float = 180.0) -> None:
+    def __init__(self, env: dict[str, str] | None = None, start_timeout_s: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
+        self._broken = ""
         self.conn, child = ctx.Pipe(duplex=True)
         with _environment(env):
             self.proc = ctx.Process(target=_producer_main, args=(child,), name="lmshm-producer", daemon=True)
@@ -251,11 +276,23 @@ class Producer:
         child.close()
         self.pid = self.call("ping", timeout_s=start_timeout_s)
 
-    def call(self, op: str, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> Any:
-        self.conn.send((op, args, kwargs))
-        if not self.conn.poll(timeout_s):
-            raise TimeoutError(f"producer did not answer {op!r} within {timeout_s} s")
-        status, result, tokens = self.conn.recv()
+    def call(self, op: str, *args: Any, timeout_s: float = 60.0, **kwargs: Any) -> Any:
+        if self._broken:
+            raise PeerError(f"producer is unusable: {self._broken}")
+        try:
+            self.conn.send((op, args, kwargs))
+            answered = self.conn.poll(timeout_s)
+            if answered:
+                status, result, tokens = self.conn.recv()
+        except (EOFError, OSError) as exc:   # it died: fail now, with its exit code
+            self.proc.join(5)
+            raise PeerError(f"producer process is gone (exit code {self.proc.exitcode}) during {op!r}: "
+                            f"{type(exc).__name__}") from None
+        if not answered:
+            # Kill it and refuse further calls: a late answer would pass for the next call's reply.
+            self.proc.kill()
+            self._broken = f"it did not answer {op!r} within {timeout_s} s and was killed"
+            raise TimeoutError(f"producer did not answer {op!r} within {timeout_s} s (killed it)")
         if status == "err":
             raise PeerError(f"producer op {op!r} failed:\n{result}")
         if tokens:
@@ -322,9 +359,11 @@ def measure_reclaim(kind: str, pool_bytes: int, layers: int = 8, timeout_s: floa
                     session: str = "reclaim") -> dict[str, float]:
     """Kill a producer whose pool this process maps; release; time until the pool is free again.
 
-    Returns ``reclaim_s`` (kill -> at least 95% of the pool free again), ``pinned_frac``
-    (share of the pool still held after the producer died, before this process released its
-    mappings) and ``recovered_frac``.
+    Free memory is compared with what the device had *before the producer started*, so the
+    producer's own context (freed by its death whatever happens) is not counted as the pool.
+    Returns ``reclaim_s`` (kill -> at most 5% of the pool still missing), ``pinned_frac``
+    (share of the pool still missing after the producer died, before this process released its
+    mappings) and ``recovered_frac`` (share back at the end).
     """
     import gc
 
@@ -335,30 +374,34 @@ def measure_reclaim(kind: str, pool_bytes: int, layers: int = 8, timeout_s: floa
     memory = "vmm" if kind == "cuda-vmm" else "torch"
     per_layer = pool_bytes // layers
     wrappers, tensors = [], []
+    torch.cuda.synchronize()
+    free0 = free_bytes()
     with Producer() as producer:
-        producer.call("alloc", "pool", (layers, per_layer), "uint8", memory=memory)
-        out = producer.call("wrap_views", "pool", kind, [(("select", 0, i),) for i in range(layers)])
-        for i, payload in enumerate(out["payloads"]):
-            w = receive(payload, out["fds"] if i == 0 else None, session)
-            wrappers.append(w)
-            tensors.append(w.to_tensor())
-        torch.cuda.synchronize()
-        before = free_bytes()
-        t_kill = producer.kill()
-        producer.proc.join(timeout_s)
-        time.sleep(0.05)
-        pinned = max(0.0, 1.0 - (free_bytes() - before) / pool_bytes)
-        # What the server's reclaim does: close every wrapper, drop every tensor.
-        for w in wrappers:
-            w.close()
-        wrappers.clear()
-        tensors.clear()
-        gc.collect()
-        FD_INBOX.close_session(session)
+        try:
+            producer.call("alloc", "pool", (layers, per_layer), "uint8", memory=memory)
+            out = producer.call("wrap_views", "pool", kind, [(("select", 0, i),) for i in range(layers)])
+            for i, payload in enumerate(out["payloads"]):
+                w = receive(payload, out["fds"] if i == 0 else None, session)
+                wrappers.append(w)
+                tensors.append(w.to_tensor())
+            torch.cuda.synchronize()
+            t_kill = producer.kill()
+            producer.proc.join(timeout_s)
+            time.sleep(0.05)
+            pinned = min(1.0, max(0.0, (free0 - free_bytes()) / pool_bytes))
+        finally:
+            # What the server's reclaim does: close every wrapper, drop every tensor, close the fds.
+            for w in wrappers:
+                w.close()
+            wrappers.clear()
+            tensors.clear()
+            gc.collect()
+            FD_INBOX.close_session(session)
         deadline = t_kill + timeout_s
-        gained = free_bytes() - before
-        while gained < 0.95 * pool_bytes and time.monotonic() < deadline:
+        missing = free0 - free_bytes()
+        while missing > 0.05 * pool_bytes and time.monotonic() < deadline:
             time.sleep(0.005)
-            gained = free_bytes() - before
+            missing = free0 - free_bytes()
         reclaim_s = time.monotonic() - t_kill
-    return {"reclaim_s": reclaim_s, "pinned_frac": pinned, "recovered_frac": gained / pool_bytes}
+    return {"reclaim_s": reclaim_s, "pinned_frac": pinned,
+            "recovered_frac": 1.0 - max(0, missing) / pool_bytes}

@@ -27,6 +27,7 @@ def main() -> int:
     from lmshm.multiprocess.client import MPClient
     from lmshm.platform import ipc_policy
     from lmshm.platform.cuda import empty_vmm
+    from lmshm.platform.cuda.testing import fill_pattern
 
     ipc_policy.set_isolated_ipc(args.kind == "cuda-raw")
     ipc_policy.set_use_vmm_api(args.kind == "cuda-vmm")
@@ -36,8 +37,11 @@ def main() -> int:
     else:
         pool = torch.empty(shape, dtype=torch.float16, device="cuda")
     u8 = pool.view(torch.uint8).view(-1)
-    u8.copy_((torch.arange(u8.numel(), device="cuda") * 131 % 251).to(torch.uint8))
+    fill_pattern(u8)
     torch.cuda.synchronize()
+    # Hold the pool and nothing else: cached scratch freed by this process's death would pass
+    # for the pool coming back in the test's measurement.
+    torch.cuda.empty_cache()
     layers = {f"model.layers.{i}.attn": pool[i] for i in range(args.layers)}
     client = MPClient(args.url, fd_socket=args.fd_socket, client_name="gpu-worker", timeout_s=30)
     iid = client.register_kv_caches(layers, model_name="gpu-e2e", world_size=1, rank=0)

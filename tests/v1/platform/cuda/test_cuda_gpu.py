@@ -150,10 +150,16 @@ def test_a_cumemcreate_pool_is_exported_both_ways(producer, handle_type):
             producer.call("free", name)
             pytest.skip(f"fabric handles are refused on this system: {str(exc).splitlines()[-1]}")
         raise
-    assert w.handle_type == handle_type and w.alloc_size == chunk and w.alloc_offset == 512
+    assert w.handle_type == handle_type
+    # The design relies on cuMemGetAddressRange returning the *chunk* (one cuMemCreate
+    # allocation) that holds a VMM pointer, not the whole reserved range: say what it gave.
+    assert (w.alloc_size, w.alloc_offset) == (chunk, 512), (
+        f"cuMemGetAddressRange on a {4 * chunk}-byte range of 4 mapped {chunk}-byte chunks gave "
+        f"alloc_size={w.alloc_size}, alloc_offset={w.alloc_offset} for a view 512 bytes into chunk 2 "
+        f"(expected the chunk: {chunk}, 512)")
     assert digest(t) == producer.call("digest", name, inside)
     spanning = producer.call("try_wrap", name, "cuda-vmm", (("slice", 0, 1, 3),), handle_type=handle_type)
-    assert spanning["error"] == "VmmSpansChunksError" and "expandable segments" in spanning["message"]
+    assert spanning["error"] == "VmmSpansChunksError" and "expandable segments" in spanning["message"], spanning
     del t
     w.close()
     producer.call("free", name)
@@ -201,7 +207,9 @@ def test_a_producer_thread_with_no_current_context_still_exports(producer, kind)
 
     th = threading.Thread(target=consume)
     th.start()
-    th.join()
+    th.join(120)
+    assert not th.is_alive(), "mapping from a fresh consumer thread did not finish within 120 s"
+    assert "error" not in result, result
     assert result["ctx_before"] == 0, result
     assert result["digest"] == producer.call("digest", name)
     w.close()
@@ -214,8 +222,10 @@ def test_a_sigkilled_workers_gpu_memory_comes_back_within_two_seconds(kind):
     r = measure_reclaim(kind, pool, session="gpu-test")
     print(f"\n{kind}: reclaim {r['reclaim_s'] * 1000:.0f} ms, pinned after death "
           f"{r['pinned_frac']:.0%}, recovered {r['recovered_frac']:.0%}")
-    assert r["recovered_frac"] >= 0.95, r
-    assert r["reclaim_s"] <= 2.0, r
+    assert r["recovered_frac"] >= 0.95, (
+        f"{kind}: only {r['recovered_frac']:.0%} of the {pool >> 30} GiB pool came back within 10 s of "
+        f"the producer's SIGKILL and this process's release (measured: {r})")
+    assert r["reclaim_s"] <= 2.0, f"{kind}: the pool came back {r['reclaim_s']:.2f} s after the kill (limit 2 s): {r}"
 
 
 def test_vmm_wrapper_refuses_cudamalloc_memory_with_a_hint(producer):

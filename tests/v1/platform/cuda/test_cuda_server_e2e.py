@@ -71,7 +71,7 @@ def start_server(scratch: Path, isolated: bool) -> tuple[subprocess.Popen, str, 
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
         line = proc.stdout.readline() if ready else ""
         m = READY.search(line)
         if not m:
@@ -101,7 +101,7 @@ def test_gpu_worker_registers_through_the_server_and_a_kill_gives_the_memory_bac
             [sys.executable, str(HERE / "gpu_worker.py"), "--url", url, "--fd-socket", fd_socket,
              "--kind", kind, "--layers", str(layers), "--layer-bytes", str(layer_bytes)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        hello = json.loads(_readline(worker, 180, "gpu worker"))
+        hello = json.loads(_readline(worker, 90, "gpu worker"))
         assert hello["ok"], hello
         pool = hello["pool_bytes"]
 

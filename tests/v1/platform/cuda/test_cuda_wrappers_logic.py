@@ -446,3 +446,13 @@ def test_threads_mapping_one_wrapper_at_once_leave_one_lease(fake_driver, as_con
     peer.close()
     w.close()
     assert fake_driver.live_mappings() == 0
+
+
+@pytest.mark.parametrize("n", [1, 250, 251, 252, 251 * 3 + 7, (251 << 16) + 1000])
+def test_the_fill_pattern_matches_its_formula_without_a_tensor_sized_temporary(n):
+    from lmshm.platform.cuda.testing import PATTERN_PRIME, fill_pattern
+
+    u8 = torch.zeros(n, dtype=torch.uint8)
+    fill_pattern(u8, seed=7)
+    want = ((torch.arange(n, dtype=torch.int64) * 131 + 7) % PATTERN_PRIME).to(torch.uint8)
+    assert torch.equal(u8, want)
