@@ -145,7 +145,9 @@ class CudaDriver:
 
     def __init__(self, bindings: Any = None) -> None:
         self._bindings = bindings
-        self._lock = threading.Lock()
+        # Re-entrant: a finaliser (a dropped lease unmapping) may make a driver call on a thread
+        # that is inside one of the locked sections below.
+        self._lock = threading.RLock()
         self._initialized = False
         self._devices: dict[int, Any] = {}
         self._primary: dict[int, Any] = {}
