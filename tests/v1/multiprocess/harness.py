@@ -193,3 +193,26 @@ def raw_reply(url: str, body: bytes, request_id: bytes = b"\x00" * 7 + b"\x01", 
     assert frames is not None, f"no reply from {url}"
     assert frames[0] == request_id and len(frames) == 2, frames
     return codec.decode_reply(frames[1])
+
+
+# ---- hostile payloads: pickles that would run code if a decoder trusted them -------------
+
+
+class RunsACommand:
+    """Unpickling this runs ``os.system(command)`` -- unless the decoder refuses it."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+class Evals:
+    """Unpickling this runs ``eval(source)`` -- unless the decoder refuses it."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def __reduce__(self):
+        return (eval, (self.source,))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 
 import msgspec
@@ -12,6 +11,8 @@ import torch
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.codec import CodecError
 from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
+
+from harness import Evals, RunsACommand
 
 
 def _shm_wrapper(name: str = "lmshm-1-abcdef") -> CpuShmIPCWrapper:
@@ -24,20 +25,6 @@ def _register(*groups: protocol.LayerGroup) -> protocol.RegisterKVCache:
                                     worker_rank=1, groups=list(groups))
 
 
-class _RunsACommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
-
-
-class _Evals:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def __reduce__(self):
-        return (eval, (self.source,))
 
 
 def _raw_register(payload: bytes, ext_code: int = codec.WRAPPER_EXT_CODE) -> bytes:
@@ -107,7 +94,7 @@ def test_torch_dtypes_and_sizes_travel_as_plain_data():
 
 def test_pickle_that_would_run_a_shell_command_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "pwned"
-    body = _raw_register(pickle.dumps(_RunsACommand(f"touch {marker}")))
+    body = _raw_register(pickle.dumps(RunsACommand(f"touch {marker}")))
     with pytest.raises(CodecError, match=r"refusing to unpickle .*system"):
         codec.decode_request(body)
     assert not marker.exists()
@@ -115,7 +102,7 @@ def test_pickle_that_would_run_a_shell_command_is_refused_and_runs_nothing(tmp_p
 
 def test_pickle_naming_builtins_eval_is_refused(tmp_path):
     marker = tmp_path / "pwned"
-    body = _raw_register(pickle.dumps(_Evals(f"open({str(marker)!r}, 'w')")))
+    body = _raw_register(pickle.dumps(Evals(f"open({str(marker)!r}, 'w')")))
     with pytest.raises(CodecError, match=r"refusing to unpickle builtins\.eval"):
         codec.decode_request(body)
     assert not marker.exists()

@@ -27,7 +27,7 @@ from lmshm.multiprocess.server import Server, ServerConfig, build_arg_parser, re
 from lmshm.platform import ipc_policy
 from lmshm.platform.cpu import empty_shared
 
-from harness import ServerProcess, raw_exchange, raw_reply, wait_for
+from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply, wait_for
 
 
 def _hello(**kw) -> bytes:
@@ -141,26 +141,12 @@ def test_malformed_frames_get_invalid_arg_and_the_server_survives(shared_server,
     assert isinstance(raw_reply(shared_server.url, codec.encode(protocol.Ping())), protocol.Pong)
 
 
-class _RunsACommand:
-    def __init__(self, command: str) -> None:
-        self.command = command
-
-    def __reduce__(self):
-        return (os.system, (self.command,))
-
-
-class _Evals:
-    def __init__(self, source: str) -> None:
-        self.source = source
-
-    def __reduce__(self):
-        return (eval, (self.source,))
 
 
 def test_malicious_pickles_are_refused_over_the_wire_and_run_nothing(shared_server, tmp):
     marker = tmp / "pwned"
-    for payload in (pickle.dumps(_RunsACommand(f"touch {marker}")),
-                    pickle.dumps(_Evals(f"open({str(marker)!r}, 'w')"))):
+    for payload in (pickle.dumps(RunsACommand(f"touch {marker}")),
+                    pickle.dumps(Evals(f"open({str(marker)!r}, 'w')"))):
         body = msgspec.msgpack.encode({
             "type": int(protocol.MsgType.REGISTER_KV_CACHE), "instance_id": "evil", "model_name": "m",
             "world_size": 1, "worker_rank": 0, "groups": [[msgspec.msgpack.Ext(1, payload), ["l0"], [0]]]})
