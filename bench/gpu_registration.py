@@ -24,7 +24,6 @@ The table is printed last (and written to --table if given).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import sys
@@ -85,14 +84,9 @@ def register(producer, kind: str, views: list, name: str = "pool", session: str 
 
 
 def release(producer, wrappers: list, tensors: list, session: str = "bench") -> None:
-    from lmshm.platform.base.fds import FD_INBOX
+    from lmshm.platform.cuda.testing import release_consumer_side
 
-    for w in wrappers:
-        w.close()
-    wrappers.clear()
-    tensors.clear()
-    gc.collect()
-    FD_INBOX.close_session(session)
+    release_consumer_side(wrappers, tensors, session)
     producer.call("close_wrappers")
 
 

@@ -349,6 +349,20 @@ def open_count(kind: str) -> int:
     return get_driver().calls[name]
 
 
+def release_consumer_side(wrappers: list, tensors: list, session: str) -> None:
+    """What the server's reclaim does: close every wrapper, drop every tensor, close the fds."""
+    import gc
+
+    from lmshm.platform.base.fds import FD_INBOX
+
+    for w in wrappers:
+        w.close()
+    wrappers.clear()
+    tensors.clear()
+    gc.collect()
+    FD_INBOX.close_session(session)
+
+
 def free_bytes(ordinal: int = 0) -> int:
     from lmshm.platform.cuda.driver import get_driver
 
@@ -365,11 +379,7 @@ def measure_reclaim(kind: str, pool_bytes: int, layers: int = 8, timeout_s: floa
     (share of the pool still missing after the producer died, before this process released its
     mappings) and ``recovered_frac`` (share back at the end).
     """
-    import gc
-
     import torch
-
-    from lmshm.platform.base.fds import FD_INBOX
 
     memory = "vmm" if kind == "cuda-vmm" else "torch"
     per_layer = pool_bytes // layers
@@ -390,13 +400,7 @@ def measure_reclaim(kind: str, pool_bytes: int, layers: int = 8, timeout_s: floa
             time.sleep(0.05)
             pinned = min(1.0, max(0.0, (free0 - free_bytes()) / pool_bytes))
         finally:
-            # What the server's reclaim does: close every wrapper, drop every tensor, close the fds.
-            for w in wrappers:
-                w.close()
-            wrappers.clear()
-            tensors.clear()
-            gc.collect()
-            FD_INBOX.close_session(session)
+            release_consumer_side(wrappers, tensors, session)
         deadline = t_kill + timeout_s
         missing = free0 - free_bytes()
         while missing > 0.05 * pool_bytes and time.monotonic() < deadline:

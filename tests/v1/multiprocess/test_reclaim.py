@@ -8,7 +8,7 @@ import time
 import pytest
 
 from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import MPClient, query_status
+from lmshm.multiprocess.client import query_status
 
 from harness import lmshm_segments, raw_exchange, scratch_dir, ServerProcess, wait_for
 

@@ -27,7 +27,7 @@ from lmshm.multiprocess.server import Server, ServerConfig, build_arg_parser, re
 from lmshm.platform import ipc_policy
 from lmshm.platform.cpu import empty_shared
 
-from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply, wait_for
+from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
 
 def _hello(**kw) -> bytes:

@@ -6,7 +6,6 @@ import gc
 import multiprocessing as mp
 import os
 import socket
-import sys
 
 import pytest
 import torch
