@@ -25,9 +25,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+
+# The spawned-producer helpers are test code, not part of the lmshm package: they live beside the
+# GPU tests (tests/v1/platform/cuda/cuda_testing.py). Spawned producers inherit this sys.path.
+_HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "v1", "platform", "cuda")
+sys.path.insert(0, os.path.normpath(_HELPERS))
 
 
 def log(msg: str) -> None:
@@ -69,7 +75,7 @@ def copy_bandwidth(srcs: list, reps: int = 5) -> tuple[float, float]:
 def register(producer, kind: str, views: list, name: str = "pool", session: str = "bench") -> tuple[dict, list, list]:
     import torch
 
-    from lmshm.platform.cuda.testing import open_count, receive
+    from cuda_testing import open_count, receive
 
     opens = open_count(kind)
     out = producer.call("wrap_views", name, kind, views, timeout_s=300)
@@ -84,14 +90,14 @@ def register(producer, kind: str, views: list, name: str = "pool", session: str 
 
 
 def release(producer, wrappers: list, tensors: list, session: str = "bench") -> None:
-    from lmshm.platform.cuda.testing import release_consumer_side
+    from cuda_testing import release_consumer_side
 
     release_consumer_side(wrappers, tensors, session)
     producer.call("close_wrappers")
 
 
 def bench_kind(kind: str, layers: int, layer_bytes: int, reclaim_bytes: int) -> dict:
-    from lmshm.platform.cuda.testing import Producer, measure_reclaim
+    from cuda_testing import Producer, measure_reclaim
 
     memory = "vmm" if kind == "cuda-vmm" else "torch"
     row: dict = {"kind": kind}

@@ -1,7 +1,12 @@
-"""The ``lmshm`` command. ``lmshm status`` asks a running lmshm-server what it has mapped.
+"""The ``lmshm`` command.
 
-STATUS needs no session, so this command never registers anything and leaves no trace on
-the server. Exit status: 0 on an answer, 1 when the server did not answer or refused.
+``lmshm status`` asks a running lmshm-server what it has mapped. STATUS needs no session, so
+this command never registers anything and leaves no trace on the server. Exit status: 0 on an
+answer, 1 when the server did not answer or refused.
+
+``lmshm gc`` removes orphaned shared-memory names (``lmshm.platform.shm_orphans``) without
+talking to any server and without importing torch. Exit status: 0, also when there was
+nothing to remove or an entry could not be removed; 1 when the directory is unusable.
 """
 
 from __future__ import annotations
@@ -66,14 +71,59 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+GC_DESCRIPTION = """\
+Remove orphaned lmshm shared memory: names left in the shm directory by a worker that died
+(SIGKILL, OOM kill) before its memory was registered or reclaimed.
+
+Removed: a regular file named exactly lmshm-<pid>-<pid-ns>-<random>, owned by you, made in
+this PID namespace, whose creator pid no longer exists. Mappings that still use the memory
+stay valid; only the name goes.
+
+Never touched: other names (lmshm-foo, names of older lmshm versions, anything not starting
+with lmshm-), symlinks and other non-files, other users' files, names made in another PID
+namespace (a container sharing /dev/shm: run lmshm gc there), and names of live pids (a
+reused pid keeps the name until it exits too).
+"""
+
+
+def _gc(args: argparse.Namespace) -> int:
+    from lmshm.platform.shm_names import shm_dir
+    from lmshm.platform.shm_orphans import sweep_orphans
+
+    directory = args.shm_dir or shm_dir()
+    try:
+        result = sweep_orphans(directory, dry_run=args.dry_run)
+    except OSError as exc:
+        print(f"lmshm gc: cannot sweep {directory}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result.as_dict(), indent=2))
+        return 0
+    verb = "would remove" if result.dry_run else "removed"
+    for name in result.removed:
+        print(f"{verb} {name}")
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(result.skipped.items()))
+    print(f"lmshm gc {result.shm_dir}: {verb} {len(result.removed)}, "
+          f"skipped {result.skipped_total}" + (f": {reasons}" if reasons else ""))
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmshm", description="Talk to a running lmshm-server.")
+    parser = argparse.ArgumentParser(
+        prog="lmshm", description="Talk to a running lmshm-server, or clean up after dead workers.")
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="print the server's registrations")
     st.add_argument("--url", help="server endpoint (LMSHM_URL; default tcp://127.0.0.1:5555)")
     st.add_argument("--json", action="store_true", help="print the full status as JSON")
     st.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="how long to wait (default 5)")
     st.set_defaults(func=_status)
+    gc = sub.add_parser("gc", help="remove shared memory left by dead workers",
+                        description=GC_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    gc.add_argument("--shm-dir", metavar="DIR",
+                    help="directory to sweep (default: LMSHM_SHM_DIR, else /dev/shm)")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    gc.add_argument("--json", action="store_true", help="print the result as JSON")
+    gc.set_defaults(func=_gc)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -88,8 +88,10 @@ def main() -> int:
     py = sys.executable
     segments_before = _segments()
     print("== starting lmshm-server")
-    server = subprocess.Popen([py, "-m", "lmshm.multiprocess.server", "--port", "0", "--log-level", "WARNING"],
-                              stdout=subprocess.PIPE, text=True)
+    # PEEK is owner-only; the checker below reads other sessions' layers, so the demo makes
+    # its own uid an admin (--admin-uid), as an operator's diagnostic tool would be.
+    server = subprocess.Popen([py, "-m", "lmshm.multiprocess.server", "--port", "0", "--log-level", "WARNING",
+                               "--admin-uid", str(os.geteuid())], stdout=subprocess.PIPE, text=True)
     workers: list[subprocess.Popen] = []
     try:
         ready = _readline(server, "lmshm-server")

@@ -24,16 +24,19 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import msgspec
-import torch
 
 from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.fdchannel import FdChannelClient, FdChannelError
+from lmshm.multiprocess.fdchannel import ExpectedServer, FdChannelClient, FdChannelError
 from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform import ipc_policy
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+
+if TYPE_CHECKING:  # torch and the wrappers load when something is registered, not for status
+    import torch
+
+    from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 
 logger = logging.getLogger(__name__)
 
@@ -226,32 +229,27 @@ class MPClient:
         return None if self._hello is None else self._hello.server_id
 
     def _say_hello(self) -> protocol.HelloReply:
-        boot_id, pid_ns = protocol.host_identity()
         resume = self._hello.session_token if self._hello is not None else ""
-        isolated = ipc_policy.is_isolated_ipc()
         reply = _exchange(self._dealer, protocol.Hello(
-            protocol_version=protocol.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id,
-            pid_namespace=pid_ns, isolated_ipc=isolated, client_name=self.client_name,
-            resume_token=resume))
+            protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=ipc_policy.is_isolated_ipc(),
+            client_name=self.client_name, resume_token=resume))
         if not (reply.resumed and self._link is not None and not self._link.broken()):
-            self._open_link(reply, required=isolated)
+            self._open_link(reply)
         self._hello = reply
         return reply
 
-    def _open_link(self, hello: protocol.HelloReply, *, required: bool) -> None:
+    def _open_link(self, hello: protocol.HelloReply) -> None:
+        """Connect the fd channel: it proves this process's identity to the server (the kernel
+        reports our pid and uid there), carries fds, and tells the server when we die."""
         if self._link is not None:
             self._link.close()
             self._link = None
         path = self._fd_socket_override or hello.fd_socket
-        if not path:
-            return
+        expected = ExpectedServer(pid=hello.server_pid, uid=hello.server_uid, pid_ns=hello.server_pid_ns)
         try:
-            self._link = FdChannelClient(path, hello.session_token, timeout_s=self.timeout_s)
+            self._link = FdChannelClient(path, hello.session_token, expected=expected, timeout_s=self.timeout_s)
         except FdChannelError as exc:
-            if required:
-                raise LmshmError(str(exc)) from None
-            logger.info("lmshm: no fd-channel link (%s); the server will notice this worker's exit "
-                        "through pidfd or the heartbeat timeout", exc)
+            raise LmshmError(f"cannot prove this worker's identity to the lmshm server at {self.url}: {exc}") from None
 
     def _request(self, msg: Any, timeout_s: Optional[float] = None) -> Any:
         """One exchange; a lost session (server restarted) is re-established once."""

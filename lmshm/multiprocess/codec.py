@@ -7,8 +7,9 @@ What travels how:
   ``wrapper.Serialize()`` (a pickle of the wrapper's concrete class and plain-data state).
 
 The one thing that matters here: **decoding never runs code a peer chose.** Ext 1 payloads
-go through ``safe_loads``, an unpickler whose ``find_class`` admits only registered lmshm
-wrapper classes (nothing from ``builtins``, ``os``, ...), and whose wrappers validate their
+go through ``safe_loads``, an unpickler whose ``find_class`` admits only the lmshm wrapper
+classes listed in ``lmshm.platform.wrapper_registry`` (nothing from ``builtins``, ``os``, ...;
+imported on the first ext-1 payload, never for plain messages), and whose wrappers validate their
 state field by field. Any other ext code, a truncated frame or random bytes become a
 ``CodecError``, which the server answers with ``INVALID_ARG``. Decoding a wrapper maps
 nothing; mapping happens later, in the registry.
@@ -16,19 +17,12 @@ nothing; mapping happens later, in the registry.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgspec
-import torch
 
 from lmshm.multiprocess import protocol
-from lmshm.platform.base.ipc_wrapper import (
-    DeviceIPCWrapper,
-    WrapperDecodeError,
-    dtype_from_name,
-    dtype_name,
-    safe_loads,
-)
 
 #: msgpack extension type code of an lmshm wrapper.
 WRAPPER_EXT_CODE = 1
@@ -38,33 +32,61 @@ class CodecError(ValueError):
     """A message could not be encoded or decoded; the text says what and why."""
 
 
+# Nothing here imports torch or the wrapper machinery up front, so that ``lmshm status`` (and
+# anything else that only speaks the protocol) stays light. An object cannot be a wrapper, a
+# torch.dtype or a torch.Size unless its module was imported already, so the hooks look them
+# up lazily (``protocol.WireWrapper``, sys.modules); only an ext-1 payload actually arriving
+# imports the unpickler (and torch).
+
+
 def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, DeviceIPCWrapper):
+    if isinstance(obj, protocol.WireWrapper):
         return msgspec.msgpack.Ext(WRAPPER_EXT_CODE, obj.Serialize())
-    if isinstance(obj, torch.dtype):
-        return dtype_name(obj)
-    if isinstance(obj, torch.Size):
-        return list(obj)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        if isinstance(obj, torch.dtype):
+            from lmshm.platform.base.ipc_wrapper import dtype_name
+
+            return dtype_name(obj)
+        if isinstance(obj, torch.Size):
+            return list(obj)
     raise NotImplementedError(f"lmshm cannot put a {type(obj).__name__} on the wire")
 
 
 def _ext_hook(code: int, data: memoryview) -> Any:
     if code != WRAPPER_EXT_CODE:
         raise CodecError(f"unknown msgpack extension type {code}; lmshm only sends {WRAPPER_EXT_CODE} (wrapper)")
-    return safe_loads(data)
+    from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
+    from lmshm.platform.wrapper_registry import safe_loads
+
+    try:
+        return safe_loads(data)
+    except WrapperDecodeError as exc:
+        raise CodecError(f"refused wrapper payload: {exc}") from None
+
+
+def _is_wrapper_type(type_: Any) -> bool:
+    """``protocol.WireWrapper``, or ``DeviceIPCWrapper`` or a subclass named as a field type."""
+    if type_ is protocol.WireWrapper:
+        return True
+    module = sys.modules.get("lmshm.platform.base.ipc_wrapper")
+    return module is not None and isinstance(type_, type) and issubclass(type_, module.DeviceIPCWrapper)
 
 
 def _dec_hook(type_: type, obj: Any) -> Any:
-    if isinstance(type_, type) and issubclass(type_, DeviceIPCWrapper):
+    if _is_wrapper_type(type_):
         if isinstance(obj, type_):
             return obj
         raise CodecError(f"expected an lmshm wrapper (ext type {WRAPPER_EXT_CODE}), got {type(obj).__name__}")
-    if type_ is torch.dtype:
+    torch = sys.modules.get("torch")
+    if torch is not None and type_ is torch.dtype:
+        from lmshm.platform.base.ipc_wrapper import dtype_from_name
+
         try:
             return dtype_from_name(obj)
         except ValueError as exc:
             raise CodecError(str(exc)) from None
-    if type_ is torch.Size:
+    if torch is not None and type_ is torch.Size:
         if isinstance(obj, list) and all(type(v) is int and v >= 0 for v in obj):
             return torch.Size(obj)
         raise CodecError(f"a torch.Size must be a list of non-negative ints, got {obj!r}")
@@ -83,10 +105,8 @@ class Decoder:
     def decode(self, data: bytes | memoryview) -> Any:
         try:
             return self._decoder.decode(data)
-        except CodecError:
+        except CodecError:  # includes a refused wrapper payload (see _ext_hook)
             raise
-        except WrapperDecodeError as exc:
-            raise CodecError(f"refused wrapper payload: {exc}") from None
         except msgspec.ValidationError as exc:
             raise CodecError(f"invalid message: {exc}") from None
         except msgspec.DecodeError as exc:

@@ -1,47 +1,92 @@
-"""The fd side channel: a Unix socket beside the server that carries file descriptors.
+"""The fd side channel: a Unix socket beside the server that carries file descriptors and proves
+who a worker is.
 
-Why: a memfd (isolated CPU mode) or a VMM POSIX-fd handle cannot travel as bytes; the
-kernel must copy the descriptor into the server (SCM_RIGHTS). ZeroMQ cannot do that, so
-each worker session also opens one connection to this ``AF_UNIX``/``SOCK_SEQPACKET`` socket
-(message boundaries are kept, and the fds ride on the message that names their tokens).
+Why it exists:
+- **Identity.** ZeroMQ over tcp:// cannot tell the server who is on the other end. A Unix
+  socket can: ``SO_PEERCRED`` gives the connecting process's pid, uid and gid as the kernel
+  knows them, and ``SO_PEERPIDFD`` a pidfd of that very process (no pid-reuse race). A worker
+  proves that its ZeroMQ session is its own by presenting the session's secret token here; the
+  server then binds the kernel's answer to the session. Until then the session may not register.
+- **File descriptors.** A memfd (isolated CPU mode) or a VMM POSIX-fd handle cannot travel as
+  bytes; the kernel copies it (SCM_RIGHTS) on an ``AF_UNIX``/``SOCK_SEQPACKET`` message.
+- **Liveness.** The kernel closes the connection when the worker dies, in any PID namespace.
 
-Conversation, one small JSON message each way, every client message acknowledged:
-  client: {"op": "auth", "token": <session_token from HELLO_REPLY>}      server: {"ok": true}
-  client: {"op": "fds", "tokens": [t1, t2, ...]}  + SCM_RIGHTS [fd1, ...]  server: {"ok": true}
-Failures answer ``{"ok": false, "code": "PERMISSION_DENIED" | "INVALID_ARG", "error": ...}``.
+Messages are msgpack ``protocol``-style Structs (``Auth``, ``SendFds`` one way; ``Ack`` or
+``Refused`` back), at most ``MAX_MESSAGE_BYTES`` each; every client message gets one answer.
 
-Ownership: received fds go to ``FD_INBOX`` filed under the *session*; the inbox owns them,
-and they are closed exactly once when the session ends (``close_session``). An fd that comes
-without a matching token, on an unauthenticated connection, or twice, is closed at once.
-
-Security: the socket file is created mode 0600 and the peer's credentials (SO_PEERCRED) must
-show the server's uid (or root) before anything is read. The connection also serves as the
-session's liveness link: the kernel closes it when the worker dies, in any PID namespace,
-and the server reclaims the session on that EOF.
+Ownership: received fds go to ``FD_INBOX`` filed under the session; wrappers take them when they
+map and close them at once. An fd that comes without a matching token, on an unauthenticated
+connection, over the session's limit, or twice, is closed before the answer goes out.
 
 Easy to get wrong: ``recvmsg`` may deliver fds even when the message is refused, and may
-truncate them (MSG_CTRUNC); every path below closes what arrived before answering.
+truncate them (MSG_CTRUNC); every path below closes what arrived. And the *client* must check
+the listener's credentials before it sends its token: anyone could listen on a stale path.
 """
 
 from __future__ import annotations
 
 import array
-import json
+import errno
 import logging
 import os
 import socket
+import stat
 import struct
 import tempfile
+import time
 from dataclasses import dataclass
-from typing import Callable, Hashable, Optional
+from typing import Annotated, Callable, Hashable, Optional, Union
+
+import msgspec
 
 from lmshm.platform.base.fds import FD_INBOX
+from lmshm.quoting import clip
 
 logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_MESSAGE = 250   # below the kernel's SCM_MAX_FD (253)
 MAX_MESSAGE_BYTES = 64 * 1024
+MAX_TOKEN_CHARS = 256
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77)  # Linux >= 6.5
+
+
+# ---- messages ---------------------------------------------------------------------------
+
+
+class _FdMessage(msgspec.Struct, frozen=True, tag_field="op", forbid_unknown_fields=True):
+    pass
+
+
+Token = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TOKEN_CHARS)]
+
+
+class Auth(_FdMessage, tag="auth"):
+    """Bind this connection to the session whose secret token it presents."""
+
+    token: Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class SendFds(_FdMessage, tag="fds"):
+    """One token per fd riding on this message (SCM_RIGHTS), in the same order."""
+
+    tokens: Annotated[list[Token], msgspec.Meta(max_length=MAX_FDS_PER_MESSAGE)]
+
+
+class Ack(_FdMessage, tag="ack"):
+    received: int = 0        # fds filed
+    pid: int = 0             # auth: the worker's pid as the server sees it
+    uid: int = 0             # auth: the worker's uid as the kernel reported it
+
+
+class Refused(_FdMessage, tag="refused"):
+    code: str                # an ErrorCode name: PERMISSION_DENIED, INVALID_ARG, UNAVAILABLE
+    error: str
+
+
+_to_server = msgspec.msgpack.Decoder(Union[Auth, SendFds])
+_to_client = msgspec.msgpack.Decoder(Union[Ack, Refused])
+_encode = msgspec.msgpack.Encoder().encode
 
 
 class FdChannelError(RuntimeError):
@@ -52,18 +97,60 @@ class FdChannelError(RuntimeError):
         self.code = code
 
 
+@dataclass(frozen=True)
+class Credentials:
+    """What the kernel says about the process on the other end of a Unix socket."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+def peer_credentials(sock: socket.socket) -> Credentials:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return Credentials(*struct.unpack("3i", raw))
+
+
+def peer_pidfd(sock: socket.socket, pid: int) -> Optional[int]:
+    """A pidfd of the peer: SO_PEERPIDFD where the kernel has it, else pidfd_open(pid)."""
+    try:
+        return struct.unpack("i", sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
+    except OSError:
+        pass
+    if pid <= 0:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def user_runtime_dir() -> str:
+    """``$TMPDIR/lmshm-<uid>``: a directory only this uid may enter (created mode 0700).
+
+    Refuses a path that is a symlink, belongs to another uid or is open to others: a squatter
+    must not be able to place the server's fd socket where workers would trust it.
+    """
+    path = os.path.join(tempfile.gettempdir(), f"lmshm-{os.geteuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise FdChannelError(
+            f"{path} must be a directory of uid {os.geteuid()} with mode 0700 (it is "
+            f"{'a directory' if stat.S_ISDIR(st.st_mode) else 'not a directory'} of uid {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}); remove it, or pass --fd-socket PATH")
+    return path
+
+
 def default_path(url: str) -> str:
-    """The fd socket that belongs to a server endpoint: beside an ipc:// socket, else in /tmp."""
+    """The fd socket of a server endpoint: beside an ipc:// socket, else in ``user_runtime_dir()``."""
     if url.startswith("ipc://"):
         return url[len("ipc://"):] + ".fds"
     hostport = url.split("://", 1)[-1].replace(":", "-").replace("/", "_").replace("*", "0")
-    return os.path.join(tempfile.gettempdir(), f"lmshm-{hostport}.fds")
-
-
-def _peer_uid(sock: socket.socket) -> tuple[int, int]:
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, _gid = struct.unpack("3i", creds)
-    return pid, uid
+    return os.path.join(user_runtime_dir(), f"{hostport}.fds")
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -74,99 +161,175 @@ def _close_fds(fds: list[int]) -> None:
             pass
 
 
+def bind_unix(path: str, kind: int, what: str) -> tuple[socket.socket, tuple[int, int]]:
+    """Bind a Unix socket at ``path`` (mode 0600) without ever removing a live one.
+
+    ``bind`` itself refuses an existing path, so nothing is taken over. An existing path is
+    probed: a listener there is another server (refused); a socket file of our own uid that
+    nobody accepts on is a leftover of a killed server and is replaced; anything else is refused.
+    Returns the socket and the (st_dev, st_ino) of the file it created, so that ``unlink_own``
+    removes only that file.
+    """
+    sock = socket.socket(socket.AF_UNIX, kind)
+    for attempt in (1, 2):
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+            break
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or attempt == 2 or not _stale_socket(path, kind):
+                sock.close()
+                if exc.errno == errno.EADDRINUSE:
+                    raise FdChannelError(f"{what} {path} is in use (another lmshm-server listens there, or the "
+                                         "path is not a socket file of this user); choose another path") from None
+                raise FdChannelError(f"cannot create {what} {path}: {exc.strerror}") from None
+            logger.warning("lmshm: replacing %s %s: a socket file nobody listens on", what, path)
+            os.unlink(path)
+        finally:
+            os.umask(old)
+    os.chmod(path, 0o600)
+    st = os.lstat(path)
+    return sock, (st.st_dev, st.st_ino)
+
+
+def _stale_socket(path: str, kind: int) -> bool:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+        return False
+    probe = socket.socket(socket.AF_UNIX, kind)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return False
+
+
+def unlink_own(path: str, inode: tuple[int, int]) -> None:
+    """Remove ``path`` only if it is still the file this process created."""
+    try:
+        st = os.lstat(path)
+        if (st.st_dev, st.st_ino) == inode:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 # ---- server side ------------------------------------------------------------------------
 
 
 @dataclass(eq=False)
 class _Conn:
     sock: socket.socket
-    peer_pid: int
+    creds: Credentials
+    pidfd: Optional[int]
+    accepted: float
     session: Optional[Hashable] = None
 
 
-class FdChannelServer:
-    """Listens on ``path``; files received fds in ``FD_INBOX`` under the peer's session.
+#: authenticate(token, creds, pidfd) -> session id; raises FdChannelError to refuse. On success
+#: the callee owns ``pidfd`` (it may be None).
+Authenticate = Callable[[str, Credentials, Optional[int]], Hashable]
 
-    ``authenticate(token)`` maps a session token to a session id (or None);
-    ``on_link_closed(session)`` runs when an authenticated connection ends (the worker
-    closed it or died). ``watch(fd, callback)``/``unwatch(fd)`` hook sockets into the
-    server's poll loop; nothing here blocks.
+
+class FdChannelServer:
+    """Listens on ``path``; verifies peers; files received fds in ``FD_INBOX`` under their session.
+
+    ``may_connect(creds)`` returns None to admit a peer or a refusal message (the uid policy);
+    ``authenticate`` binds a connection to a session (see ``Authenticate``);
+    ``on_link_closed(session)`` runs when an authenticated connection ends. ``watch``/``unwatch``
+    hook sockets into the server's poll loop; nothing here blocks.
     """
 
     def __init__(
         self,
         path: str,
         *,
-        authenticate: Callable[[str], Optional[Hashable]],
+        may_connect: Callable[[Credentials], Optional[str]],
+        authenticate: Authenticate,
         on_link_closed: Callable[[Hashable], None],
         watch: Callable[[int, Callable[[], None]], None],
         unwatch: Callable[[int], None],
+        max_fds_per_session: int = 1024,
+        max_pending: int = 64,
+        auth_timeout_s: float = 5.0,
+        fds_available: Callable[[], bool] = lambda: True,
     ) -> None:
         self.path = path
+        self._may_connect = may_connect
         self._authenticate = authenticate
         self._on_link_closed = on_link_closed
         self._watch, self._unwatch = watch, unwatch
+        self.max_fds_per_session = max_fds_per_session
+        self.max_pending = max_pending
+        self.auth_timeout_s = auth_timeout_s
+        self._fds_available = fds_available
         self._conns: dict[int, _Conn] = {}
         self._links: dict[Hashable, _Conn] = {}
-        self._uid = os.geteuid()
-        self._listener = self._listen(path)
+        self.refused = 0
+        self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
+        self._listener.listen(128)
+        self._listener.setblocking(False)
         self._watch(self._listener.fileno(), self._accept)
 
-    @staticmethod
-    def _listen(path: str) -> socket.socket:
-        if os.path.exists(path):
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            try:
-                probe.connect(path)
-            except OSError:
-                os.unlink(path)  # stale: nobody listens there any more
-            else:
-                raise FdChannelError(f"fd socket {path} is in use by another lmshm-server; choose another --fd-socket")
-            finally:
-                probe.close()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        except OSError as exc:
-            sock.close()
-            raise FdChannelError(f"cannot create fd socket {path}: {exc.strerror}") from None
-        finally:
-            os.umask(old)
-        os.chmod(path, 0o600)
-        sock.listen(128)
-        sock.setblocking(False)
-        return sock
+    @property
+    def pending(self) -> int:
+        return sum(1 for c in self._conns.values() if c.session is None)
+
+    def _refuse(self, sock: socket.socket, code: str, error: str) -> None:
+        self.refused += 1
+        self._send(sock, Refused(code, error))
+        sock.close()
 
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except BlockingIOError:
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
-        sock.setblocking(False)
-        pid, uid = _peer_uid(sock)
-        if uid != self._uid and uid != 0:
-            logger.warning("lmshm: fd channel refused pid %d (uid %d, server uid %d)", pid, uid, self._uid)
-            self._send(sock, {"ok": False, "code": "PERMISSION_DENIED",
-                              "error": f"peer uid {uid} differs from the server's uid {self._uid}"})
+        except OSError as exc:
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                logger.error("lmshm: fd channel cannot accept a connection: %s", exc.strerror)
+                return
+            raise
+        try:
+            creds = peer_credentials(sock)
+        except OSError:
             sock.close()
             return
-        conn = _Conn(sock, pid)
+        refusal = self._may_connect(creds)
+        if refusal is not None:
+            logger.warning("lmshm: fd channel refused pid %d (uid %d): %s", creds.pid, creds.uid, refusal)
+            return self._refuse(sock, "PERMISSION_DENIED", refusal)
+        if self.pending >= self.max_pending or not self._fds_available():
+            logger.warning("lmshm: fd channel refused pid %d: %d unauthenticated connections pending or "
+                           "out of file descriptors", creds.pid, self.pending)
+            return self._refuse(sock, "UNAVAILABLE", "the server is out of connections or file descriptors; "
+                                                     "try again later")
+        sock.setblocking(False)
+        conn = _Conn(sock, creds, peer_pidfd(sock, creds.pid), time.monotonic())
         self._conns[sock.fileno()] = conn
         self._watch(sock.fileno(), lambda: self._readable(conn))
 
     @staticmethod
-    def _send(sock: socket.socket, msg: dict) -> bool:
+    def _send(sock: socket.socket, msg: Union[Ack, Refused]) -> bool:
         try:
-            sock.send(json.dumps(msg).encode())
+            sock.send(_encode(msg))
             return True
         except OSError:
             return False
 
     def _readable(self, conn: _Conn) -> None:
         try:
-            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY)
-        except BlockingIOError:
+            data, ancdata, flags, _ = conn.sock.recvmsg(MAX_MESSAGE_BYTES, _ANCILLARY,
+                                                        socket.MSG_CMSG_CLOEXEC)
+        except (BlockingIOError, InterruptedError):
             return
         except OSError:
             data, ancdata, flags = b"", [], 0
@@ -181,73 +344,76 @@ class FdChannelServer:
             self._drop(conn)
             return
         try:
-            reply = self._handle(conn, data, fds, flags)
+            reply: Union[Ack, Refused] = self._handle(conn, data, fds, flags)
         except FdChannelError as exc:
-            reply = {"ok": False, "code": exc.code, "error": str(exc)}
+            reply = Refused(exc.code, clip(str(exc), 512))
+        finally:
+            _close_fds(fds)  # _handle empties ``fds`` of what it filed
         if not self._send(conn.sock, reply):
             self._drop(conn)
 
-    def _handle(self, conn: _Conn, data: bytes, fds: list[int], flags: int) -> dict:
+    def _handle(self, conn: _Conn, data: bytes, fds: list[int], flags: int) -> Ack:
+        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+            raise FdChannelError(f"message or descriptors truncated; send at most {MAX_FDS_PER_MESSAGE} fds "
+                                 f"and {MAX_MESSAGE_BYTES} bytes per message", "INVALID_ARG")
         try:
-            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
-                raise FdChannelError("message or descriptors truncated; send at most "
-                                     f"{MAX_FDS_PER_MESSAGE} fds per message", "INVALID_ARG")
-            try:
-                msg = json.loads(data)
-                op = msg["op"]
-            except (ValueError, KeyError, TypeError):
-                raise FdChannelError("malformed fd-channel message", "INVALID_ARG") from None
-            if op == "auth":
-                if fds:
-                    raise FdChannelError("send fds only after auth", "INVALID_ARG")
-                return self._auth(conn, msg.get("token"))
-            if op == "fds":
-                if conn.session is None:
-                    raise FdChannelError("authenticate with the session token before sending fds",
-                                         "PERMISSION_DENIED")
-                tokens = msg.get("tokens")
-                if not isinstance(tokens, list) or len(tokens) != len(fds) or not all(
-                        isinstance(t, str) and 0 < len(t) <= 256 for t in tokens):
-                    raise FdChannelError(f"expected one token string per fd, got {len(fds)} fds and "
-                                         f"tokens {str(tokens)[:200]}", "INVALID_ARG")
-                owned, fds = fds, []  # from here on, _file owns (files or closes) every fd
-                self._file(conn.session, tokens, owned)
-                return {"ok": True, "received": len(tokens)}
-            raise FdChannelError(f"unknown fd-channel op {op!r}", "INVALID_ARG")
-        finally:
-            _close_fds(fds)
+            msg = _to_server.decode(data)
+        except Exception as exc:  # noqa: BLE001 - msgspec errors, RecursionError, anything: refuse
+            raise FdChannelError(f"malformed fd-channel message ({len(data)} bytes): {clip(str(exc), 200)}",
+                                 "INVALID_ARG") from None
+        if isinstance(msg, Auth):
+            if fds:
+                raise FdChannelError("send fds only after auth", "INVALID_ARG")
+            return self._auth(conn, msg.token)
+        if conn.session is None:
+            raise FdChannelError("authenticate with the session token before sending fds", "PERMISSION_DENIED")
+        if len(msg.tokens) != len(fds):
+            raise FdChannelError(f"expected one token per fd, got {len(fds)} fds and {len(msg.tokens)} tokens",
+                                 "INVALID_ARG")
+        held = FD_INBOX.count(conn.session)
+        if held + len(fds) > self.max_fds_per_session:
+            raise FdChannelError(
+                f"this session would hold {held + len(fds)} undelivered fds, more than the server's limit of "
+                f"{self.max_fds_per_session} (lmshm-server --max-fds-per-session)", "UNAVAILABLE")
+        filed = 0
+        while fds:
+            token, fd = msg.tokens[filed], fds.pop(0)
+            filed += 1
+            FD_INBOX.put(token, fd, conn.session)  # a duplicate token: the first fd stands, this one closes
+        return Ack(received=filed)
 
-    def _auth(self, conn: _Conn, token: object) -> dict:
-        session = self._authenticate(token) if isinstance(token, str) else None
-        if session is None:
-            raise FdChannelError("unknown session token: say HELLO on the ZeroMQ endpoint first",
-                                 "PERMISSION_DENIED")
+    def _auth(self, conn: _Conn, token: str) -> Ack:
+        pidfd, conn.pidfd = conn.pidfd, None
+        try:
+            session = self._authenticate(token, conn.creds, pidfd)  # owns pidfd from here on
+        except FdChannelError:
+            raise
         old = self._links.get(session)
         if old is not None and old is not conn:
             self._forget(old)  # the client reconnected its link: the old one is stale
         conn.session = session
         self._links[session] = conn
-        return {"ok": True}
+        return Ack(pid=conn.creds.pid, uid=conn.creds.uid)
 
-    @staticmethod
-    def _file(session: Hashable, tokens: list[str], fds: list[int]) -> None:
-        refused = []
-        for token, fd in zip(tokens, fds):
-            owner = FD_INBOX.session_of(token)
-            if owner is None:
-                FD_INBOX.put(token, fd, session)
-                continue
-            os.close(fd)  # a duplicate: the inbox already has this object's fd
-            if owner != session:
-                refused.append(token)
-        if refused:
-            raise FdChannelError(f"fd tokens {refused[:4]} belong to another session", "PERMISSION_DENIED")
+    def expire(self, now: Optional[float] = None) -> int:
+        """Close connections that did not authenticate within ``auth_timeout_s``."""
+        now = time.monotonic() if now is None else now
+        late = [c for c in self._conns.values() if c.session is None and now - c.accepted > self.auth_timeout_s]
+        for conn in late:
+            logger.info("lmshm: fd channel dropped pid %d: no auth within %g s", conn.creds.pid,
+                        self.auth_timeout_s)
+            self._send(conn.sock, Refused("UNAVAILABLE", f"no auth within {self.auth_timeout_s:g} s"))
+            self._forget(conn)
+        return len(late)
 
     def _forget(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
-        if self._conns.pop(fd, None) is not None:
+        if fd >= 0 and self._conns.pop(fd, None) is not None:
             self._unwatch(fd)
         conn.sock.close()
+        if conn.pidfd is not None:
+            os.close(conn.pidfd)
+            conn.pidfd = None
 
     def _drop(self, conn: _Conn) -> None:
         """The peer closed the connection (or died)."""
@@ -274,37 +440,75 @@ class FdChannelServer:
         self._links.clear()
         self._unwatch(self._listener.fileno())
         self._listener.close()
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_own(self.path, self._inode)
 
 
 # ---- client side ------------------------------------------------------------------------
 
 
-class FdChannelClient:
-    """A worker's link to the server's fd channel (blocking, with a timeout)."""
+@dataclass(frozen=True)
+class ExpectedServer:
+    """Who must be listening on the fd socket: the server the client said HELLO to."""
 
-    def __init__(self, path: str, session_token: str, *, timeout_s: float = 5.0) -> None:
+    pid: int          # the server's pid as the server sees itself
+    uid: int
+    pid_ns: int       # inode of the server's PID namespace (0: unknown)
+
+
+def _own_pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def check_listener(creds: Credentials, expected: ExpectedServer, path: str) -> None:
+    """Refuse a listener that is not the server we said HELLO to.
+
+    In the server's PID namespace the listener's pid must be the server's; from another
+    namespace (a container) pids cannot be compared, and its uid must be the server's.
+    """
+    same_ns = expected.pid_ns != 0 and expected.pid_ns == _own_pid_ns()
+    if same_ns and creds.pid != expected.pid:
+        raise FdChannelError(
+            f"the process listening on the fd socket {path} is pid {creds.pid}, not the lmshm-server "
+            f"(pid {expected.pid}) this client said HELLO to; refusing to send it anything", "PERMISSION_DENIED")
+    if creds.uid != expected.uid:
+        raise FdChannelError(
+            f"the process listening on the fd socket {path} runs as uid {creds.uid}, the lmshm-server "
+            f"this client said HELLO to as uid {expected.uid}; refusing to send it anything", "PERMISSION_DENIED")
+
+
+class FdChannelClient:
+    """A worker's link to the server's fd channel (blocking, with a timeout).
+
+    Connecting checks the listener (``check_listener``) before the session token goes out,
+    then authenticates; ``verified_pid`` is the worker's pid as the server sees it.
+    """
+
+    def __init__(self, path: str, session_token: str, *, expected: Optional[ExpectedServer] = None,
+                 timeout_s: float = 5.0) -> None:
         self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.settimeout(timeout_s)
         try:
             self._sock.connect(path)
-            self._call({"op": "auth", "token": session_token})
+            if expected is not None:
+                check_listener(peer_credentials(self._sock), expected, path)
+            ack = self._call(Auth(session_token))
+            self.verified_pid = ack.pid
         except OSError as exc:
             self._sock.close()
             raise FdChannelError(
-                f"cannot reach the lmshm fd socket {path}: {exc.strerror or exc}. In isolated mode "
-                "the worker must see the server's fd socket (mount it into the container, or pass "
-                "fd_socket=... / LMSHM_FD_SOCKET)") from None
+                f"cannot reach the lmshm fd socket {path}: {exc.strerror or exc}. The worker must reach the "
+                "server's fd socket to prove who it is (same host; mount the socket's directory into the "
+                "container, and pass fd_socket=... / LMSHM_FD_SOCKET where it has another path)") from None
         except FdChannelError:
             self._sock.close()
             raise
 
-    def _call(self, msg: dict, fds: list[int] = ()) -> dict:
-        data = json.dumps(msg).encode()
+    def _call(self, msg: Union[Auth, SendFds], fds: list[int] = ()) -> Ack:
+        data = _encode(msg)
         if fds:
             self._sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         else:
@@ -312,9 +516,12 @@ class FdChannelClient:
         raw = self._sock.recv(MAX_MESSAGE_BYTES)
         if not raw:
             raise FdChannelError(f"the lmshm fd socket {self.path} closed the connection")
-        reply = json.loads(raw)
-        if not reply.get("ok"):
-            raise FdChannelError(f"fd channel {self.path}: {reply.get('error')}", reply.get("code", "INTERNAL"))
+        try:
+            reply = _to_client.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise FdChannelError(f"fd channel {self.path}: undecodable answer: {exc}", "INTERNAL") from None
+        if isinstance(reply, Refused):
+            raise FdChannelError(f"fd channel {self.path}: {reply.error}", reply.code)
         return reply
 
     def send_fds(self, fds: dict[str, int]) -> None:
@@ -322,7 +529,7 @@ class FdChannelClient:
         items = list(fds.items())
         for i in range(0, len(items), MAX_FDS_PER_MESSAGE):
             chunk = items[i:i + MAX_FDS_PER_MESSAGE]
-            self._call({"op": "fds", "tokens": [t for t, _ in chunk]}, [fd for _, fd in chunk])
+            self._call(SendFds([t for t, _ in chunk]), [fd for _, fd in chunk])
 
     def broken(self) -> bool:
         """True if the server end is gone (EOF or error pending on the socket)."""
@@ -335,3 +542,7 @@ class FdChannelClient:
 
     def close(self) -> None:
         self._sock.close()
+
+
+__all__ = ["Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
+           "FdChannelServer", "Refused", "SendFds", "bind_unix", "default_path", "unlink_own"]

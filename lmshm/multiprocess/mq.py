@@ -17,17 +17,20 @@ error instead). A message that passes libzmq but is malformed -- wrong number of
 an id that is not 8 bytes, more bytes in total than the limit -- is handed to the server as
 a *problem* so that it still gets an ``INVALID_ARG`` reply.
 
-``ipc://`` endpoints are created mode 0600 (umask during bind, then chmod) and unlinked on
-close. ``tcp://HOST:0`` binds a free port; ``url`` then reports the real one.
+``ipc://`` endpoints are created mode 0600 by binding the Unix socket here and handing it to
+libzmq (``ZMQ_USE_FD``), so that a live endpoint is never taken over (libzmq's own bind unlinks
+the path first); on close only the file this process created is removed. ``tcp://HOST:0`` binds a free port; ``url`` then reports the real one.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import socket
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import zmq
 
@@ -74,6 +77,15 @@ def ipc_path(url: str) -> Optional[str]:
 
 # ---- server side ------------------------------------------------------------------------
 
+
+def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run one callback of the loop; a failure is logged, and the loop goes on."""
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - nothing a peer triggers may stop the loop
+        logger.exception("lmshm: %s failed; the server goes on", what)
+        return False
+
 #: on_request(identity, request_id, body, problem): problem is None for a well-formed frame.
 RequestHandler = Callable[[bytes, bytes, Optional[bytes], Optional[str]], None]
 
@@ -81,7 +93,8 @@ RequestHandler = Callable[[bytes, bytes, Optional[bytes], Optional[str]], None]
 class RouterServer:
     """A bound ROUTER socket and the poll loop around it."""
 
-    def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+    def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 receive_queue: int = 1000) -> None:
         check_url(url)
         if max_message_bytes < 1024:
             raise TransportError(f"max_message_bytes={max_message_bytes} is too small (minimum 1024)")
@@ -90,12 +103,18 @@ class RouterServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        self._sock.setsockopt(zmq.RCVHWM, receive_queue)
+        self._sock.setsockopt(zmq.SNDHWM, receive_queue)
         self._ipc_path: Optional[str] = None
+        self._ipc_inode: Optional[tuple[int, int]] = None
+        self._ipc_listener = None
         try:
             self.url = self._bind(url)
         except BaseException:
             self._sock.close(0)
             self._ctx.term()
+            if self._ipc_listener is not None:
+                self._ipc_listener.close()
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -106,17 +125,27 @@ class RouterServer:
         bind_to = url
         if url.startswith("tcp://") and url.endswith(":0"):
             bind_to = url[:-2] + ":*"
-        old_umask = os.umask(0o177) if path else None
+        if path:
+            # Bind the Unix socket ourselves and hand it to libzmq (ZMQ_USE_FD): the kernel's
+            # bind refuses an existing path, where libzmq's own bind would first unlink it --
+            # and with it a live server's endpoint.
+            from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+
+            try:
+                self._ipc_listener, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")
+            except FdChannelError as exc:
+                raise TransportError(f"cannot listen on {url}: {exc}") from None
+            self._ipc_listener.listen(128)
+            self._ipc_path = path
+            self._sock.setsockopt(zmq.USE_FD, self._ipc_listener.fileno())
         try:
             self._sock.bind(bind_to)
         except zmq.ZMQError as exc:
             raise TransportError(f"cannot listen on {url}: {exc.strerror}") from None
-        finally:
-            if old_umask is not None:
-                os.umask(old_umask)
-        if path:
-            self._ipc_path = path
-            os.chmod(path, 0o600)
+        if self._ipc_listener is not None:
+            self._ipc_listener.detach()  # libzmq owns (and closes) the listening fd now
+            self._ipc_listener = None
+            return url
         return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def watch_fd(self, fd: int, callback: Callable[[], None]) -> None:
@@ -166,16 +195,22 @@ class RouterServer:
         next_tick = time.monotonic() + tick_s
         while not stop():
             timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
-            events = dict(self._poller.poll(timeout_ms))
+            try:
+                events = dict(self._poller.poll(timeout_ms))
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EINTR:
+                    logger.error("lmshm: poll failed: %s", exc.strerror)
+                    time.sleep(tick_s)
+                events = {}
             if self._sock in events:
                 for _ in range(batch):  # bounded, so fds and ticks are never starved
-                    if not self._receive_one(on_request):
+                    if not _guarded("a request", self._receive_one, on_request):
                         break
             for fd, callback in list(self._fd_callbacks.items()):
                 if fd in events and fd in self._fd_callbacks:
-                    callback()
+                    _guarded(f"the callback of fd {fd}", callback)
             if time.monotonic() >= next_tick:
-                on_tick()
+                _guarded("the periodic tick", on_tick)
                 next_tick = time.monotonic() + tick_s
 
     def drain(self, on_request: RequestHandler, limit: int = 1024) -> int:
@@ -188,11 +223,13 @@ class RouterServer:
     def close(self) -> None:
         self._sock.close(0)
         self._ctx.term()
-        if self._ipc_path:
-            try:
-                os.unlink(self._ipc_path)
-            except FileNotFoundError:
-                pass
+        if self._ipc_listener is not None:
+            self._ipc_listener.close()
+            self._ipc_listener = None
+        if self._ipc_path and self._ipc_inode:
+            from lmshm.multiprocess.fdchannel import unlink_own
+
+            unlink_own(self._ipc_path, self._ipc_inode)  # only the file this process created
             self._ipc_path = None
 
 

@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 1: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 2: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -13,20 +13,55 @@ with an ``ErrorCode`` and a human-readable message. A handler that raises produc
 Codes are explicit integers and never change meaning; a new message takes a new code.
 Requests use 1..99, replies 101..199. ``HELLO`` must come first on a connection, except for
 ``PING`` and ``STATUS``, which need no session (so ``lmshm status`` can ask without one).
+
+Identity is never taken from a message: HELLO opens a session and hands out its secret token;
+the worker proves who it is by presenting the token on the fd channel (``fdchannel.py``), where
+the kernel reports its pid and uid. REGISTER, UNREGISTER and PEEK need that verified identity.
+
+Limits live next to the fields (msgspec ``Meta``): they bound what decoding may build. The
+server's configurable limits (names, counts) are tighter and checked after decoding.
 """
 
 from __future__ import annotations
 
-import os
+import sys
 from enum import IntEnum
-from typing import Annotated, Union
+from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+if TYPE_CHECKING:
+    from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper as WireWrapper
+else:
+
+    class _AnyWrapperType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            # No wrapper exists unless the wrapper module was imported: never import it here.
+            module = sys.modules.get("lmshm.platform.base.ipc_wrapper")
+            return module is not None and isinstance(obj, module.DeviceIPCWrapper)
+
+    class WireWrapper(metaclass=_AnyWrapperType):
+        """The type msgspec sees for ``LayerGroup.wrapper``: any lmshm IPC wrapper.
+
+        A stand-in for ``DeviceIPCWrapper`` (which type checkers see), so that the protocol,
+        and ``lmshm status`` with it, never imports the wrapper machinery and torch:
+        ``isinstance(w, WireWrapper)`` is ``isinstance(w, DeviceIPCWrapper)``, looked up lazily.
+        ``codec``'s ``dec_hook`` accepts a wrapper there (ext code 1, decoded by ``safe_loads``)
+        and refuses any other value.
+        """
+
+        __slots__ = ()
 
 #: Bumped whenever a message changes incompatibly. HELLO refuses a different version.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+#: Hard caps of the wire (the server's settings may be tighter).
+MAX_TEXT = 4096          # characters of any name or free-text field
+MAX_LAYERS = 65536       # layers of one registration
+MAX_GROUPS = 65536       # wrapper groups of one registration
+PEEK_MAX_BYTES = 4096
+
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 
 
 class MsgType(IntEnum):
@@ -54,9 +89,9 @@ class ErrorCode(IntEnum):
     INVALID_ARG = 1        # malformed frame, undecodable body, bad field, unmappable layer
     ALREADY_EXISTS = 2     # a different registration already lives under this instance id
     NOT_FOUND = 3          # no such instance id (or layer)
-    UNAVAILABLE = 4        # no session for this connection (send HELLO), or shutting down
+    UNAVAILABLE = 4        # no session (send HELLO), a limit reached, or shutting down
     UNSUPPORTED = 5        # protocol version or isolated_ipc disagreement, unknown request
-    PERMISSION_DENIED = 6  # not the owner of the registration; wrong uid on the fd channel
+    PERMISSION_DENIED = 6  # identity not verified, not the owner, memory the worker does not own
     INTERNAL = 7           # a server bug: the handler raised
 
 
@@ -68,29 +103,15 @@ class _Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fie
 
 
 class Hello(_Message, tag=int(MsgType.HELLO)):
-    """Open (or resume) a session. Must precede REGISTER, UNREGISTER and PEEK."""
+    """Open (or resume) a session. Must precede REGISTER, UNREGISTER and PEEK.
+
+    Carries no identity: the worker proves its pid and uid afterwards on the fd channel.
+    """
 
     protocol_version: int
-    pid: int                 # the worker's pid, as the worker sees it
-    boot_id: str             # /proc/sys/kernel/random/boot_id: same value means same host
-    pid_namespace: str       # readlink /proc/self/ns/pid, e.g. "pid:[4026531836]"
     isolated_ipc: bool       # the worker's policy; must equal the server's
-    client_name: str = ""    # free text for status tables and logs
-    resume_token: str = ""   # the session_token of a session this client held before
-
-
-def host_identity() -> tuple[str, str]:
-    """The ``(boot_id, pid_namespace)`` a HELLO carries; equal on both sides = same pid space."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = ""
-    try:
-        pid_ns = os.readlink("/proc/self/ns/pid")
-    except OSError:
-        pid_ns = ""
-    return boot_id, pid_ns
+    client_name: Text = ""   # free text for status tables and logs
+    resume_token: Annotated[str, msgspec.Meta(max_length=128)] = ""  # a session_token held before
 
 
 class LayerGroup(msgspec.Struct, frozen=True, array_like=True):
@@ -104,25 +125,26 @@ class LayerGroup(msgspec.Struct, frozen=True, array_like=True):
     the wrapper's own storage offset.
     """
 
-    wrapper: DeviceIPCWrapper
-    names: list[str]
-    storage_offsets: list[Annotated[int, msgspec.Meta(ge=0)]]
+    wrapper: WireWrapper     # a DeviceIPCWrapper (see WireWrapper)
+    names: Annotated[list[Text], msgspec.Meta(max_length=MAX_LAYERS)]
+    storage_offsets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]],
+                               msgspec.Meta(max_length=MAX_LAYERS)]
 
 
 class RegisterKVCache(_Message, tag=int(MsgType.REGISTER_KV_CACHE)):
     """Map every layer now, all or nothing, and keep them under ``instance_id``."""
 
-    instance_id: str         # 1..256 printable characters, chosen by the worker
-    model_name: str
-    world_size: int          # >= 1
-    worker_rank: int         # 0 <= worker_rank < world_size
-    groups: list[LayerGroup]  # layers in the engine's order, runs grouped; names unique
+    instance_id: Text        # 1..max_name_bytes printable characters, chosen by the worker
+    model_name: Text
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    worker_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # < world_size
+    groups: Annotated[list[LayerGroup], msgspec.Meta(max_length=MAX_GROUPS)]  # engine order; names unique
 
 
 class UnregisterKVCache(_Message, tag=int(MsgType.UNREGISTER_KV_CACHE)):
-    """Release ``instance_id``. Deferred while a data operation still holds it."""
+    """Release ``instance_id``. Deferred while a data operation still holds it. Owner only."""
 
-    instance_id: str
+    instance_id: Text
 
 
 class Status(_Message, tag=int(MsgType.STATUS)):
@@ -134,24 +156,22 @@ class Ping(_Message, tag=int(MsgType.PING)):
 
 
 class Peek(_Message, tag=int(MsgType.PEEK)):
-    """Read bytes of a registered layer *through the server's own mapping*.
+    """Read bytes of a registered layer *through the server's own mapping*. Owner only.
 
     A diagnostic: it proves zero copy (the worker writes, the server reads the same memory)
     and lets an operator check that a mapping is alive. ``length`` is capped at 4096 bytes.
     """
 
-    instance_id: str
-    layer_name: str
-    offset: int = 0          # bytes from the first element of the layer
-    length: int = 64         # bytes, 0..4096
+    instance_id: Text
+    layer_name: Text
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0      # bytes from the layer's first element
+    length: Annotated[int, msgspec.Meta(ge=0, le=PEEK_MAX_BYTES)] = 64
 
 
 Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek]
 
 #: Requests that are answered without a session.
 SESSIONLESS = (Status, Ping)
-
-PEEK_MAX_BYTES = 4096
 
 
 # ---- replies ----------------------------------------------------------------------------
@@ -160,16 +180,19 @@ PEEK_MAX_BYTES = 4096
 class HelloReply(_Message, tag=int(MsgType.HELLO_REPLY)):
     protocol_version: int
     server_id: str           # random per server start: a new value means the server restarted
-    server_pid: int
+    server_pid: int          # as the server sees itself
+    server_uid: int          # the fd socket's listener must run as this uid
+    server_pid_ns: int       # inode of the server's PID namespace: same as the worker's -> compare pids
     session_id: int
-    session_token: str       # authenticates the fd channel; resumes the session after a reset
+    session_token: str       # present it on the fd channel to prove identity; resumes the session
     resumed: bool            # True: resume_token matched, earlier registrations are still there
-    fd_socket: str           # path of the fd side channel ("" if the server runs none)
+    verified: bool           # True: this session's identity is already proven (a resumed session)
+    fd_socket: str           # path of the fd side channel
     isolated_ipc: bool
     heartbeat_interval_s: float  # seconds between the client's PINGs
-    reap_timeout_s: float        # seconds of silence after which the server reclaims a session
+    reap_timeout_s: float        # silence after which an unwatched session is reclaimed
+    auth_timeout_s: float        # the session must prove its identity within this
     max_message_bytes: int       # the largest request body the server accepts
-    pid_watched: bool            # True: the server watches the worker pid (pidfd)
 
 
 class RegisterReply(_Message, tag=int(MsgType.REGISTER_REPLY)):
@@ -187,7 +210,8 @@ class UnregisterReply(_Message, tag=int(MsgType.UNREGISTER_REPLY)):
 class RegistrationInfo(msgspec.Struct, frozen=True):
     instance_id: str
     owner_session: int
-    owner_pid: int
+    owner_pid: int           # kernel-verified, in the server's PID namespace
+    owner_uid: int
     client_name: str
     model_name: str
     world_size: int
@@ -208,6 +232,9 @@ class StatusReply(_Message, tag=int(MsgType.STATUS_REPLY)):
     sessions: int
     mappings: int            # live entries in the server's mapping table
     draining: int            # unregistered but still held by a data operation
+    open_fds: int            # file descriptors the server process has open now
+    fd_limit: int            # its RLIMIT_NOFILE
+    inbox_fds: int           # received fds not mapped yet
     registrations: list[RegistrationInfo]
 
 
@@ -222,7 +249,7 @@ class PeekReply(_Message, tag=int(MsgType.PEEK_REPLY)):
 
 class ErrorReply(_Message, tag=int(MsgType.ERROR)):
     code: int                # an ErrorCode
-    message: str
+    message: str             # at most a few hundred characters; peer data in it is quoted and cut
 
 
 Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, Pong, PeekReply, ErrorReply]

@@ -15,7 +15,9 @@ Rules (design.md section 4):
   released before the error (which names layer k and why) is raised;
 - a live id with different content is ALREADY_EXISTS; identical content from the same owner
   is an idempotent refresh (the new wrappers are closed, nothing is mapped twice);
-- unregister of an unknown id is NOT_FOUND; only the owner may unregister;
+- every wrapper is ``admit``-ted for the kernel-verified peer before it is mapped: it may name
+  only memory that peer owns (the server decides who may unregister or read a registration);
+- unregister of an unknown id is NOT_FOUND;
 - ``hold(instance_id)`` brackets a data operation: an unregister (or reclaim) that arrives
   while a hold is open takes the id out of the namespace at once but defers the release
   until the last holder leaves;
@@ -39,7 +41,10 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
+from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+from lmshm.platform.base.peer import Peer
+from lmshm.quoting import clip, quote
 
 logger = logging.getLogger(__name__)
 
@@ -71,15 +76,24 @@ class InstanceNotFound(RegistryError):
     code = ErrorCode.NOT_FOUND
 
 
-class NotOwner(RegistryError):
+class NotPermitted(RegistryError):
+    """The peer may not register that memory (another uid's segment, another pid's name, ...)."""
+
     code = ErrorCode.PERMISSION_DENIED
+
+
+def _discard_fds(wrappers: Sequence[DeviceIPCWrapper], session: Hashable) -> None:
+    tokens = [t for w in wrappers for t in w.fd_tokens()]
+    if tokens:
+        FD_INBOX.discard(tokens, session)
 
 
 @dataclass(eq=False)
 class Registration:
     instance_id: str
     owner: Hashable                 # the server's session id
-    owner_pid: int
+    owner_pid: int                  # kernel-verified (the session's Peer)
+    owner_uid: int
     client_name: str
     model_name: str
     world_size: int
@@ -128,6 +142,13 @@ class Registration:
         view = base if delta == 0 else base.as_strided(base.size(), base.stride(), base.storage_offset() + delta)
         return self.views.setdefault(layer_name, view)
 
+    def layer(self, layer_name: str) -> tuple[torch.Tensor, DeviceIPCWrapper] | None:
+        """``(tensor, wrapper that maps it)`` for one layer, or None."""
+        tensor = self.tensor(layer_name)
+        if tensor is None:
+            return None
+        return tensor, self.groups[self.where[layer_name][0]].wrapper
+
     def drop_tensors(self) -> None:
         """Forget every tensor; they hold the mappings (child leases) until dropped."""
         self.views.clear()
@@ -157,10 +178,10 @@ def _check_request(instance_id: str, world_size: int, worker_rank: int,
     """Validate a request; return layer name -> (group index, storage offset)."""
     if not instance_id or len(instance_id) > MAX_INSTANCE_ID_CHARS or not instance_id.isprintable():
         raise InvalidRegistration(
-            f"instance id {instance_id[:80]!r} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
+            f"instance id {quote(instance_id)} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
     if instance_id.startswith(RESERVED_ID_PREFIX):
         raise InvalidRegistration(
-            f"instance id {instance_id[:80]!r} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
+            f"instance id {quote(instance_id)} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
     if world_size < 1 or not 0 <= worker_rank < world_size:
         raise InvalidRegistration(
             f"instance {instance_id!r}: worker_rank {worker_rank} is not in [0, world_size={world_size})")
@@ -179,12 +200,12 @@ def _check_request(instance_id: str, world_size: int, worker_rank: int,
         if not w.groupable and (len(g.names) != 1 or g.storage_offsets[0] != w.storage_offset):
             raise InvalidRegistration(
                 f"instance {instance_id!r}: a {w.kind} wrapper stands for exactly one layer at its own "
-                f"storage offset; group {gi} ({g.names[0]!r}) asks for {len(g.names)}")
+                f"storage offset; group {gi} ({quote(g.names[0])}) asks for {len(g.names)}")
         for name, offset in zip(g.names, g.storage_offsets):
             if not name:
                 raise InvalidRegistration(f"instance {instance_id!r}: a layer has an empty name")
             if name in where:
-                raise InvalidRegistration(f"instance {instance_id!r}: layer name {name!r} appears twice")
+                raise InvalidRegistration(f"instance {instance_id!r}: layer name {quote(name)} appears twice")
             where[name] = (gi, offset)
     return where
 
@@ -200,8 +221,7 @@ class Registry:
     def register(
         self,
         *,
-        owner: Hashable,
-        owner_pid: int,
+        peer: Peer,
         instance_id: str,
         model_name: str,
         world_size: int,
@@ -209,11 +229,13 @@ class Registry:
         groups: Sequence[LayerGroup],
         client_name: str = "",
     ) -> tuple[Registration, bool]:
-        """Map and record every layer. Returns ``(registration, refreshed)``.
+        """Map and record every layer for the kernel-verified ``peer``. Returns
+        ``(registration, refreshed)``.
 
         Takes ownership of the groups' wrappers: on any outcome they are either kept by the
-        registration or closed.
+        registration or closed, and every fd the peer sent for them is mapped or closed.
         """
+        owner = peer.session
         wrappers = [g.wrapper for g in groups]
         try:
             where = _check_request(instance_id, world_size, worker_rank, groups)
@@ -221,47 +243,65 @@ class Registry:
                 existing = self._live.get(instance_id)
                 if existing is not None:
                     if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, groups):
-                        _close_quietly(wrappers)
+                        self.refuse(groups, owner)
                         return existing, True
                     raise InstanceExists(
-                        f"instance {instance_id!r} is already registered (model {existing.model_name!r}, "
+                        f"instance {instance_id!r} is already registered (model {quote(existing.model_name)}, "
                         f"{existing.num_layers} layers, owner pid {existing.owner_pid}); unregister it first "
                         "or choose another instance id")
                 if instance_id in self._mapping:
                     raise InstanceExists(f"instance {instance_id!r} is being registered right now")
                 self._mapping.add(instance_id)  # reserve the id; map outside the lock
         except RegistryError:
-            _close_quietly(wrappers)
+            self.refuse(groups, owner)
             raise
 
         try:
-            bases = self._map_all(instance_id, groups)
+            bases = self._map_all(instance_id, groups, peer)
         except BaseException:
             with self._lock:
                 self._mapping.discard(instance_id)
-            _close_quietly(wrappers)
+            self.refuse(groups, owner)
             raise
-        reg = Registration(instance_id, owner, owner_pid, client_name, model_name, world_size, worker_rank,
-                           tuple(where), tuple(groups), bases, where)
+        finally:
+            _discard_fds(wrappers, owner)  # fds of objects mapped before: not needed again
+        reg = Registration(instance_id, owner, peer.pid, peer.uid, client_name, model_name, world_size,
+                           worker_rank, tuple(where), tuple(groups), bases, where)
         with self._lock:
             self._mapping.discard(instance_id)
             self._live[instance_id] = reg
         return reg, False
 
     @staticmethod
-    def _map_all(instance_id: str, groups: Sequence[LayerGroup]) -> list[torch.Tensor]:
-        """Map every group; check that every layer's view fits its mapping. All or nothing."""
+    def refuse(groups: Sequence[LayerGroup], session: Hashable) -> None:
+        """Close the wrappers of a request that will not be registered, and the fds sent for them."""
+        wrappers = [g.wrapper for g in groups]
+        _close_quietly(wrappers)
+        _discard_fds(wrappers, session)
+
+    @staticmethod
+    def _map_all(instance_id: str, groups: Sequence[LayerGroup], peer: Peer) -> list[torch.Tensor]:
+        """Check ownership of and map every group; check that every layer's view fits its
+        mapping. All or nothing."""
         bases: list[torch.Tensor] = []
         first = 0  # index of the group's first layer among all layers
         for g in groups:
             w = g.wrapper
             try:
+                w.admit(peer)
+            except PermissionError as exc:
+                bases.clear()
+                raise NotPermitted(
+                    f"instance {instance_id!r}: layer {first} ({quote(g.names[0])}, {w.kind}) refused: {exc}; "
+                    "no layer of this registration was kept") from None
+            try:
                 base = w.to_tensor()
             except Exception as exc:  # noqa: BLE001 - any mapping failure refuses the whole registration
                 bases.clear()  # drop layers < k before the caller closes the wrappers
-                raise InvalidRegistration(
-                    f"instance {instance_id!r}: layer {first} ({g.names[0]!r}, {w.kind}) could not be mapped: "
-                    f"{exc}; no layer of this registration was kept") from None
+                kind = NotPermitted if isinstance(exc, PermissionError) else InvalidRegistration
+                raise kind(
+                    f"instance {instance_id!r}: layer {first} ({quote(g.names[0])}, {w.kind}) could not be mapped: "
+                    f"{clip(str(exc), 400)}; no layer of this registration was kept") from None
             bases.append(base)
             if len(g.storage_offsets) > 1:
                 # Same shape and stride for every layer: the extremes bound all the others.
@@ -273,23 +313,20 @@ class Registry:
                         k = g.storage_offsets.index(offset)
                         bases.clear()
                         raise InvalidRegistration(
-                            f"instance {instance_id!r}: layer {first + k} ({g.names[k]!r}, {w.kind}) at "
+                            f"instance {instance_id!r}: layer {first + k} ({quote(g.names[k])}, {w.kind}) at "
                             f"storage offset {offset} does not fit its mapped object ({w.describe()}); "
                             "no layer of this registration was kept") from None
             first += len(g.names)
         return bases
 
     # ---- unregister and reclaim ---------------------------------------------------------
-    def unregister(self, instance_id: str, *, owner: Hashable, force: bool = False) -> bool:
-        """Take ``instance_id`` out of the namespace. Returns True if the release is deferred."""
+    def unregister(self, instance_id: str) -> bool:
+        """Take ``instance_id`` out of the namespace (the caller checked who may). Returns True
+        if the release is deferred."""
         with self._lock:
             reg = self._live.get(instance_id)
             if reg is None:
-                raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
-            if reg.owner != owner and not force:
-                raise NotOwner(
-                    f"instance {instance_id!r} belongs to another client (pid {reg.owner_pid}); "
-                    "only its owner may unregister it")
+                raise InstanceNotFound(f"no registration with instance id {quote(instance_id)}")
             deferred = self._unlink_locked(reg)
         if not deferred:
             self._release(reg)
@@ -346,7 +383,7 @@ class Registry:
         with self._lock:
             reg = self._live.get(instance_id)
             if reg is None:
-                raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
+                raise InstanceNotFound(f"no registration with instance id {quote(instance_id)}")
             reg.holds += 1
         try:
             yield reg
@@ -362,12 +399,18 @@ class Registry:
         with self._lock:
             reg = self._live.get(instance_id)
         if reg is None:
-            raise InstanceNotFound(f"no registration with instance id {instance_id!r}")
+            raise InstanceNotFound(f"no registration with instance id {quote(instance_id)}")
         return reg
 
     def registrations(self) -> list[Registration]:
         with self._lock:
             return list(self._live.values())
+
+    def count_owned(self, owner: Hashable) -> tuple[int, int]:
+        """``(registrations, layers)`` that ``owner`` holds."""
+        with self._lock:
+            regs = [r for r in self._live.values() if r.owner == owner]
+        return len(regs), sum(r.num_layers for r in regs)
 
     def owned_by(self, owner: Hashable) -> list[str]:
         with self._lock:

@@ -1,69 +1,77 @@
-"""Process-wide inbox of file descriptors received out of band.
+"""Process-wide inbox of file descriptors received out of band, scoped by the session that sent them.
 
 In isolated mode the wire carries a *token* where a name would be, and the file descriptor
 itself travels over a Unix socket with SCM_RIGHTS (the server's fd side channel, or any
 socket in a test). Whoever receives an fd files it here with ``FD_INBOX.put(token, fd,
-session)``; a wrapper's ``to_tensor()`` looks its token up with ``FD_INBOX.get(token)``.
+session)``; a wrapper's consumer side takes it with ``FD_INBOX.take(token, session)`` when it maps
+the object, and closes it as soon as the mapping exists (mmap and the CUDA driver keep their
+own reference), so no fd outlives the step that needed it.
 
-The inbox owns every fd in it: ``discard(token)`` and ``close_session(session)`` close them,
-so an fd is closed exactly once, when the session that delivered it ends. A mapping made
-from an fd does not need the fd afterwards (mmap keeps its own reference).
+Scoping: a token filed by one session (a server session) is invisible to every other session:
+``take`` answers "not received" for it, exactly as for a token nobody sent. So a peer that
+learns another session's token (say, from /proc/<server>/fd) cannot map that session's memory.
+
+The inbox owns every fd in it until it is taken; ``discard`` and ``close_session`` close them,
+so every fd is closed exactly once. ``session=None`` is the unscoped scope used in-process.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Hashable
+from typing import Hashable, Iterable
 
 
 class FdInbox:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._fds: dict[str, tuple[int, Hashable]] = {}
+        self._fds: dict[tuple[Hashable, str], int] = {}
 
-    def put(self, token: str, fd: int, session: Hashable = None) -> None:
-        """Take ownership of ``fd`` under ``token``. A token already present is refused."""
+    def put(self, token: str, fd: int, session: Hashable = None) -> bool:
+        """Take ownership of ``fd`` under ``(session, token)``. Returns False (and closes ``fd``)
+        if that session already filed this token: the first fd stands."""
         with self._lock:
-            if token in self._fds:
-                os.close(fd)
-                raise ValueError(f"fd token {token!r} was already received")
-            self._fds[token] = (fd, session)
+            if (session, token) not in self._fds:
+                self._fds[(session, token)] = fd
+                return True
+        os.close(fd)
+        return False
 
-    def get(self, token: str) -> int:
-        """The fd filed under ``token`` (still owned by the inbox)."""
+    def take(self, token: str, session: Hashable = None) -> int:
+        """Remove and return the fd ``session`` filed under ``token``; the caller must close it."""
         with self._lock:
-            entry = self._fds.get(token)
-        if entry is None:
+            fd = self._fds.pop((session, token), None)
+        if fd is None:
             raise LookupError(
-                f"no file descriptor was received for token {token!r}; in isolated mode the "
+                f"no file descriptor was received for token {token[:80]!r}; in isolated mode the "
                 "worker must send it over the fd side channel before registering"
             )
-        return entry[0]
+        return fd
 
-    def session_of(self, token: str) -> Hashable:
+    def has(self, token: str, session: Hashable = None) -> bool:
         with self._lock:
-            entry = self._fds.get(token)
-        return None if entry is None else entry[1]
+            return (session, token) in self._fds
 
-    def discard(self, token: str) -> None:
+    def discard(self, tokens: Iterable[str], session: Hashable = None) -> int:
+        """Close the fds ``session`` filed under ``tokens`` (those still here); return how many."""
         with self._lock:
-            entry = self._fds.pop(token, None)
-        if entry is not None:
-            os.close(entry[0])
-
-    def close_session(self, session: Hashable) -> int:
-        """Close every fd delivered by ``session``; return how many."""
-        with self._lock:
-            tokens = [t for t, (_, s) in self._fds.items() if s == session]
-            fds = [self._fds.pop(t)[0] for t in tokens]
+            fds = [self._fds.pop((session, t)) for t in tokens if (session, t) in self._fds]
         for fd in fds:
             os.close(fd)
         return len(fds)
 
-    def tokens(self) -> list[str]:
+    def close_session(self, session: Hashable) -> int:
+        """Close every fd ``session`` filed; return how many."""
         with self._lock:
-            return list(self._fds)
+            keys = [k for k in self._fds if k[0] == session]
+            fds = [self._fds.pop(k) for k in keys]
+        for fd in fds:
+            os.close(fd)
+        return len(fds)
+
+    def count(self, session: Hashable = None) -> int:
+        with self._lock:
+            return sum(1 for k in self._fds if k[0] == session)
 
     def __len__(self) -> int:
         with self._lock:

@@ -13,7 +13,8 @@ under a live tensor.
 
 Wrappers pickle with their concrete class and nothing else: their state is plain data
 (strings, ints, tuples, bytes). ``Deserialize`` uses a restricted unpickler that can only
-name registered lmshm wrapper classes, so a peer cannot make this process run code.
+name the wrapper classes listed in ``lmshm.platform.wrapper_registry`` (an explicit list:
+subclassing this class does not add to it), so a peer cannot make this process run code.
 
 GPU identity travels as a UUID ("GPU-..."); the consumer resolves it to its own ordinal,
 because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process.
@@ -21,13 +22,14 @@ because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process
 
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, ClassVar
 
 import torch
 
 from lmshm.platform.base.mappings import Lease
+from lmshm.platform.base.peer import Peer
+from lmshm.quoting import quote
 
 # Every dtype a wrapper may carry, by the name torch prints without the "torch." prefix.
 _DTYPE_NAMES = (
@@ -61,58 +63,37 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
 
 
-# (module, qualname) -> class, for every concrete wrapper. The restricted unpickler allows
-# exactly these names and nothing else.
-_WRAPPER_CLASSES: dict[tuple[str, str], type["DeviceIPCWrapper"]] = {}
-
-
 def allowed_wrapper_classes() -> list[str]:
-    return sorted(f"{m}.{n}" for m, n in _WRAPPER_CLASSES)
+    """Dotted names of the classes a wrapper payload may name (``wrapper_registry``'s list)."""
+    from lmshm.platform.wrapper_registry import allowed_wrapper_classes
 
-
-class _WrapperUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        cls = _WRAPPER_CLASSES.get((module, name))
-        if cls is None:
-            raise WrapperDecodeError(
-                f"refusing to unpickle {module}.{name}: wrapper payloads may only name lmshm "
-                f"wrapper classes ({', '.join(allowed_wrapper_classes()) or 'none registered'})"
-            )
-        return cls
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise WrapperDecodeError("refusing a pickle with persistent ids")
-
-
-def _import_wrapper_modules() -> None:
-    """Register the built-in wrapper classes so the unpickler can name them."""
-    import lmshm.platform.cpu  # noqa: F401
-    import lmshm.platform.cuda  # noqa: F401  (pure Python: imports no CUDA library)
+    return allowed_wrapper_classes()
 
 
 def safe_loads(data: bytes) -> "DeviceIPCWrapper":
-    """Unpickle wrapper bytes from a peer: only lmshm wrapper classes and plain data."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise WrapperDecodeError(f"wrapper payload must be bytes, got {type(data).__name__}")
-    _import_wrapper_modules()
-    try:
-        obj = _WrapperUnpickler(io.BytesIO(bytes(data))).load()
-    except WrapperDecodeError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any malformed pickle is a decode error
-        raise WrapperDecodeError(f"malformed wrapper payload: {type(exc).__name__}: {exc}") from None
-    if not isinstance(obj, DeviceIPCWrapper) or not getattr(obj, "_state_checked", False):
-        raise WrapperDecodeError(f"wrapper payload decoded to {type(obj).__name__}, not an lmshm wrapper")
-    return obj
+    """Unpickle wrapper bytes from a peer: only allowed lmshm wrapper classes and plain data.
+
+    The allow-list and the restricted unpickler live in ``lmshm.platform.wrapper_registry``,
+    above this package (it names the concrete classes of ``cpu`` and ``cuda``).
+    """
+    from lmshm.platform.wrapper_registry import safe_loads
+
+    return safe_loads(data)
+
+
+#: Largest size, stride or offset a wrapper may carry: far above any real memory, far below
+#: where products of them stop fitting the wire's 64-bit integers.
+MAX_WIRE_INT = 1 << 48
+MAX_WRAPPER_BYTES = 1 << 60
 
 
 def _check_int_tuple(name: str, value: Any, *, allow_negative: bool = False) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS:
-        raise WrapperDecodeError(f"{name} must be a tuple of at most {_MAX_DIMS} ints, got {value!r}")
+        raise WrapperDecodeError(f"{name} must be a tuple of at most {_MAX_DIMS} ints, got {quote(value)}")
     out = []
     for v in value:
-        if type(v) is not int or (v < 0 and not allow_negative):
-            raise WrapperDecodeError(f"{name} must hold non-negative ints, got {value!r}")
+        if type(v) is not int or (v < 0 and not allow_negative) or abs(v) > MAX_WIRE_INT:
+            raise WrapperDecodeError(f"{name} must hold ints in [0, 2**48], got {quote(value)}")
         out.append(v)
     return tuple(out)
 
@@ -133,11 +114,6 @@ class DeviceIPCWrapper:
     #: Wire fields beyond the common ones, in order. Plain data only.
     extra_fields: ClassVar[tuple[str, ...]] = ()
     common_fields: ClassVar[tuple[str, ...]] = ("dtype", "shape", "stride", "storage_offset", "device")
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.kind:  # abstract intermediates set no kind and are not registered
-            _WRAPPER_CLASSES[(cls.__module__, cls.__qualname__)] = cls
 
     def __init__(
         self,
@@ -213,14 +189,20 @@ class DeviceIPCWrapper:
         if len(shape) != len(stride):
             raise WrapperDecodeError(f"shape {shape} and stride {stride} differ in rank")
         offset = state["storage_offset"]
-        if type(offset) is not int or offset < 0:
-            raise WrapperDecodeError(f"storage_offset must be a non-negative int, got {offset!r}")
+        if type(offset) is not int or not 0 <= offset <= MAX_WIRE_INT:
+            raise WrapperDecodeError(f"storage_offset must be an int in [0, 2**48], got {quote(offset)}")
         if not isinstance(state["device"], str) or len(state["device"]) > 128:
-            raise WrapperDecodeError(f"device must be a short string, got {state['device']!r}")
+            raise WrapperDecodeError(f"device must be a short string, got {quote(state['device'])}")
         self.dtype, self.shape, self.stride = dtype, shape, stride
         self.storage_offset, self.device = offset, state["device"]
+        # Stride-0 and overflowing shapes: what the view claims must stay a sane byte count.
+        if self.nbytes > MAX_WRAPPER_BYTES or (offset * self.torch_dtype.itemsize + self.span_bytes) > MAX_WRAPPER_BYTES:
+            raise WrapperDecodeError(
+                f"shape {quote(shape)} with stride {quote(stride)} of {dtype} describes more than "
+                f"2**60 bytes; no memory is that large")
         for f in self.extra_fields:
             setattr(self, f, state[f])
+        self._peer: Peer | None = None
         self._validate_extra()
         self._lease: Lease | None = None
         self._closed = False
@@ -262,8 +244,30 @@ class DeviceIPCWrapper:
         layer name) appears in every error message."""
         raise NotImplementedError
 
+    def admit(self, peer: Peer) -> None:
+        """Consumer side, before ``to_tensor()``: check what this wrapper names against the
+        kernel-verified ``peer`` that sent it, and scope its mapping to the peer's session.
+
+        Raises ``PermissionError`` when the peer may not name that memory (another uid's
+        segment, a name that does not carry the peer's pid, a token it did not send).
+        """
+        self._peer = peer
+        self._admit_extra(peer)
+
+    def _admit_extra(self, peer: Peer) -> None:
+        """Kind-specific ownership checks (see ``admit``)."""
+
+    def _scope(self) -> Any:
+        """The session this wrapper's mapping belongs to (None outside a server)."""
+        return None if self._peer is None else self._peer.session
+
     def to_tensor(self) -> torch.Tensor:
         raise NotImplementedError
+
+    def verify_mapped(self) -> None:
+        """Consumer side, right before touching mapped memory: raise ``OSError`` if the mapped
+        object lost pages since it was mapped (a truncated or hole-punched segment would
+        otherwise kill this process with SIGBUS). Kinds that cannot shrink do nothing."""
 
     def close(self) -> None:
         """Release this wrapper's share of its mapping. Idempotent; never raises."""
@@ -291,6 +295,10 @@ class DeviceIPCWrapper:
         Kinds that need no side channel return ``{}``.
         """
         return {}
+
+    def fd_tokens(self) -> tuple[str, ...]:
+        """Consumer side: the tokens of the fds this wrapper maps from (see ``export_fds``)."""
+        return ()
 
     def release_orphaned(self) -> None:
         """Consumer side, after the producer died: free what the producer can no longer free.

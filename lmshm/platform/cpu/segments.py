@@ -5,16 +5,18 @@ extent backs one torch storage (``torch.frombuffer`` over the mapping), so every
 built on that storage -- the pool and all its views -- lives in the segment.
 
 Guarantees:
-- Named segments are created exclusively (O_EXCL), mode 0600, under a random name that
-  starts with ``lmshm-``; memfd segments are sealed against shrinking and growing, so a
-  consumer's mapping can never lose pages under it (no SIGBUS).
+- Named segments are created exclusively (O_EXCL), mode 0600, under a name that says who
+  made it, ``lmshm-<pid>-<pid-ns>-<random>`` (``lmshm.platform.shm_names``; memfd tokens
+  too); memfd segments are sealed against shrinking and growing, so a consumer's mapping
+  can never lose pages under it (no SIGBUS).
 - Space is reserved up front with ``posix_fallocate``: a ``/dev/shm`` too small for the pool
   fails here, with the sizes in the message, instead of a SIGBUS on first touch later.
 - Who unlinks a named segment: this process, once, when the last tensor on the segment is
   freed, when ``unlink()`` is called (batch rollback), or at normal interpreter exit. A
   forked child inherits the mapping but never unlinks its parent's names (the owner pid is
   checked). If the owner is SIGKILLed, the consumer (lmshm-server) unlinks the name when it
-  reclaims the dead worker's registrations.
+  reclaims the dead worker's registrations; a name never registered is removed by the
+  orphan sweep (``lmshm gc``, ``lmshm.platform.shm_orphans``), which reads the name.
 
 The easy mistake: never ``close()`` the mmap while tensors may still use it. Nothing here
 does; the mapping goes away when its last Python reference (the storage) goes.
@@ -28,8 +30,6 @@ import fcntl
 import logging
 import mmap
 import os
-import re
-import secrets
 import shutil
 import threading
 import weakref
@@ -37,18 +37,23 @@ from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger(__name__)
+# The name format and its parser live in a torch-free module (``lmshm gc`` uses them);
+# re-exported here, where segments are made.
+from lmshm.platform.shm_names import (  # noqa: F401
+    SEGMENT_PREFIX,
+    SHM_DIR_ENV,
+    SegmentOwner,
+    own_pid_namespace,
+    parse_segment_name,
+    segment_name,
+    shm_dir,
+    valid_segment_name,
+)
 
-SEGMENT_PREFIX = "lmshm-"
-SHM_DIR_ENV = "LMSHM_SHM_DIR"
+logger = logging.getLogger(__name__)
 
 # memfd seals that make the size immutable.
 _SIZE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
-
-
-def shm_dir() -> str:
-    """Where named segments live: /dev/shm unless LMSHM_SHM_DIR says otherwise."""
-    return os.environ.get(SHM_DIR_ENV, "/dev/shm")
 
 
 def _human(n: int) -> str:
@@ -57,14 +62,6 @@ def _human(n: int) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     raise AssertionError
-
-
-_NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + r"[0-9a-f-]{1,90}")
-
-
-def valid_segment_name(name: object) -> bool:
-    """A name this package could have made: ``lmshm-`` then hex digits and dashes."""
-    return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
 
 
 def _reserve(fd: int, size: int, where: str) -> None:
@@ -158,7 +155,7 @@ def create_segment(size: int, kind: str = "shm") -> tuple[Segment, torch.Tensor]
     """
     if not isinstance(size, int) or size <= 0:
         raise ValueError(f"segment size must be a positive number of bytes, got {size!r}")
-    token = f"{SEGMENT_PREFIX}{os.getpid():x}-{secrets.token_hex(8)}"
+    token = segment_name()  # lmshm-<pid>-<pid-ns>-<random>: says who made it
     if kind == "shm":
         path = os.path.join(shm_dir(), token)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import mmap
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
 import torch
@@ -34,6 +36,8 @@ import torch
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_name
 from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.base.peer import Peer
+from lmshm.quoting import quote
 from lmshm.platform.contiguity import require_dense
 from lmshm.platform.cpu import segments
 from lmshm.platform.cpu.segments import Segment
@@ -148,32 +152,39 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
         return self.byte_offset + self.storage_offset * item + self.span_bytes
 
     # ---- consumer --------------------------------------------------------------------------
-    def _open_fd(self) -> tuple[int, bool]:
-        """An fd for the object and whether the caller must close it."""
+    def _open_fd(self) -> int:
+        """An fd for the object; the caller closes it once the object is mapped."""
         raise NotImplementedError
 
-    def _map(self) -> mmap.mmap:
-        fd, owned = self._open_fd()
+    def _map(self) -> "_Mapping":
+        fd = self._open_fd()
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"segment {self.segment!r} is not a shared-memory file")
+            peer = self._peer
+            if peer is not None and st.st_uid != peer.uid:
+                raise PermissionError(
+                    f"segment {self.segment!r} belongs to uid {st.st_uid}, not to this worker's uid "
+                    f"{peer.uid}: a worker may register only memory it owns")
             if st.st_size != self.segment_bytes:
                 raise ValueError(
                     f"segment {self.segment!r} has {st.st_size} bytes, the wrapper says "
                     f"{self.segment_bytes}: it was replaced or truncated"
                 )
-            self._check_object(fd)
-            return mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            _check_allocated(self.segment, st)
+            self._check_object(fd, st)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
-            if owned:
-                os.close(fd)
+            os.close(fd)
+        start = torch.frombuffer(mm, dtype=torch.uint8).data_ptr() if st.st_size else 0
+        return _Mapping(mm, start, st.st_size, (st.st_dev, st.st_ino))
 
-    def _check_object(self, fd: int) -> None:
+    def _check_object(self, fd: int, st: os.stat_result) -> None:
         """Kind-specific checks on the opened object."""
 
-    def _mapping_key(self) -> tuple[str, str]:
-        return (self.kind, self.segment)
+    def _mapping_key(self) -> tuple:
+        return (self.kind, self._scope(), self.segment)
 
     def to_tensor(self) -> torch.Tensor:
         if self._closed:
@@ -188,13 +199,29 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             )
         if self._lease is None:
             self._lease = MAPPINGS.acquire(self._mapping_key(), self._map, _drop_mapping)
-        mm = self._lease.value
-        u8 = torch.frombuffer(mm, dtype=torch.uint8)
+        mapping: _Mapping = self._lease.value
+        self._inode = mapping.inode
+        u8 = torch.frombuffer(mapping.mm, dtype=torch.uint8)
         item = self.torch_dtype.itemsize
         out = torch.empty(0, dtype=self.torch_dtype)
         out.set_(u8.untyped_storage(), self.byte_offset // item + self.storage_offset,
                  self.shape, self.stride)
         return out
+
+    def verify_mapped(self) -> None:
+        lease = self._lease
+        if lease is None or lease.released:
+            raise RuntimeError(f"segment {self.segment!r} is not mapped")
+        mapping: _Mapping = lease.value
+        try:
+            st = os.stat(mapping.map_file())
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot check segment {self.segment!r} before reading it: "
+                                     f"{exc.strerror}") from None
+        if st.st_size < mapping.size:
+            raise OSError(errno.EIO, f"segment {self.segment!r} was truncated after it was registered "
+                                     f"({st.st_size} of {mapping.size} bytes left); refusing to touch it")
+        _check_allocated(self.segment, st, after_register=True)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -202,10 +229,38 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
         return d
 
 
-def _drop_mapping(mm: mmap.mmap) -> None:
+@dataclass(frozen=True)
+class _Mapping:
+    """A consumer-side mapping of one segment: the mmap, where it lies, which inode it is."""
+
+    mm: mmap.mmap
+    start: int
+    size: int
+    inode: tuple[int, int]
+
+    def map_file(self) -> str:
+        """This mapping's entry in /proc/self/map_files: stat() it to see the object's size now,
+        without holding an fd (the entry names the file even after it is unlinked)."""
+        end = self.start + (-(-self.size // mmap.PAGESIZE)) * mmap.PAGESIZE
+        return f"/proc/self/map_files/{self.start:x}-{end:x}"
+
+
+def _check_allocated(name: str, st: os.stat_result, *, after_register: bool = False) -> None:
+    """Refuse an object with holes: touching a hole of a full tmpfs raises SIGBUS."""
+    if st.st_blocks * 512 < st.st_size:
+        when = ("has holes now (pages were punched out after it was registered)" if after_register
+                else "is sparse (its pages are not allocated)")
+        raise OSError(
+            errno.EIO,
+            f"segment {name!r} {when}: {st.st_blocks * 512} of {st.st_size} bytes are backed by memory. "
+            "Reading a hole of a full /dev/shm would crash the reader, so lmshm maps only fully "
+            "allocated segments (lmshm.empty_shared reserves every page with posix_fallocate)")
+
+
+def _drop_mapping(mapping: _Mapping) -> None:
     # Never mm.close(): tensors built on the mapping hold a reference and keep it mapped;
     # it is unmapped when the last of them is freed.
-    del mm
+    del mapping
 
 
 class CpuShmIPCWrapper(CpuSegmentWrapper):
@@ -214,10 +269,31 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
     kind = "cpu-shm"
     segment_kind = "shm"
 
-    def _open_fd(self) -> tuple[int, bool]:
+    def _admit_extra(self, peer: Peer) -> None:
+        owner = segments.parse_segment_name(self.segment)
+        if owner is None:
+            raise PermissionError(f"segment name {quote(self.segment)} is not one lmshm makes "
+                                  "(lmshm-<pid>-<pid namespace>-<random>)")
+        if not peer.ns_pid or not peer.pid_ns:
+            raise PermissionError(
+                f"segment {self.segment!r}: the server cannot see this worker's pid ({peer.describe()}: "
+                "another PID namespace), so it cannot check that the worker made the segment. Share the "
+                "PID namespace with the server (docker --pid=container:...), or use isolated mode "
+                "(LMSHM_ISOLATED_IPC=1: memfd fds instead of names)")
+        if (owner.pid, owner.pid_ns) != (peer.ns_pid, peer.pid_ns):
+            raise PermissionError(
+                f"segment {self.segment!r} was made by pid {owner.pid}, not by this worker ({peer.describe()}); "
+                "a worker may register only segments it created")
+
+    def _check_object(self, fd: int, st: os.stat_result) -> None:
+        if st.st_nlink != 1:
+            raise PermissionError(f"segment {self.segment!r} has {st.st_nlink} links; lmshm segments have "
+                                  "exactly one name (a hard link could stand for another segment)")
+
+    def _open_fd(self) -> int:
         path = os.path.join(segments.shm_dir(), self.segment)
         try:
-            return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW), True
+            return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"shared-memory segment {path} does not exist: the producer released it, or "
@@ -226,9 +302,16 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
             ) from None
 
     def release_orphaned(self) -> None:
-        """The producer died without unlinking: remove the name so /dev/shm does not fill up."""
+        """The producer died without unlinking: remove the name so /dev/shm does not fill up --
+        only if the name still stands for the very object this wrapper mapped."""
+        inode = self.__dict__.get("_inode")
+        if inode is None:
+            return  # never mapped here: not ours to remove
+        path = os.path.join(segments.shm_dir(), self.segment)
         try:
-            os.unlink(os.path.join(segments.shm_dir(), self.segment))
+            st = os.lstat(path)
+            if (st.st_dev, st.st_ino) == inode:
+                os.unlink(path)
         except FileNotFoundError:
             pass
 
@@ -259,10 +342,13 @@ class CpuFdIPCWrapper(CpuSegmentWrapper):
             )
         return {self.segment: producer[0].fd}
 
-    def _open_fd(self) -> tuple[int, bool]:
-        return FD_INBOX.get(self.segment), False
+    def fd_tokens(self) -> tuple[str, ...]:
+        return (self.segment,)
 
-    def _check_object(self, fd: int) -> None:
+    def _open_fd(self) -> int:
+        return FD_INBOX.take(self.segment, self._scope())
+
+    def _check_object(self, fd: int, st: os.stat_result) -> None:
         import fcntl
 
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)

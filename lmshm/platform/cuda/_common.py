@@ -87,6 +87,14 @@ class CudaWrapperBase(DeviceIPCWrapper):
         if not isinstance(producer, str) or not _PRODUCER_RE.match(producer):
             raise WrapperDecodeError(f"{type(self).__name__}: malformed producer id {producer!r}")
 
+    def _admit_extra(self, peer: Any) -> None:
+        producer_pid = int(self.producer.split("-", 1)[0])  # type: ignore[attr-defined]
+        if peer.ns_pid and producer_pid != peer.ns_pid:
+            raise PermissionError(
+                f"{type(self).__name__} on {self.device}: the wrapper says it was exported by pid "
+                f"{producer_pid}, but this worker is {peer.describe()}; a worker may register only "
+                "memory it exported")
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"{type(self).__name__} on {self.device} is closed")

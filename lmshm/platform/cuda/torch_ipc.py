@@ -27,6 +27,9 @@ are meant to be mapped by one consumer process (torch's counter counts one consu
 
 from __future__ import annotations
 
+import os
+import re
+import stat
 from collections import Counter
 from typing import Any, Hashable
 
@@ -35,11 +38,15 @@ import torch
 from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, dtype_name
 from lmshm.platform.cuda._common import CudaWrapperBase, check_bytes, check_int, producer_id, producer_ordinal
 from lmshm.platform.cuda.driver import get_driver
+from lmshm.quoting import quote
 
 #: Storages opened with ``_new_shared_cuda`` in this process (torch maps each block once).
 stats: Counter[str] = Counter()
 
 _MAX_HANDLE = 64 * 1024
+#: torch's CUDA_IPC_REF_COUNTER_FILE_SIZE: counters (int64) per reference-counter file.
+REF_COUNTER_FILE_SIZE = 10000
+_REF_COUNTER_RE = re.compile(r"/torch_([0-9]{1,10})_([0-9]{1,20})_([0-9]{1,20})")
 
 
 class CudaIPCWrapper(CudaWrapperBase):
@@ -89,6 +96,35 @@ class CudaIPCWrapper(CudaWrapperBase):
                 f"{cls.__name__}: view (shape={self.shape}, stride={self.stride}, storage_offset="
                 f"{self.storage_offset}, {self.dtype}) needs {need} bytes of a {self.storage_bytes}-byte storage"
             )
+
+    # ---- ownership -------------------------------------------------------------------------
+    def _admit_extra(self, peer: Any) -> None:
+        """torch's consumer decrements the producer's counter at ``ref_counter_offset`` of the
+        ``/dev/shm`` file ``ref_counter_handle``: both come from the peer, so they must be what
+        torch makes -- ``/torch_<pid>_<random>_<n>`` of the producer's own pid, a file it owns
+        of exactly REF_COUNTER_FILE_SIZE counters, and an offset inside it."""
+        super()._admit_extra(peer)
+        name = self.ref_counter_handle.decode("ascii", "replace")
+        m = _REF_COUNTER_RE.fullmatch(name)
+        where = f"{type(self).__name__} on {self.device}"
+        if m is None:
+            raise PermissionError(f"{where}: ref_counter_handle {quote(name)} is not a torch counter file "
+                                  "(/torch_<pid>_<random>_<n>)")
+        if peer.ns_pid and int(m.group(1)) != peer.ns_pid:
+            raise PermissionError(f"{where}: counter file {name} belongs to pid {m.group(1)}, not to this "
+                                  f"worker ({peer.describe()})")
+        if not 0 <= self.ref_counter_offset < REF_COUNTER_FILE_SIZE:
+            raise PermissionError(f"{where}: ref_counter_offset {self.ref_counter_offset} is outside torch's "
+                                  f"counter file ({REF_COUNTER_FILE_SIZE} counters)")
+        path = os.path.join("/dev/shm", name.lstrip("/"))
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            raise PermissionError(f"{where}: counter file {path}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != peer.uid or st.st_size != REF_COUNTER_FILE_SIZE * 8:
+            raise PermissionError(
+                f"{where}: {path} is not this worker's torch counter file (a regular file of uid "
+                f"{peer.uid} holding {REF_COUNTER_FILE_SIZE} 8-byte counters)")
 
     # ---- consumer --------------------------------------------------------------------------
     def _mapping_key(self) -> Hashable:

@@ -162,6 +162,9 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
             )
         return {self.fd_token: fd}
 
+    def fd_tokens(self) -> tuple[str, ...]:
+        return (self.fd_token,) if self.needs_fd_channel else ()
+
     def _close_extra(self) -> None:
         super()._close_extra()
         fd = self.__dict__.pop("_fd", None)
@@ -186,16 +189,22 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
 
     # ---- consumer --------------------------------------------------------------------------
     def _mapping_key(self) -> Hashable:
-        return ("cuda-vmm", devices.normalize_uuid(self.device), self.producer, self.alloc_id, self.alloc_size)
+        # Scoped to the session: another session naming the same producer and allocation
+        # gets (and must prove with its own fd) an import of its own.
+        return ("cuda-vmm", self._scope(), devices.normalize_uuid(self.device), self.producer,
+                self.alloc_id, self.alloc_size)
 
     def _open(self, ordinal: int) -> DeviceMapping:
         drv = get_driver()
         if self.handle_type == "posix-fd":
             try:
-                fd = FD_INBOX.get(self.fd_token)
+                fd = FD_INBOX.take(self.fd_token, self._scope())
             except LookupError as exc:
                 raise LookupError(f"{type(self).__name__}: {exc}. {FD_CHANNEL_HINT}") from None
-            alloc = drv.import_posix_fd(fd, ordinal)
+            try:
+                alloc = drv.import_posix_fd(fd, ordinal)
+            finally:
+                quietly("closing a received VMM fd", os.close, fd)  # the import holds the memory
         else:
             alloc = drv.import_fabric(self.fabric_handle, ordinal)
         size = self.alloc_size

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -37,8 +39,7 @@ def _raw_register(payload: bytes, ext_code: int = codec.WRAPPER_EXT_CODE) -> byt
 
 
 @pytest.mark.parametrize("msg", [
-    protocol.Hello(protocol_version=1, pid=123, boot_id="b", pid_namespace="pid:[1]", isolated_ipc=True,
-                   client_name="w", resume_token="t"),
+    protocol.Hello(protocol_version=2, isolated_ipc=True, client_name="w", resume_token="t"),
     protocol.UnregisterKVCache("inst-0"),
     protocol.Status(),
     protocol.Ping(),
@@ -71,9 +72,9 @@ def test_a_negative_storage_offset_in_a_group_is_refused_by_the_decoder():
 
 def test_replies_round_trip_including_status_and_errors():
     status = protocol.StatusReply(
-        server_id="s", server_pid=1, protocol_version=1, isolated_ipc=False, uptime_s=1.5, sessions=1,
-        mappings=2, draining=0, registrations=[protocol.RegistrationInfo(
-            "i", 1, 2, "w", "m", 1, 0, 3, 4096, ["cpu-shm"], ["cpu"], 0.25)])
+        server_id="s", server_pid=1, protocol_version=2, isolated_ipc=False, uptime_s=1.5, sessions=1,
+        mappings=2, draining=0, open_fds=12, fd_limit=1024, inbox_fds=0, registrations=[protocol.RegistrationInfo(
+            "i", 1, 2, 0, "w", "m", 1, 0, 3, 4096, ["cpu-shm"], ["cpu"], 0.25)])
     for reply in (status, protocol.ErrorReply(protocol.ErrorCode.NOT_FOUND, "no such id"),
                   protocol.Pong("s", True), protocol.PeekReply(b"\x00\x01")):
         assert codec.decode_reply(codec.encode(reply)) == reply
@@ -139,3 +140,26 @@ def test_message_codes_are_explicit_and_distinct():
     assert [c.value for c in protocol.ErrorCode] == list(range(1, 8))
     tags = [t.__struct_config__.tag for t in (*protocol.Request.__args__, *protocol.Reply.__args__)]
     assert len(set(tags)) == len(tags)
+
+
+class _UnlistedWrapper(CpuShmIPCWrapper):
+    kind = "cpu-unlisted"
+
+
+def test_a_wrapper_subclass_off_the_allow_list_is_refused():
+    payload = _UnlistedWrapper(**_shm_wrapper().__getstate__()).Serialize()
+    with pytest.raises(CodecError, match=r"refused wrapper payload: refusing to unpickle \S+\._UnlistedWrapper"):
+        codec.decode_request(_raw_register(payload))
+
+
+def test_the_control_plane_imports_neither_torch_nor_the_wrappers():
+    # What `lmshm status` loads: a STATUS round trip needs msgspec and ZeroMQ, nothing heavier.
+    modules = ["lmshm.multiprocess.protocol", "lmshm.multiprocess.codec", "lmshm.multiprocess.client",
+               "lmshm.multiprocess.mq", "lmshm.multiprocess.fdchannel", "lmshm.cli"]
+    code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
+            "from lmshm.multiprocess import codec, protocol\n"
+            "codec.decode_reply(codec.encode(protocol.ErrorReply(1, 'x')))\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')"
+            " or m.startswith(('lmshm.platform.base.ipc_wrapper', 'lmshm.platform.cpu', 'lmshm.platform.cuda'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

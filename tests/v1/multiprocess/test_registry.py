@@ -18,11 +18,13 @@ from lmshm.multiprocess.registry import (
     InstanceExists,
     InstanceNotFound,
     InvalidRegistration,
-    NotOwner,
+    NotPermitted,
     Registry,
 )
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.base.peer import local_peer
+from lmshm.platform.shm_names import segment_name
 from lmshm.platform.cpu import CpuShmIPCWrapper, empty_shared
 from lmshm.platform.kv_wrap import wrap_kv_caches
 
@@ -53,7 +55,7 @@ def as_groups(layers) -> list[LayerGroup]:
 
 
 def register(reg: Registry, layers, owner="A", iid="inst"):
-    return reg.register(owner=owner, owner_pid=os.getpid(), instance_id=iid, model_name="m",
+    return reg.register(peer=local_peer(owner), instance_id=iid, model_name="m",
                         world_size=1, worker_rank=0, groups=as_groups(layers))
 
 
@@ -73,7 +75,7 @@ def test_a_layer_that_cannot_be_mapped_releases_the_earlier_layers_and_is_named(
     reg = Registry()
     good = consumer_layers(producers)[:2]
     missing = CpuShmIPCWrapper(dtype="float16", shape=(4,), stride=(1,), storage_offset=0, device="cpu",
-                               segment="lmshm-0-deadbeef", segment_bytes=4096, byte_offset=0)
+                               segment=segment_name(), segment_bytes=4096, byte_offset=0)
     mappings_before = len(MAPPINGS)
     with pytest.raises(InvalidRegistration, match=r"layer 2 \('bad'.*does not exist") as exc:
         register(reg, good + [("bad", missing)])
@@ -107,18 +109,25 @@ def test_identical_registration_from_the_same_owner_is_an_idempotent_refresh(poo
     reg.release_all()
 
 
-def test_unknown_id_is_not_found_and_only_the_owner_may_unregister(pool):
-    _, producers = pool
+def test_unknown_id_is_not_found(pool):
     reg = Registry()
     with pytest.raises(InstanceNotFound) as exc:
-        reg.unregister("nope", owner="A")
+        reg.unregister("nope")
     assert exc.value.code == ErrorCode.NOT_FOUND
-    register(reg, consumer_layers(producers))
-    with pytest.raises(NotOwner, match="belongs to another client") as exc:
-        reg.unregister("inst", owner="B")
+
+
+def test_a_segment_that_does_not_carry_the_peers_pid_is_refused_before_mapping(pool):
+    _, producers = pool
+    reg = Registry()
+    stranger = local_peer("A")
+    stranger = type(stranger)(session="A", pid=stranger.pid, uid=stranger.uid, gid=stranger.gid,
+                              ns_pid=stranger.ns_pid + 1, pid_ns=stranger.pid_ns)
+    opens = MAPPINGS.opens_total
+    with pytest.raises(NotPermitted, match="was made by pid") as exc:
+        reg.register(peer=stranger, instance_id="x", model_name="m", world_size=1, worker_rank=0,
+                     groups=as_groups(consumer_layers(producers)))
     assert exc.value.code == ErrorCode.PERMISSION_DENIED
-    assert reg.unregister("inst", owner="B", force=True) is False
-    assert len(reg) == 0
+    assert MAPPINGS.opens_total == opens and len(reg) == 0
 
 
 def test_unregister_while_held_is_deferred_until_the_holder_leaves(pool):
@@ -126,7 +135,7 @@ def test_unregister_while_held_is_deferred_until_the_holder_leaves(pool):
     reg = Registry()
     r, _ = register(reg, consumer_layers(producers))
     with reg.hold("inst") as held:
-        assert reg.unregister("inst", owner="A") is True
+        assert reg.unregister("inst") is True
         assert len(reg) == 0 and reg.draining == 1
         layers["layer0"].fill_(1.25)
         assert torch.all(held.tensor("layer0") == 1.25)  # still mapped
@@ -185,7 +194,7 @@ def test_bad_requests_are_refused_before_anything_is_mapped(pool):
         (dict(groups=as_groups(consumer_layers(producers)[:1] * 2)), "appears twice"),
         (dict(groups=[LayerGroup(producers[0], ["a", "b"], [0])]), "2 names and 1 storage offsets"),
     ]:
-        args = dict(owner="A", owner_pid=1, instance_id="x", model_name="m", world_size=1, worker_rank=0,
+        args = dict(peer=local_peer("A"), instance_id="x", model_name="m", world_size=1, worker_rank=0,
                     groups=as_groups(consumer_layers(producers)))
         args.update(kwargs)
         with pytest.raises(InvalidRegistration, match=match):
@@ -200,7 +209,7 @@ def test_a_group_maps_its_segment_once_and_serves_every_layer(pool):
                        [w.storage_offset for w in producers])
     opens = MAPPINGS.opens_total
     reg = Registry()
-    r, _ = reg.register(owner="A", owner_pid=1, instance_id="g", model_name="m", world_size=1,
+    r, _ = reg.register(peer=local_peer("A"), instance_id="g", model_name="m", world_size=1,
                         worker_rank=0, groups=[group])
     assert MAPPINGS.opens_total == opens + 1 and r.num_layers == 4
     assert r.nbytes == sum(t.numel() * t.element_size() for t in layers.values())
@@ -210,7 +219,7 @@ def test_a_group_maps_its_segment_once_and_serves_every_layer(pool):
         assert server_side.shape == t.shape and server_side.stride() == t.stride()
         assert torch.all(server_side == i + 0.5), f"layer {name} must alias the producer's bytes"
     assert r.tensor("no-such-layer") is None
-    reg.unregister("g", owner="A")
+    reg.unregister("g")
     assert r.tensor("layer0") is None and not r.views
 
 
@@ -221,6 +230,6 @@ def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(pool):
     group = LayerGroup(wrapper, ["l0", "l1", "l2"], [0, producers[1].storage_offset, too_far])
     reg = Registry()
     with pytest.raises(InvalidRegistration, match=r"layer 2 \('l2', cpu-shm\) at storage offset \d+ does not fit"):
-        reg.register(owner="A", owner_pid=1, instance_id="g", model_name="m", world_size=1,
+        reg.register(peer=local_peer("A"), instance_id="g", model_name="m", world_size=1,
                      worker_rank=0, groups=[group])
     assert wrapper.closed and len(reg) == 0

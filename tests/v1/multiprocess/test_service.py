@@ -31,9 +31,7 @@ from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
 
 def _hello(**kw) -> bytes:
-    boot_id, pid_ns = protocol.host_identity()
-    args = dict(protocol_version=protocol.PROTOCOL_VERSION, pid=os.getpid(), boot_id=boot_id,
-                pid_namespace=pid_ns, isolated_ipc=False)
+    args = dict(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False)
     args.update(kw)
     return codec.encode(protocol.Hello(**args))
 
@@ -256,16 +254,22 @@ def test_settings_come_from_the_command_line_then_the_environment_then_the_confi
     c = resolve_config(parse(["--config", str(config), "--reap-timeout", "1", "--url", "ipc:///tmp/x"]),
                        environ={"LMSHM_REAP_TIMEOUT": "2"})
     assert (c.reap_timeout_s, c.url) == (1.0, "ipc:///tmp/x")
+    c = resolve_config(parse(["--allow-uid", "7", "--allow-uid", "8", "--admin-uid", "9"]),
+                       environ={"LMSHM_ALLOW_GIDS": "10, 11", "LMSHM_ISOLATED_IPC": "on"})
+    assert (c.allowed_uids, c.allowed_gids, c.admin_uids, c.isolated_ipc) == ([7, 8], [10, 11], [9], True)
     config.write_text("nonsense = 1\n")
     with pytest.raises(ValueError, match="unknown key"):
         resolve_config(parse(["--config", str(config)]), environ={})
 
 
 @pytest.mark.parametrize("environ,match", [
-    ({"LMSHM_PORT": "abc"}, r"bad setting port \(LMSHM_PORT, or --config key 'port'\): expected an integer, got 'abc'"),
-    ({"LMSHM_REAP_TIMEOUT": "soon"}, r"reap_timeout .*expected a number, got 'soon'"),
-    ({"LMSHM_MAX_MESSAGE_BYTES": "1e3x"}, r"max_message_bytes .*expected an integer"),
-    ({"LMSHM_ISOLATED_IPC": "maybe"}, r"LMSHM_ISOLATED_IPC='maybe' is not a boolean"),
+    ({"LMSHM_PORT": "abc"}, r"bad setting --port \(LMSHM_PORT, or --config key 'port'\): expected an integer, got 'abc'"),
+    ({"LMSHM_REAP_TIMEOUT": "soon"}, r"--reap-timeout \(LMSHM_REAP_TIMEOUT, .*'reap_timeout'\): Expected `float`, got `str`, got 'soon'"),
+    ({"LMSHM_REAP_TIMEOUT": "0"}, r"--reap-timeout .*Expected `float` > 0.0"),
+    ({"LMSHM_MAX_MESSAGE_BYTES": "1e3x"}, r"--max-message-bytes .*Expected `int`"),
+    ({"LMSHM_MAX_SESSIONS": "0"}, r"--max-sessions \(LMSHM_MAX_SESSIONS.*Expected `int` >= 1"),
+    ({"LMSHM_ALLOW_UIDS": "1,x"}, r"--allow-uid .*Expected `int`"),
+    ({"LMSHM_ISOLATED_IPC": "maybe"}, r"--isolated-ipc \(LMSHM_ISOLATED_IPC.*Expected `bool`, got `str`, got 'maybe'"),
 ])
 def test_bad_settings_name_the_setting_and_the_value(environ, match):
     with pytest.raises(ValueError, match=match):

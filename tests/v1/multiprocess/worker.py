@@ -19,20 +19,13 @@ def main() -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--heartbeat", type=float, default=0.1, help="heartbeat interval, seconds")
     ap.add_argument("--fd-socket", default=None)
-    ap.add_argument("--fake-pid-namespace", action="store_true",
-                    help="claim another PID namespace, so the server cannot watch this pid")
     ap.add_argument("--name", default="test-worker")
     args = ap.parse_args()
 
     import torch
 
     from lmshm.multiprocess import client as client_mod
-    from lmshm.multiprocess import protocol
     from lmshm.platform.cpu import empty_shared, segment_of
-
-    if args.fake_pid_namespace:
-        real = protocol.host_identity
-        protocol.host_identity = lambda: (real()[0], "pid:[1]")
 
     def out(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")

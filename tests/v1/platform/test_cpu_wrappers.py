@@ -70,12 +70,12 @@ def _consumer_fd(path: str) -> None:
         return
     except LookupError:
         pass
-    FD_INBOX.put(wrapper.segment, fds[0], session="test")
+    FD_INBOX.put(wrapper.segment, fds[0], session=None)
     t = wrapper.to_tensor()
     ok = bool(torch.all(t == 7))
     t.fill_(11)
     wrapper.close()
-    FD_INBOX.close_session("test")
+    FD_INBOX.close_session(None)
     sock.sendall(b"OK" if ok else b"ERR wrong contents")
     sock.close()
 
@@ -261,10 +261,10 @@ def test_mapping_outlives_close_while_a_tensor_uses_it(no_new_segments):
     t = consumer.to_tensor()
     again = CpuShmIPCWrapper.Deserialize(w.Serialize())
     t2 = again.to_tensor()
-    assert MAPPINGS.refcount(("cpu-shm", w.segment)) == 2
+    assert MAPPINGS.refcount(("cpu-shm", None, w.segment)) == 2
     consumer.close()
     again.close()
-    assert MAPPINGS.refcount(("cpu-shm", w.segment)) == 0
+    assert MAPPINGS.refcount(("cpu-shm", None, w.segment)) == 0
     w.close()
     del pool
     gc.collect()
@@ -317,22 +317,26 @@ def test_segment_files_are_private_to_the_owner(no_new_segments):
 def test_unsealed_memfd_is_refused(no_new_segments):
     fd = os.memfd_create("not-lmshm")
     os.ftruncate(fd, 64)
+    os.posix_fallocate(fd, 0, 64)
     token = "lmshm-1-0123abcd"
-    FD_INBOX.put(token, fd, session="unsealed")
+    FD_INBOX.put(token, fd, session=None)
     w = CpuFdIPCWrapper(dtype="float32", shape=(16,), stride=(1,), storage_offset=0, device="cpu",
                         segment=token, segment_bytes=64, byte_offset=0)
     try:
         with pytest.raises(PermissionError, match="not sealed"):
             w.to_tensor()
     finally:
-        assert FD_INBOX.close_session("unsealed") == 1
+        assert FD_INBOX.close_session(None) == 0  # the refused fd was taken and closed, not kept
 
 
 def test_a_segment_whose_name_was_removed_by_someone_else_is_rewrapped_into_a_fresh_one(no_new_segments):
     pool = empty_shared((4, 16), torch.float32)
     pool.fill_(2.5)
     first = CpuShmIPCWrapper.wrap(pool)
-    CpuShmIPCWrapper.Deserialize(first.Serialize()).release_orphaned()  # what the server may do
+    server_side = CpuShmIPCWrapper.Deserialize(first.Serialize())
+    server_side.to_tensor()
+    server_side.close()
+    server_side.release_orphaned()  # what the server does when it believes the producer died
     assert first.segment not in _segments()
     second = CpuShmIPCWrapper.wrap(pool)
     assert second.segment != first.segment and second.segment in _segments()

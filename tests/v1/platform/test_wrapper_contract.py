@@ -5,11 +5,20 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_from_name, dtype_name
+from lmshm.platform import wrapper_registry
+from lmshm.platform.base.ipc_wrapper import (
+    DeviceIPCWrapper,
+    WrapperDecodeError,
+    allowed_wrapper_classes,
+    dtype_from_name,
+    dtype_name,
+)
 from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
 
 
@@ -87,7 +96,7 @@ def test_truncated_and_random_bytes_give_a_decode_error():
     "field,value,match",
     [
         ("dtype", "object", "unknown dtype"),
-        ("shape", (2, -3), "non-negative"),
+        ("shape", (2, -3), r"ints in \[0, 2\*\*48\]"),
         ("shape", [1] * 40, "at most"),
         ("stride", (1,), "differ in rank"),
         ("storage_offset", -1, "storage_offset"),
@@ -124,3 +133,51 @@ def test_dtype_names_round_trip(dt):
 def test_unknown_dtype_name_lists_the_supported_ones():
     with pytest.raises(ValueError, match="unknown dtype 'float128'.*bfloat16"):
         dtype_from_name("float128")
+
+
+# ---- the explicit allow-list (lmshm/platform/wrapper_registry.py) -----------------------------
+
+class _UnlistedWrapper(CpuShmIPCWrapper):
+    """A subclass defined outside the allow-list: inheriting must not make it decodable."""
+
+    kind = "cpu-unlisted"
+
+
+def test_a_subclass_that_is_not_on_the_list_is_refused():
+    payload = _UnlistedWrapper(**_wrapper().__getstate__()).Serialize()
+    with pytest.raises(WrapperDecodeError, match=r"refusing to unpickle \S+\._UnlistedWrapper"):
+        DeviceIPCWrapper.Deserialize(payload)
+    with pytest.raises(WrapperDecodeError, match="refusing to unpickle"):
+        wrapper_registry.safe_loads(payload)
+    assert f"{__name__}._UnlistedWrapper" not in allowed_wrapper_classes()
+
+
+def test_a_subclass_decodes_once_it_is_added_to_the_list(monkeypatch):
+    w = _UnlistedWrapper(**_wrapper().__getstate__())
+    monkeypatch.setitem(wrapper_registry._BY_NAME, (__name__, "_UnlistedWrapper"), _UnlistedWrapper)
+    back = DeviceIPCWrapper.Deserialize(w.Serialize())
+    assert type(back) is _UnlistedWrapper and back == w
+
+
+def test_the_list_names_exactly_the_concrete_wrappers_lmshm_ships():
+    import lmshm.platform.cpu
+    import lmshm.platform.cuda  # noqa: F401
+
+    def concrete(cls):
+        for sub in cls.__subclasses__():
+            if sub.kind and sub.__module__.startswith("lmshm."):
+                yield sub
+            yield from concrete(sub)
+
+    shipped = set(concrete(DeviceIPCWrapper))
+    assert set(wrapper_registry.ALLOWED_WRAPPER_CLASSES) == shipped
+    assert len(shipped) == 5
+    assert allowed_wrapper_classes() == sorted(f"{c.__module__}.{c.__qualname__}" for c in shipped)
+
+
+def test_the_base_package_imports_neither_cpu_nor_cuda():
+    code = ("import sys, lmshm.platform.base.ipc_wrapper, lmshm.platform.base.mappings, lmshm.platform.base.fds\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('lmshm.platform.cpu', 'lmshm.platform.cuda',"
+            " 'lmshm.platform.wrapper_registry'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

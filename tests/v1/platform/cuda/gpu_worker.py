@@ -27,7 +27,7 @@ def main() -> int:
     from lmshm.multiprocess.client import MPClient
     from lmshm.platform import ipc_policy
     from lmshm.platform.cuda import empty_vmm
-    from lmshm.platform.cuda.testing import fill_pattern
+    from cuda_testing import fill_pattern
 
     ipc_policy.set_isolated_ipc(args.kind == "cuda-raw")
     ipc_policy.set_use_vmm_api(args.kind == "cuda-vmm")

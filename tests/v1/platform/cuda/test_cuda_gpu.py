@@ -35,7 +35,7 @@ if not _REASON:
     from lmshm.platform.base.mappings import MAPPINGS
     from lmshm.platform.cuda import NotCudaMallocMemoryError
     from lmshm.platform.cuda.driver import get_driver
-    from lmshm.platform.cuda.testing import Producer, digest, measure_reclaim, open_count, receive
+    from cuda_testing import Producer, digest, measure_reclaim, open_count, receive
 
 DTYPES = ["float16", "bfloat16", "float8_e4m3fn"]
 KIND_MEMORY = {"cuda-torch": "torch", "cuda-raw": "torch", "cuda-vmm": "vmm"}

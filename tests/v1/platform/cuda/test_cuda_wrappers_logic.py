@@ -37,7 +37,7 @@ def over_the_wire(w: DeviceIPCWrapper) -> DeviceIPCWrapper:
     return DeviceIPCWrapper.Deserialize(w.Serialize())
 
 
-def deliver_fds(w: DeviceIPCWrapper, session: str = "test") -> None:
+def deliver_fds(w: DeviceIPCWrapper, session=None) -> None:
     for token, fd in w.export_fds().items():
         FD_INBOX.put(token, os.dup(fd), session)
 
@@ -45,7 +45,7 @@ def deliver_fds(w: DeviceIPCWrapper, session: str = "test") -> None:
 @pytest.fixture
 def fd_session():
     yield "test"
-    FD_INBOX.close_session("test")
+    FD_INBOX.close_session(None)
 
 
 # ---- raw: legacy IPC ----------------------------------------------------------------------
@@ -404,7 +404,7 @@ def test_cuda_selection_reads_the_environment_at_every_call(switches, monkeypatc
 # ---- the GPU tests' producer plumbing (no GPU needed for this part) ---------------------------
 
 def test_the_spawned_producer_answers_reports_errors_and_passes_fds():
-    from lmshm.platform.cuda.testing import PeerError, Producer
+    from cuda_testing import PeerError, Producer
 
     with Producer() as producer:
         assert producer.pid == producer.proc.pid != os.getpid()
@@ -450,7 +450,7 @@ def test_threads_mapping_one_wrapper_at_once_leave_one_lease(fake_driver, as_con
 
 @pytest.mark.parametrize("n", [1, 250, 251, 252, 251 * 3 + 7, (251 << 16) + 1000])
 def test_the_fill_pattern_matches_its_formula_without_a_tensor_sized_temporary(n):
-    from lmshm.platform.cuda.testing import PATTERN_PRIME, fill_pattern
+    from cuda_testing import PATTERN_PRIME, fill_pattern
 
     u8 = torch.zeros(n, dtype=torch.uint8)
     fill_pattern(u8, seed=7)

@@ -12,6 +12,12 @@ maps it, the producer is SIGKILLed, the consumer releases its mappings (what the
 reclaim does) and the device's free memory is polled until the pool is back.
 
 Nothing here runs at import; it needs a CUDA device, CuPy and cuda-python when used.
+
+A test helper, not part of the shipped package: the tests beside it import it as the plain
+module ``cuda_testing`` (conftest.py puts this directory on ``sys.path``; ``gpu_worker.py`` runs
+from it), and bench/gpu_registration.py puts this directory on ``sys.path`` first. Spawned
+producers find it too: multiprocessing's spawn start method hands the parent's ``sys.path``
+to the child.
 """
 
 from __future__ import annotations

@@ -1,0 +1,206 @@
+"""``lmshm-server`` settings: one table, three layers, one validator.
+
+Every setting is a field of ``ServerConfig`` (a msgspec Struct whose ``Meta`` constraints are the
+rules) and a row of ``SETTINGS`` (its command-line flag, environment variable and TOML key).
+Layers, lowest first: the field's default, the ``--config`` TOML file (top-level keys or a
+``[lmshm-server]`` table), the environment, the command line. Strings from the environment are
+converted by ``msgspec.convert(strict=False)`` -- the same library and constraint language as
+the wire protocol -- so there is no hand-written coercion, and a bad value's error names the
+setting in all three spellings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Annotated, Any, Mapping, Optional
+
+import msgspec
+
+from lmshm.multiprocess import mq
+from lmshm.platform import ipc_policy
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+Ids = list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]]
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    url: str = mq.DEFAULT_URL
+    isolated_ipc: bool = False
+    reap_timeout_s: Positive = 10.0
+    fd_socket: str = ""                    # "" = derived from the endpoint (fdchannel.default_path)
+    log_level: str = "INFO"
+    # who may do what
+    allowed_uids: Ids = []                 # besides the server's own uid (and root)
+    allowed_gids: Ids = []
+    admin_uids: Ids = []                   # may PEEK and unregister any registration
+    # limits
+    max_message_bytes: Annotated[int, msgspec.Meta(ge=1024, le=1 << 31)] = mq.DEFAULT_MAX_MESSAGE_BYTES
+    receive_queue: Count = 1000
+    max_sessions: Count = 1024
+    max_sessions_per_uid: Count = 256
+    max_registrations_per_session: Count = 64
+    max_layers_per_session: Count = 65536
+    max_fds_per_session: Count = 1024
+    max_name_bytes: Annotated[int, msgspec.Meta(ge=16, le=4096)] = 256
+    auth_timeout_s: Positive = 5.0
+    max_pending_auth: Count = 64
+    sweep_interval_s: NonNegative = 10.0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return min(5.0, max(0.05, self.reap_timeout_s / 4))
+
+
+@dataclass(frozen=True)
+class Setting:
+    field: str        # ServerConfig field ("" for host/port, folded into url)
+    flag: str
+    env: str
+    toml: str
+    help: str
+    metavar: str = ""
+    kind: str = "value"  # value | bool | list
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("url", "--url", "LMSHM_URL", "url", f"endpoint, tcp://HOST:PORT or ipc://PATH (default {mq.DEFAULT_URL})", "URL"),
+    Setting("", "--host", "LMSHM_HOST", "host", "TCP host when --url is not given (default 127.0.0.1)", "HOST"),
+    Setting("", "--port", "LMSHM_PORT", "port", "TCP port when --url is not given; 0 picks a free one (default 5555)", "N"),
+    Setting("isolated_ipc", "--isolated-ipc", ipc_policy.ISOLATED_IPC_ENV, "isolated_ipc",
+            "workers share neither /dev/shm nor an IPC namespace: CPU memory arrives as memfd fds (default off); "
+            "workers must use the same setting", kind="bool"),
+    Setting("reap_timeout_s", "--reap-timeout", "LMSHM_REAP_TIMEOUT", "reap_timeout",
+            "reclaim a session the server cannot watch (no pidfd) after this many silent seconds (default 10); "
+            "a pid-watched worker is reclaimed when its process exits, never for being slow", "SECONDS"),
+    Setting("fd_socket", "--fd-socket", "LMSHM_FD_SOCKET", "fd_socket",
+            "Unix socket where workers prove who they are and send fds (default: beside an ipc:// endpoint, "
+            "else $TMPDIR/lmshm-<uid>/HOST-PORT.fds in a mode-0700 directory)", "PATH"),
+    Setting("log_level", "--log-level", "LMSHM_LOG_LEVEL", "log_level", "DEBUG, INFO, WARNING or ERROR (default INFO)", "LEVEL"),
+    Setting("allowed_uids", "--allow-uid", "LMSHM_ALLOW_UIDS", "allow_uids",
+            "also admit workers running as this uid (repeatable; env: comma-separated). By default only the "
+            "server's own uid and root may connect", "UID", "list"),
+    Setting("allowed_gids", "--allow-gid", "LMSHM_ALLOW_GIDS", "allow_gids",
+            "also admit workers in this group, primary or supplementary (repeatable)", "GID", "list"),
+    Setting("admin_uids", "--admin-uid", "LMSHM_ADMIN_UIDS", "admin_uids",
+            "workers of this uid may peek at and unregister any registration (repeatable; default: only "
+            "the owning session may)", "UID", "list"),
+    Setting("max_message_bytes", "--max-message-bytes", "LMSHM_MAX_MESSAGE_BYTES", "max_message_bytes",
+            f"largest request accepted (default {mq.DEFAULT_MAX_MESSAGE_BYTES})", "N"),
+    Setting("receive_queue", "--receive-queue", "LMSHM_RECEIVE_QUEUE", "receive_queue",
+            "requests queued per peer before libzmq drops more (ZMQ_RCVHWM; default 1000)", "N"),
+    Setting("max_sessions", "--max-sessions", "LMSHM_MAX_SESSIONS", "max_sessions",
+            "sessions in total (default 1024; also capped by the open-file limit)", "N"),
+    Setting("max_sessions_per_uid", "--max-sessions-per-uid", "LMSHM_MAX_SESSIONS_PER_UID", "max_sessions_per_uid",
+            "verified sessions per worker uid (default 256)", "N"),
+    Setting("max_registrations_per_session", "--max-registrations-per-session", "LMSHM_MAX_REGISTRATIONS",
+            "max_registrations_per_session", "registrations one session may hold (default 64)", "N"),
+    Setting("max_layers_per_session", "--max-layers-per-session", "LMSHM_MAX_LAYERS", "max_layers_per_session",
+            "layers over all of one session's registrations (default 65536)", "N"),
+    Setting("max_fds_per_session", "--max-fds-per-session", "LMSHM_MAX_FDS_PER_SESSION", "max_fds_per_session",
+            "file descriptors one session may have waiting to be mapped (default 1024)", "N"),
+    Setting("max_name_bytes", "--max-name-bytes", "LMSHM_MAX_NAME_BYTES", "max_name_bytes",
+            "longest instance id, model, client or layer name, in UTF-8 bytes (default 256)", "N"),
+    Setting("auth_timeout_s", "--auth-timeout", "LMSHM_AUTH_TIMEOUT", "auth_timeout",
+            "seconds a new fd-channel connection, or a session, has to prove its identity (default 5)", "SECONDS"),
+    Setting("max_pending_auth", "--max-pending-auth", "LMSHM_MAX_PENDING_AUTH", "max_pending_auth",
+            "fd-channel connections waiting to authenticate (default 64)", "N"),
+    Setting("sweep_interval_s", "--sweep-interval", "LMSHM_SWEEP_INTERVAL", "sweep_interval",
+            "seconds between sweeps of /dev/shm names left by dead workers of the server's uid (default 10; "
+            "0 = only at start)", "SECONDS"),
+)
+_BY_TOML = {s.toml: s for s in SETTINGS}
+_BY_FIELD = {s.field: s for s in SETTINGS if s.field}
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lmshm-server",
+        description="Map inference workers' KV caches with zero copies and keep a registry of them. "
+                    "Every option also reads an environment variable and a key of the --config TOML file "
+                    "(shown in brackets); the command line wins over the environment, which wins over the file.")
+    for s in SETTINGS:
+        where = f"[{s.env}, {s.toml}]"
+        dest = s.toml
+        if s.kind == "bool":
+            p.add_argument(s.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
+                           help=f"{s.help} {where}")
+        elif s.kind == "list":
+            p.add_argument(s.flag, dest=dest, action="append", metavar=s.metavar, default=None,
+                           help=f"{s.help} {where}")
+        else:
+            p.add_argument(s.flag, dest=dest, metavar=s.metavar, default=None, help=f"{s.help} {where}")
+    p.add_argument("--config", metavar="FILE", help="TOML file with any of the keys above [LMSHM_CONFIG]")
+    return p
+
+
+def _load_toml(path: str) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    data = data.get("lmshm-server", data)
+    unknown = sorted(set(data) - set(_BY_TOML))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(_BY_TOML)}")
+    return data
+
+
+def _from_text(s: Setting, raw: Any) -> Any:
+    """A value from the environment or the command line (text) in the shape msgspec converts."""
+    if isinstance(raw, str):
+        if s.kind == "bool":
+            return _BOOL_WORDS.get(raw.strip().lower(), raw)
+        if s.kind == "list":
+            return [v.strip() for v in raw.split(",") if v.strip()]
+    if s.kind == "list" and isinstance(raw, list):
+        return [v for item in raw for v in (_from_text(s, item) if isinstance(item, str) else [item])]
+    return raw
+
+
+def _describe(s: Setting) -> str:
+    return f"{s.flag} ({s.env}, or --config key {s.toml!r})"
+
+
+def resolve_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> ServerConfig:
+    env = os.environ if environ is None else environ
+    config_path = args.config or env.get("LMSHM_CONFIG")
+    layers: dict[str, Any] = dict(_load_toml(config_path)) if config_path else {}
+    for s in SETTINGS:
+        if env.get(s.env, "") != "":
+            layers[s.toml] = _from_text(s, env[s.env])
+        cli = getattr(args, s.toml, None)
+        if cli is not None:
+            layers[s.toml] = _from_text(s, cli)
+    if "url" not in layers and ("host" in layers or "port" in layers):
+        port = layers.get("port", 5555)
+        if isinstance(port, bool) or not str(port).isdigit():
+            raise ConfigError(f"bad setting {_describe(_BY_TOML['port'])}: expected an integer, got {port!r}")
+        layers["url"] = f"tcp://{layers.get('host', '127.0.0.1')}:{int(port)}"
+    fields = {_BY_TOML[k].field: v for k, v in layers.items() if _BY_TOML[k].field}
+    try:
+        config = msgspec.convert(fields, ServerConfig, strict=False)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        field = text.rsplit("at `$.", 1)[-1].split("`", 1)[0].split("[", 1)[0] if "at `$." in text else ""
+        where = _describe(_BY_FIELD[field]) if field in _BY_FIELD else "a setting"
+        raise ConfigError(f"bad setting {where}: {text.split(' - at ', 1)[0]}, got {fields.get(field)!r}") from None
+    if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+        raise ConfigError(f"--log-level {config.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
+    mq.check_url(config.url)
+    return config

@@ -1,0 +1,197 @@
+"""Sessions and liveness: who each connection is, and when its registrations must go.
+
+A worker's HELLO opens a session: a number and a secret token. The session is *unverified*
+until the worker presents the token on the fd channel; then the kernel's word about that
+connection (``SO_PEERCRED``: pid, uid, gid; ``SO_PEERPIDFD``: a pidfd of that very process)
+becomes the session's ``Peer``, once, and is never re-read from anything the worker says.
+A resumed session (same token, new ZeroMQ socket) keeps its identity; a later link must come
+from the same pid and uid.
+
+A session ends -- and its registrations are reclaimed -- on the first of:
+- its pidfd turns readable: the worker exited, however it died (milliseconds after SIGKILL);
+- its fd-channel link closes while the pidfd says the worker still runs (a client that closed),
+  after ``LINK_GRACE_S`` -- a dying process closes its sockets a moment before its pidfd fires;
+- it never verified within ``auth_timeout_s`` of its HELLO;
+- it cannot be watched (no pidfd) and was silent for ``reap_timeout_s``.
+A pid-watched worker is never reclaimed for being slow or silent: its pidfd decides.
+
+The easy thing to get wrong: only an *exited* owner's names may be unlinked (``orphaned``);
+a live worker that merely closed its client keeps its segments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+from lmshm.multiprocess.config import ServerConfig
+from lmshm.multiprocess.fdchannel import Credentials, FdChannelError
+from lmshm.platform.base.peer import Peer, namespace_view
+from lmshm.quoting import quote
+
+logger = logging.getLogger("lmshm.server")
+
+LINK_GRACE_S = 0.25
+
+
+@dataclass(eq=False)
+class Session:
+    id: int
+    token: str
+    identity: bytes                      # the ZeroMQ routing id of its current connection
+    client_name: str
+    opened: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    peer: Optional[Peer] = None          # set once the fd channel verified it
+    pidfd: Optional[int] = None
+    link_lost: Optional[float] = None    # when its fd-channel link closed while the pid lived
+
+    @property
+    def verified(self) -> bool:
+        return self.peer is not None
+
+    def describe(self) -> str:
+        who = self.peer.describe() if self.peer else "unverified"
+        return f"session {self.id} ({who}{', ' + quote(self.client_name, 40) if self.client_name else ''})"
+
+
+def pid_alive(pidfd: Optional[int]) -> bool:
+    """True only if ``pidfd`` proves the process still runs (poll: no fd-number limit)."""
+    if pidfd is None:
+        return False
+    p = select.poll()
+    p.register(pidfd, select.POLLIN)
+    return not p.poll(0)
+
+
+class SessionLimitError(Exception):
+    """A new session or identity would exceed a limit; the message says which."""
+
+
+class Sessions:
+    """The session table. ``on_end(session, reason, orphaned)`` releases what a session held."""
+
+    def __init__(self, config: ServerConfig, *, watch: Callable[[int, Callable[[], None]], None],
+                 unwatch: Callable[[int], None], on_end: Callable[[Session, str, bool], None],
+                 max_sessions: int) -> None:
+        self.config = config
+        self._watch, self._unwatch, self._on_end = watch, unwatch, on_end
+        self.max_sessions = max_sessions
+        self._by_id: dict[int, Session] = {}
+        self._by_identity: dict[bytes, Session] = {}
+        self._by_token: dict[str, Session] = {}
+        self._next = 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._by_id.values()))
+
+    def get(self, session_id: int) -> Optional[Session]:
+        return self._by_id.get(session_id)
+
+    def of(self, identity: bytes) -> Optional[Session]:
+        return self._by_identity.get(identity)
+
+    # ---- opening and verifying ------------------------------------------------------------
+    def open(self, identity: bytes, client_name: str) -> Session:
+        if len(self._by_id) >= self.max_sessions:
+            raise SessionLimitError(f"the server holds {len(self._by_id)} sessions, its limit "
+                                    f"(lmshm-server --max-sessions, and the open-file limit)")
+        session = Session(self._next, secrets.token_hex(16), identity, client_name)
+        self._next += 1
+        self._by_id[session.id] = session
+        self._by_identity[identity] = session
+        self._by_token[session.token] = session
+        logger.debug("lmshm: session %d opened%s", session.id, f" for {quote(client_name, 40)}" if client_name else "")
+        return session
+
+    def resume(self, identity: bytes, token: str) -> Optional[Session]:
+        old = self._by_token.get(token) if token else None
+        if old is None:
+            return None
+        if self._by_identity.get(old.identity) is old:
+            del self._by_identity[old.identity]
+        old.identity = identity
+        self._by_identity[identity] = old
+        return old
+
+    def verify(self, token: str, creds: Credentials, pidfd: Optional[int]) -> int:
+        """Bind the kernel's ``creds`` (and ``pidfd``, now ours) to the session holding ``token``."""
+        session = self._by_token.get(token)
+        try:
+            if session is None:
+                raise FdChannelError("unknown session token: say HELLO on the ZeroMQ endpoint first",
+                                     "PERMISSION_DENIED")
+            if session.peer is not None:
+                if (creds.pid, creds.uid) != (session.peer.pid, session.peer.uid):
+                    raise FdChannelError(
+                        f"session {session.id} belongs to {session.peer.describe()}; this connection comes from "
+                        f"pid {creds.pid} (uid {creds.uid})", "PERMISSION_DENIED")
+                session.link_lost = None
+                return session.id
+            same_uid = sum(1 for s in self._by_id.values() if s.peer is not None and s.peer.uid == creds.uid)
+            if same_uid >= self.config.max_sessions_per_uid:
+                raise FdChannelError(f"uid {creds.uid} already holds {same_uid} sessions, the server's limit "
+                                     "(lmshm-server --max-sessions-per-uid)", "UNAVAILABLE")
+            if pidfd is not None and not pid_alive(pidfd):
+                raise FdChannelError("the connecting process exited", "UNAVAILABLE")
+            ns_pid, pid_ns = namespace_view(creds.pid)
+            if pidfd is not None and not pid_alive(pidfd):  # /proc was read while it still lived
+                raise FdChannelError("the connecting process exited", "UNAVAILABLE")
+            session.peer = Peer(session=session.id, pid=creds.pid, uid=creds.uid, gid=creds.gid,
+                                ns_pid=ns_pid, pid_ns=pid_ns)
+            session.pidfd, pidfd = pidfd, None
+            session.link_lost = None
+            if session.pidfd is not None:
+                watched = session
+                self._watch(session.pidfd, lambda: self.end(watched, f"worker pid {watched.peer.pid} exited",
+                                                            orphaned=True))
+            logger.info("lmshm: %s verified (%s)", session.describe(),
+                        "pid watched" if session.pidfd is not None else "not watchable: heartbeat only")
+            return session.id
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    # ---- liveness -------------------------------------------------------------------------
+    def link_closed(self, session_id: int) -> None:
+        session = self._by_id.get(session_id)
+        if session is None:
+            return
+        if pid_alive(session.pidfd):
+            session.link_lost = time.monotonic()  # let the pidfd speak first (LINK_GRACE_S)
+            return
+        self.end(session, "fd-channel connection closed", orphaned=True)
+
+    def reap(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        for session in list(self._by_id.values()):
+            if session.link_lost is not None and now - session.link_lost > LINK_GRACE_S:
+                self.end(session, "fd-channel connection closed by a live worker",
+                         orphaned=not pid_alive(session.pidfd))
+            elif not session.verified and now - session.opened > self.config.auth_timeout_s:
+                self.end(session, f"identity not proven on the fd channel within {self.config.auth_timeout_s:g} s",
+                         orphaned=False)
+            elif session.pidfd is None and now - session.last_seen > self.config.reap_timeout_s:
+                self.end(session, f"no message for {self.config.reap_timeout_s:g} s", orphaned=False)
+
+    def end(self, session: Session, reason: str, *, orphaned: bool) -> None:
+        if self._by_id.pop(session.id, None) is None:
+            return
+        if self._by_identity.get(session.identity) is session:
+            del self._by_identity[session.identity]
+        self._by_token.pop(session.token, None)
+        try:
+            self._on_end(session, reason, orphaned)
+        finally:
+            if session.pidfd is not None:
+                self._unwatch(session.pidfd)
+                os.close(session.pidfd)
+                session.pidfd = None
