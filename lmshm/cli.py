@@ -46,7 +46,8 @@ def format_status_table(status) -> str:
     lines = [
         f"lmshm-server pid {status.server_pid}, up {_human_age(status.uptime_s)}, "
         f"isolated_ipc={'on' if status.isolated_ipc else 'off'}, {status.sessions} session(s), "
-        f"{len(status.registrations)} registration(s), {status.mappings} mapping(s)"
+        f"{len(status.registrations)} registration(s), {status.mappings} mapping(s), "
+        f"{status.open_fds} open fds of {status.fd_limit}" + (f", {status.inbox_fds} fds unmapped" if status.inbox_fds else "")
         + (f", {status.draining} draining" if status.draining else ""),
         "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
     ]

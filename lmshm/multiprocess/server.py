@@ -15,6 +15,9 @@ What each request may do:
   own fds), within the session's limits;
 - UNREGISTER, PEEK: the owning session, or a verified session of an ``--admin-uid``.
 
+Orphans: at start and every ``--sweep-interval`` seconds the server removes ``lmshm-*`` names of
+dead workers of its own uid (``shm_orphans.sweep_orphans``, what ``lmshm gc`` runs).
+
 SIGINT/SIGTERM: requests already queued are answered UNAVAILABLE, every registration is
 released, every fd closed, socket files this process created removed, and the process exits 0.
 Further signals during that shutdown are ignored, so the release always completes.
@@ -41,6 +44,7 @@ from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import own_pid_namespace
+from lmshm.platform.shm_orphans import sweep_orphans
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.server")
@@ -124,6 +128,21 @@ class Server:
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
+        self._next_sweep = 0.0
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove /dev/shm names of dead workers of this uid (``lmshm gc`` does the same)."""
+        interval = self.config.sweep_interval_s
+        self._next_sweep = time.monotonic() + interval if interval > 0 else float("inf")
+        try:
+            result = sweep_orphans()
+        except OSError as exc:
+            logger.warning("lmshm: orphan sweep failed: %s", exc)
+            return
+        if result.removed:
+            logger.info("lmshm: removed %d orphaned segment name(s) of dead workers: %s", len(result.removed),
+                        ", ".join(result.removed[:8]) + (" ..." if len(result.removed) > 8 else ""))
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property
@@ -175,6 +194,8 @@ class Server:
     def _tick(self) -> None:
         self.sessions.reap()
         self.fdchannel.expire()
+        if time.monotonic() >= self._next_sweep:
+            self._sweep()
 
     def _fds_available(self) -> bool:
         return open_fd_count() + FD_RESERVE < self.fd_limit

@@ -198,7 +198,9 @@ def segment_of(tensor: torch.Tensor) -> Segment | None:
         return None
     with _lock:
         seg = _live.get(tensor.untyped_storage().data_ptr())
-    if seg is None or seg.unlinked:
+    if seg is None or seg.unlinked or seg.owner_pid != os.getpid():
+        # A forked child wraps into a segment of its own: the server accepts only names that
+        # carry the registering process's pid, and a child never unlinks its parent's names.
         return None
     if seg.kind == "shm" and not os.path.exists(seg.path):
         # Someone else removed the name -- lmshm-server does, when it cannot tell this worker
