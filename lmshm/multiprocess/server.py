@@ -71,11 +71,12 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def open_fd_count() -> int:
+def open_fd_count(limit: int = 1 << 30) -> int:
+    """Open fds of this process; ``limit`` when they cannot be counted (EMFILE: none is free)."""
     try:
         return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir itself holds
     except OSError:
-        return 0
+        return limit
 
 
 class _Refusal(Exception):
@@ -198,7 +199,7 @@ class Server:
             self._sweep()
 
     def _fds_available(self) -> bool:
-        return open_fd_count() + FD_RESERVE < self.fd_limit
+        return open_fd_count(self.fd_limit) + FD_RESERVE < self.fd_limit
 
     def _may_connect(self, creds: Credentials) -> Optional[str]:
         """The uid policy of the fd channel: the server's uid, root, and what was allowed."""

@@ -177,8 +177,7 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        start = torch.frombuffer(mm, dtype=torch.uint8).data_ptr() if st.st_size else 0
-        return _Mapping(mm, start, st.st_size, (st.st_dev, st.st_ino))
+        return _Mapping(mm, st.st_size, (st.st_dev, st.st_ino))
 
     def _check_object(self, fd: int, st: os.stat_result) -> None:
         """Kind-specific checks on the opened object."""
@@ -234,15 +233,15 @@ class _Mapping:
     """A consumer-side mapping of one segment: the mmap, where it lies, which inode it is."""
 
     mm: mmap.mmap
-    start: int
     size: int
     inode: tuple[int, int]
 
     def map_file(self) -> str:
         """This mapping's entry in /proc/self/map_files: stat() it to see the object's size now,
         without holding an fd (the entry names the file even after it is unlinked)."""
-        end = self.start + (-(-self.size // mmap.PAGESIZE)) * mmap.PAGESIZE
-        return f"/proc/self/map_files/{self.start:x}-{end:x}"
+        start = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
+        end = start + (-(-self.size // mmap.PAGESIZE)) * mmap.PAGESIZE
+        return f"/proc/self/map_files/{start:x}-{end:x}"
 
 
 def _check_allocated(name: str, st: os.stat_result, *, after_register: bool = False) -> None:

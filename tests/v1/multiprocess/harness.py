@@ -216,3 +216,215 @@ class Evals:
 
     def __reduce__(self):
         return (eval, (self.source,))
+
+
+# ---- hostile-input helpers: raw sessions, server counters, prefixed servers ----------------
+
+
+class RawSession:
+    """A bare DEALER that said HELLO, and (unless ``verify=False``) proved its identity on the
+    fd channel with ``FdChannelClient`` -- no MPClient logic, no heartbeat. The session lives
+    as long as the fd-channel link (``self.link``) stays open."""
+
+    def __init__(self, url: str, *, isolated: bool = False, client_name: str = "", verify: bool = True,
+                 ctx: Any = None, timeout_s: float = 5.0) -> None:
+        import zmq
+
+        from lmshm.multiprocess import protocol
+        from lmshm.multiprocess.fdchannel import FdChannelClient
+
+        self._own_ctx = ctx is None
+        self.ctx = ctx if ctx is not None else zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(url)
+        self.timeout_s = timeout_s
+        self._n = 0
+        self.link = None
+        self.hello = self.request(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION,
+                                                 isolated_ipc=isolated, client_name=client_name))
+        if not isinstance(self.hello, protocol.HelloReply):
+            self.close()
+            raise AssertionError(f"HELLO refused: {self.hello}")
+        if verify:
+            try:
+                self.link = FdChannelClient(self.hello.fd_socket, self.hello.session_token, timeout_s=timeout_s)
+            except BaseException:
+                self.close()
+                raise
+
+    def request_raw(self, body: bytes, timeout_s: Optional[float] = None) -> Any:
+        from lmshm.multiprocess import codec
+
+        self._n += 1
+        rid = self._n.to_bytes(8, "big")
+        self.sock.send_multipart([rid, body])
+        if not self.sock.poll(int((timeout_s or self.timeout_s) * 1000)):
+            raise TimeoutError("no reply from lmshm-server")
+        frames = self.sock.recv_multipart()
+        assert frames[0] == rid and len(frames) == 2, frames
+        self.last_reply_bytes = len(frames[1])
+        return codec.decode_reply(frames[1])
+
+    def request(self, msg: Any, timeout_s: Optional[float] = None) -> Any:
+        from lmshm.multiprocess import codec
+
+        return self.request_raw(codec.encode(msg), timeout_s)
+
+    def register(self, instance_id: str, *wrappers: Any, names: Optional[list[str]] = None) -> Any:
+        """REGISTER one layer per wrapper (layer names ``l0``, ``l1``, ... unless given)."""
+        from lmshm.multiprocess import protocol
+
+        names = names or [f"l{i}" for i in range(len(wrappers))]
+        groups = [protocol.LayerGroup(w, [n], [w.storage_offset]) for w, n in zip(wrappers, names)]
+        return self.request(protocol.RegisterKVCache(instance_id=instance_id, model_name="m", world_size=1,
+                                                     worker_rank=0, groups=groups))
+
+    def unregister(self, instance_id: str) -> Any:
+        from lmshm.multiprocess import protocol
+
+        return self.request(protocol.UnregisterKVCache(instance_id))
+
+    def peek(self, instance_id: str, layer: str = "l0", length: int = 8) -> Any:
+        from lmshm.multiprocess import protocol
+
+        return self.request(protocol.Peek(instance_id, layer, 0, length))
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
+        if self._own_ctx and self.ctx is not None:
+            self.ctx.term()
+            self.ctx = None
+
+    def __enter__(self) -> "RawSession":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def shm_wrapper(name: str, size: int, *, cls: Any = None, dtype: str = "float16") -> Any:
+    """A wrapper for the first ``size`` bytes of segment (or memfd token) ``name``."""
+    if cls is None:
+        from lmshm.platform.cpu.wrappers import CpuShmIPCWrapper as cls
+    item = 2 if dtype == "float16" else 1
+    return cls(dtype=dtype, shape=(size // item,), stride=(1,), storage_offset=0, device="cpu",
+               segment=name, segment_bytes=size, byte_offset=0)
+
+
+def server_counts(url: str) -> dict:
+    """What must come back after every hostile action: fds, mappings, undelivered fds, sessions."""
+    from lmshm.multiprocess.client import query_status
+
+    s = query_status(url)
+    return {"open_fds": s.open_fds, "mappings": s.mappings, "inbox_fds": s.inbox_fds, "sessions": s.sessions,
+            "registrations": len(s.registrations)}
+
+
+def assert_back_to(url: str, before: dict, *, fd_slack: int = 0, timeout_s: float = 5.0) -> dict:
+    """An honest PING is answered, and the counters return to ``before`` (open_fds may settle
+    lower or within ``fd_slack`` above: connections of earlier status queries close lazily)."""
+    from lmshm.multiprocess import codec, protocol
+
+    pong = raw_reply(url, codec.encode(protocol.Ping()))
+    assert isinstance(pong, protocol.Pong), pong
+    last: dict = {}
+
+    def settled() -> bool:
+        last.clear()
+        last.update(server_counts(url))
+        return (last["open_fds"] <= before["open_fds"] + fd_slack
+                and all(last[k] == before[k] for k in ("mappings", "inbox_fds", "sessions", "registrations")))
+
+    try:
+        wait_for(settled, timeout_s, 0.05, "the server's counters to return")
+    except AssertionError:
+        raise AssertionError(f"server counters did not return: before {before}, now {last}") from None
+    return last
+
+
+def proc_fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+class PrefixedServerProcess(ServerProcess):
+    """A ``ServerProcess`` started under a command prefix (``prlimit --nofile=...``, ...)."""
+
+    def __init__(self, tmp: Path, *args: str, prefix: list[str], url: Optional[str] = None,
+                 fd_socket: Optional[str] = None, env: Optional[dict] = None) -> None:
+        self.tmp = tmp
+        self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
+        self.fd_socket = fd_socket or str(tmp / "fds.sock")
+        cmd = [*prefix, sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
+               "--fd-socket", self.fd_socket, "--log-level", "DEBUG", *args]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env={**os.environ, **(env or {})})
+        try:
+            line = _readline(self.proc.stdout, 30, "lmshm-server")
+        except (TimeoutError, EOFError):
+            self.proc.kill()
+            self.proc.wait()
+            raise RuntimeError(f"lmshm-server did not start:\n{self.log()}")
+        m = READY.search(line)
+        assert m, line
+        self.url = m.group(1)
+
+
+# ---- a leak guard that tolerates other lmshm users of /dev/shm (benchmarks run alongside) ----
+
+#: Pids of the processes the current test started (workers); their names count as leaks.
+OUR_PIDS: set[int] = set()
+
+
+def _creator_pid(name: str) -> Optional[int]:
+    parts = name.split("-")
+    try:
+        return int(parts[1], 16)
+    except (IndexError, ValueError):
+        return None
+
+
+def our_segments() -> set[str]:
+    """lmshm names in /dev/shm made by this process or by a process the test started."""
+    mine = OUR_PIDS | {os.getpid()}
+    return {n for n in lmshm_segments() if _creator_pid(n) in mine}
+
+
+# Fixtures for modules that run beside other /dev/shm users: import them under the names
+# ``no_segment_outlives_a_test`` and ``start_worker`` to replace conftest's.
+import pytest  # noqa: E402
+
+
+@pytest.fixture(name="no_segment_outlives_a_test", autouse=True)
+def narrow_segment_guard():
+    """conftest's guard, narrowed to names made by this test's processes: other lmshm users
+    (a benchmark running beside the suite) may own names in /dev/shm meanwhile."""
+    before = our_segments()
+    yield
+    deadline = time.monotonic() + 5
+    while (leaked := our_segments() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    OUR_PIDS.clear()
+    assert not leaked, f"lmshm segments left in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(name="start_worker")
+def local_start_worker():
+    workers: list[WorkerProcess] = []
+
+    def start(url: str, *args: str, **kw: Any) -> WorkerProcess:
+        worker = WorkerProcess(url, *args, **kw)
+        workers.append(worker)
+        OUR_PIDS.add(worker.proc.pid)
+        return worker
+
+    yield start
+    for worker in workers:
+        if worker.proc.poll() is None:
+            worker.exit()

@@ -1,0 +1,386 @@
+"""lmshm-server's limits: each one refuses with a message naming its setting, and the server
+recovers once the pressure is gone (an honest client registers; fds and mappings come back)."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from lmshm.multiprocess import codec, fdchannel, protocol
+from lmshm.multiprocess.client import MPClient, query_status
+from lmshm.multiprocess.fdchannel import FdChannelClient, FdChannelError
+from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.platform.cpu.segments import create_segment
+
+from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
+    PrefixedServerProcess,
+    RawSession,
+    ServerProcess,
+    assert_back_to,
+    local_start_worker as start_worker,
+    narrow_segment_guard as no_segment_outlives_a_test,
+    proc_fd_count,
+    scratch_dir,
+    server_counts,
+    shm_wrapper,
+    wait_for,
+)
+
+ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
+
+
+def _error(reply, code: ErrorCode, *needles: str) -> str:
+    assert isinstance(reply, protocol.ErrorReply), reply
+    assert reply.code == code, (ErrorCode(reply.code).name, reply.message)
+    for needle in needles:
+        assert needle in reply.message, reply.message
+    return reply.message
+
+
+def _hello_body(isolated: bool = False) -> bytes:
+    return codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=isolated))
+
+
+@pytest.fixture(scope="module")
+def limited():
+    with scratch_dir() as path:
+        server = ServerProcess(path, "--reap-timeout", "5", "--max-registrations-per-session", "2",
+                               "--max-layers-per-session", "8", "--max-name-bytes", "32",
+                               "--max-pending-auth", "4")
+        yield server
+        if server.alive:
+            assert server.stop() == 0, server.log()
+
+
+@pytest.fixture
+def baseline(limited):
+    before = server_counts(limited.url)
+    yield before
+    assert limited.alive, limited.log()[-4000:]
+    assert_back_to(limited.url, before, fd_slack=1)
+
+
+@pytest.fixture
+def segments():
+    made = []
+
+    def make(size: int = 4096):
+        seg, u8 = create_segment(size)
+        made.append((seg, u8))
+        return seg
+
+    yield make
+    for seg, _ in made:
+        seg.unlink()
+
+
+# ---- per-session limits ----------------------------------------------------------------------
+
+
+def test_a_third_registration_is_unavailable_naming_the_setting_until_one_is_unregistered(limited, baseline,
+                                                                                          segments):
+    with RawSession(limited.url) as s:
+        for iid in ("r1", "r2"):
+            assert isinstance(s.register(iid, shm_wrapper(segments().name, 4096)), protocol.RegisterReply)
+        third = shm_wrapper(segments().name, 4096)
+        _error(s.register("r3", third), ErrorCode.UNAVAILABLE, "--max-registrations-per-session")
+        assert server_counts(limited.url)["mappings"] == 2
+        assert isinstance(s.unregister("r1"), protocol.UnregisterReply)
+        assert isinstance(s.register("r3", third), protocol.RegisterReply)
+        for iid in ("r2", "r3"):
+            s.unregister(iid)
+
+
+def test_registering_more_layers_than_the_session_may_hold_is_refused(limited, baseline, segments):
+    seg = segments(9 * 64)
+    w = shm_wrapper(seg.name, 64)  # 32 float16 per layer, nine layers side by side
+    w.segment_bytes = 9 * 64
+    nine = protocol.LayerGroup(w, [f"l{i}" for i in range(9)], [32 * i for i in range(9)])
+    eight = protocol.LayerGroup(w, [f"l{i}" for i in range(8)], [32 * i for i in range(8)])
+    with RawSession(limited.url) as s:
+        reply = s.request(protocol.RegisterKVCache("nine", "m", 1, 0, [nine]))
+        _error(reply, ErrorCode.UNAVAILABLE, "9 layers", "--max-layers-per-session")
+        assert server_counts(limited.url)["mappings"] == 0
+        assert isinstance(s.request(protocol.RegisterKVCache("eight", "m", 1, 0, [eight])), protocol.RegisterReply)
+        one_more = protocol.LayerGroup(shm_wrapper(segments().name, 4096), ["x"], [0])
+        _error(s.request(protocol.RegisterKVCache("ninth", "m", 1, 0, [one_more])), ErrorCode.UNAVAILABLE,
+               "--max-layers-per-session")
+        s.unregister("eight")
+
+
+@pytest.mark.parametrize("field", ["instance_id", "model_name", "layer_name"])
+def test_a_name_one_byte_over_the_limit_is_refused_naming_max_name_bytes(limited, baseline, segments, field):
+    seg = segments()
+    names = {"instance_id": "i", "model_name": "m", "layer_name": "l0"}
+    with RawSession(limited.url) as s:
+        for value, ok in (("x" * 32, True), ("x" * 33, False), ("\u00e9" * 17, False)):  # 17 x 2 bytes = 34
+            n = {**names, field: value}
+            reply = s.request(protocol.RegisterKVCache(n["instance_id"], n["model_name"], 1, 0,
+                                                       [protocol.LayerGroup(shm_wrapper(seg.name, 4096),
+                                                                            [n["layer_name"]], [0])]))
+            if ok:
+                assert isinstance(reply, protocol.RegisterReply), reply
+                s.unregister(n["instance_id"])
+            else:
+                _error(reply, ErrorCode.INVALID_ARG, "--max-name-bytes", "32 bytes")
+
+
+def test_a_long_client_name_is_refused_at_hello(limited, baseline):
+    body = codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False,
+                                       client_name="c" * 33))
+    _error(_raw(limited.url, body), ErrorCode.INVALID_ARG, "client name", "--max-name-bytes")
+
+
+def test_the_fifth_unauthenticated_fd_channel_connection_is_refused(limited, baseline):
+    conns = []
+    try:
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(limited.fd_socket)
+            conns.append(s)
+        wait_for(lambda: proc_fd_count(limited.proc.pid) >= baseline["open_fds"] + 4, 3, 0.02, "accepts")
+        fifth = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conns.append(fifth)
+        fifth.settimeout(5)
+        fifth.connect(limited.fd_socket)
+        answer = msgspec.msgpack.decode(fifth.recv(65536), type=fdchannel.Refused)
+        assert answer.code == "UNAVAILABLE" and "out of connections" in answer.error
+        assert fifth.recv(100) == b""
+        # The four pending ones are still served: one of them authenticates fine.
+        with RawSession(limited.url, verify=False) as honest:
+            conns[0].settimeout(5)
+            conns[0].send(msgspec.msgpack.encode({"op": "auth", "token": honest.hello.session_token}))
+            assert isinstance(msgspec.msgpack.decode(conns[0].recv(65536), type=fdchannel.Ack), fdchannel.Ack)
+            assert isinstance(honest.request(protocol.Ping()), protocol.Pong)
+    finally:
+        for s in conns:
+            s.close()
+
+
+def _raw(url: str, body: bytes):
+    from harness import raw_reply
+
+    return raw_reply(url, body)
+
+
+# ---- sessions ----------------------------------------------------------------------------------
+
+
+def test_the_fourth_hello_is_unavailable_under_max_sessions_3(start_server):
+    server = start_server("--max-sessions", "3", "--auth-timeout", "1", "--reap-timeout", "5")
+    before = server_counts(server.url)
+    sessions = [RawSession(server.url, verify=False) for _ in range(3)]
+    try:
+        with pytest.raises(AssertionError, match="--max-sessions"):
+            RawSession(server.url, verify=False)
+        reply = _raw(server.url, _hello_body())
+        _error(reply, ErrorCode.UNAVAILABLE, "holds 3 sessions", "--max-sessions")
+        assert isinstance(_raw(server.url, codec.encode(protocol.Ping())), protocol.Pong)
+    finally:
+        for s in sessions:
+            s.close()
+    # Unverified sessions expire after --auth-timeout; then a new one opens.
+    assert_back_to(server.url, before, fd_slack=1)
+    with RawSession(server.url) as s:
+        assert s.hello.session_id >= 4
+
+
+def test_a_third_verified_session_of_one_uid_is_refused_at_auth(start_server):
+    server = start_server("--max-sessions-per-uid", "2", "--auth-timeout", "1", "--reap-timeout", "5")
+    before = server_counts(server.url)
+    a, b = RawSession(server.url), RawSession(server.url)
+    try:
+        with RawSession(server.url, verify=False) as c:
+            with pytest.raises(FdChannelError, match="--max-sessions-per-uid") as exc:
+                FdChannelClient(c.hello.fd_socket, c.hello.session_token)
+            assert exc.value.code == "UNAVAILABLE" and f"uid {os.geteuid()} already holds 2" in str(exc.value)
+            _error(c.peek("x"), ErrorCode.PERMISSION_DENIED, "needs a verified identity")
+    finally:
+        a.close()
+        b.close()
+    assert_back_to(server.url, before, fd_slack=1)
+    with RawSession(server.url), RawSession(server.url):
+        pass  # once the two are gone, two more verify
+
+
+def test_sending_more_fds_than_the_session_may_hold_is_refused_and_they_are_closed(start_server):
+    server = start_server("--isolated-ipc", "--max-fds-per-session", "4", "--reap-timeout", "5")
+    before = server_counts(server.url)
+    made = [create_segment(4096, "memfd") for _ in range(5)]
+    try:
+        with RawSession(server.url, isolated=True) as s:
+            fds_before = proc_fd_count(server.proc.pid)
+            with pytest.raises(FdChannelError, match="--max-fds-per-session") as exc:
+                s.link.send_fds({seg.name: seg.fd for seg, _ in made})
+            assert exc.value.code == "UNAVAILABLE" and "would hold 5" in str(exc.value)
+            assert server_counts(server.url)["inbox_fds"] == 0
+            assert proc_fd_count(server.proc.pid) <= fds_before
+            # Four fit; the fifth in a second message does not; four register.
+            s.link.send_fds({seg.name: seg.fd for seg, _ in made[:4]})
+            with pytest.raises(FdChannelError, match="--max-fds-per-session"):
+                s.link.send_fds({made[4][0].name: made[4][0].fd})
+            assert server_counts(server.url)["inbox_fds"] == 4
+            from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper
+
+            for i, (seg, _) in enumerate(made[:4]):
+                assert isinstance(s.register(f"m{i}", shm_wrapper(seg.name, 4096, cls=CpuFdIPCWrapper)),
+                                  protocol.RegisterReply)
+            assert server_counts(server.url)["inbox_fds"] == 0
+    finally:
+        for seg, _ in made:
+            seg.unlink()
+    assert_back_to(server.url, before, fd_slack=1)
+
+
+# ---- 2,000 sessions against a server limited to 1,024 open files ------------------------------
+
+
+def test_2000_sessions_under_ulimit_1024_never_kill_the_server_and_it_recovers(tmp):
+    import zmq
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if max(soft, hard) < 4500:
+        pytest.skip(f"the test process needs ~4,500 fds for 2,000 sockets; its limit is {hard}")
+    server = PrefixedServerProcess(tmp, "--reap-timeout", "5", "--auth-timeout", "2",
+                                   prefix=["prlimit", "--nofile=1024:1024"])
+    try:
+        start = server_counts(server.url)
+        assert query_status(server.url).fd_limit == 1024
+        ctx = zmq.Context()
+        ctx.set(zmq.MAX_SOCKETS, 4096)
+        socks, outcome = [], {"session": 0, "sessions limit": 0, "out of fds": 0, "other": 0, "no answer": 0,
+                                 "not connected": 0}
+        other = []
+        t0 = time.monotonic()
+        try:
+            for batch in range(10):
+                new = []
+                for _ in range(200):
+                    sock = ctx.socket(zmq.DEALER)
+                    socks.append(sock)  # closed in the finally below, whatever happens
+                    sock.setsockopt(zmq.LINGER, 0)
+                    sock.setsockopt(zmq.SNDTIMEO, 2000)  # a DEALER without a connection blocks on send
+                    sock.connect(server.url)
+                    try:
+                        sock.send_multipart([b"\x00" * 8, _hello_body()])
+                    except zmq.Again:
+                        outcome["not connected"] += 1
+                        continue
+                    new.append(sock)
+                poller = zmq.Poller()
+                for sock in new:
+                    poller.register(sock, zmq.POLLIN)
+                waiting, deadline = set(new), time.monotonic() + 3
+                while waiting and time.monotonic() < deadline:
+                    for sock, _ in poller.poll(100):
+                        reply = codec.decode_reply(sock.recv_multipart()[1])
+                        poller.unregister(sock)
+                        waiting.discard(sock)
+                        if isinstance(reply, protocol.HelloReply):
+                            outcome["session"] += 1
+                        elif "--max-sessions" in reply.message:
+                            assert reply.code == ErrorCode.UNAVAILABLE
+                            outcome["sessions limit"] += 1
+                        elif "out of file descriptors" in reply.message:
+                            assert reply.code == ErrorCode.UNAVAILABLE
+                            outcome["out of fds"] += 1
+                        else:
+                            outcome["other"] += 1
+                            other.append(reply)
+                outcome["no answer"] += len(waiting)
+                assert server.alive, server.log()[-4000:]
+            elapsed = time.monotonic() - t0
+        finally:
+            for sock in socks:
+                sock.close(0)
+            ctx.term()
+        print(f"\n2,000 HELLOs against a 1,024-fd server in {elapsed:.1f} s: {outcome}; "
+              f"other replies: {other[:3]}")
+        assert server.alive, server.log()[-4000:]
+        assert not other, other[:3]
+        assert sum(outcome.values()) == 2000 and outcome["session"] >= 1
+        # The attacker is gone: the server recovers, an honest client registers.
+        assert_back_to(server.url, start, fd_slack=1, timeout_s=15)
+        seg, u8 = create_segment(4096)
+        try:
+            with RawSession(server.url) as honest:
+                assert isinstance(honest.register("honest", shm_wrapper(seg.name, 4096)), protocol.RegisterReply)
+                assert isinstance(honest.peek("honest"), protocol.PeekReply)
+                honest.unregister("honest")
+        finally:
+            seg.unlink()
+            del u8
+        with MPClient(server.url, heartbeat=False) as client:
+            assert client.ping() > 0
+        assert_back_to(server.url, start, fd_slack=1, timeout_s=10)
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.log()[-4000:]
+
+
+# ---- a second server on the same sockets ---------------------------------------------------------
+
+
+def test_a_second_server_on_the_same_endpoint_or_fd_socket_exits_1_and_the_first_keeps_working(tmp):
+    ipc, fds = tmp / "s.ipc", tmp / "s.fds"
+    first = ServerProcess(tmp, "--reap-timeout", "5", url=f"ipc://{ipc}", fd_socket=str(fds))
+    try:
+        inodes = {p: os.stat(p).st_ino for p in (ipc, fds)}
+        base = [sys.executable, "-m", "lmshm.multiprocess.server", "--log-level", "DEBUG"]
+        same_url = subprocess.run([*base, "--url", first.url, "--fd-socket", str(tmp / "other.fds")],
+                                  capture_output=True, text=True, timeout=60)
+        assert same_url.returncode == 1 and f"cannot listen on {first.url}" in same_url.stderr, same_url.stderr
+        same_fds = subprocess.run([*base, "--url", f"ipc://{tmp}/other.ipc", "--fd-socket", str(fds)],
+                                  capture_output=True, text=True, timeout=60)
+        assert same_fds.returncode == 1 and str(fds) in same_fds.stderr, same_fds.stderr
+        assert "Traceback" not in same_url.stderr + same_fds.stderr
+        assert not (tmp / "other.fds").exists() and not (tmp / "other.ipc").exists()
+        # The first server's socket files are still its own, and it still serves.
+        assert {p: os.stat(p).st_ino for p in (ipc, fds)} == inodes
+        assert first.alive
+        seg, u8 = create_segment(4096)
+        try:
+            with RawSession(first.url) as honest:
+                assert honest.hello.server_pid == first.proc.pid
+                assert isinstance(honest.register("after", shm_wrapper(seg.name, 4096)), protocol.RegisterReply)
+                honest.unregister("after")
+        finally:
+            seg.unlink()
+            del u8
+        with MPClient(first.url, heartbeat=False) as client:
+            assert client.ping() > 0
+    finally:
+        rc = first.stop()
+    assert rc == 0, first.log()
+    assert not ipc.exists() and not fds.exists()
+
+
+# ---- many cycles in isolated mode ----------------------------------------------------------------
+
+CYCLES = int(os.environ.get("LMSHM_TEST_CYCLES", "10000"))
+
+
+def test_many_isolated_register_unregister_cycles_leak_no_fd_and_no_mapping(start_server, start_worker):
+    server = start_server("--isolated-ipc", "--reap-timeout", "5", "--log-level", "WARNING")
+    worker = start_worker(server.url, env=ISOLATED)
+    worker.ok("loop", seconds=5, iterations=20, prefix="warm", layers=4, layout="one")  # warm both sides up
+    before = server_counts(server.url)
+    t0 = time.monotonic()
+    done = worker.ok("loop", timeout_s=200, seconds=150, iterations=CYCLES, prefix="c", layers=4,
+                     layout="one")["iterations"]
+    elapsed = time.monotonic() - t0
+    print(f"\n{done} isolated register/unregister cycles in {elapsed:.1f} s")
+    assert done == CYCLES, f"only {done} of {CYCLES} cycles in {elapsed:.0f} s"
+    after = server_counts(server.url)
+    assert abs(after["open_fds"] - before["open_fds"]) <= 2, (before, after)
+    assert after["mappings"] == 0 and after["inbox_fds"] == 0 and after["registrations"] == 0, after
+    worker.exit()
