@@ -11,7 +11,8 @@ A session ends -- and its registrations are reclaimed -- on the first of:
 - its pidfd turns readable: the worker exited, however it died (milliseconds after SIGKILL);
 - its fd-channel link closes while the pidfd says the worker still runs (a client that closed),
   after ``LINK_GRACE_S`` -- a dying process closes its sockets a moment before its pidfd fires;
-- it never verified within ``auth_timeout_s`` of its HELLO;
+- it never verified within ``auth_timeout_s`` of its HELLO, or newer unverified sessions
+  displaced it (at most ``max_pending_auth`` wait at a time);
 - it cannot be watched (no pidfd) and was silent for ``reap_timeout_s``.
 A pid-watched worker is never reclaimed for being slow or silent: its pidfd decides.
 
@@ -101,8 +102,16 @@ class Sessions:
 
     # ---- opening and verifying ------------------------------------------------------------
     def open(self, identity: bytes, client_name: str) -> Session:
+        """A new, unverified session. Sessions that have not proven their identity yet are
+        capped at ``max_pending_auth``; past that, or when the table is full, the oldest of them
+        gives way, so HELLOs alone cannot lock verified workers out (an honest worker proves
+        its identity within milliseconds of its HELLO)."""
+        unverified = [s for s in self._by_id.values() if s.peer is None]
+        if unverified and (len(unverified) >= self.config.max_pending_auth or len(self._by_id) >= self.max_sessions):
+            oldest = min(unverified, key=lambda s: s.opened)
+            self.end(oldest, "displaced by newer sessions while it had not proven its identity", orphaned=False)
         if len(self._by_id) >= self.max_sessions:
-            raise SessionLimitError(f"the server holds {len(self._by_id)} sessions, its limit "
+            raise SessionLimitError(f"the server holds {len(self._by_id)} verified sessions, its limit "
                                     f"(lmshm-server --max-sessions, and the open-file limit)")
         session = Session(self._next, secrets.token_hex(16), identity, client_name)
         self._next += 1

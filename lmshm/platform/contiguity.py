@@ -69,3 +69,14 @@ def require_dense(tensor: torch.Tensor, what: str = "tensor") -> torch.Tensor:
         return to_contiguous_view(tensor)
     except ValueError as exc:
         raise ValueError(f"{what}: {exc}") from None
+
+
+def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True if some permutation of the dims is a C-contiguous layout (no gaps, no overlap)."""
+    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True

@@ -38,7 +38,7 @@ from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import Peer
 from lmshm.quoting import quote
-from lmshm.platform.contiguity import require_dense
+from lmshm.platform.contiguity import is_dense, require_dense
 from lmshm.platform.cpu import segments
 from lmshm.platform.cpu.segments import Segment
 
@@ -139,6 +139,10 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             v = getattr(self, f)
             if type(v) is not int or v < 0 or v >= 1 << 62:
                 raise WrapperDecodeError(f"{type(self).__name__}: {f} must be a non-negative int, got {v!r}")
+        if not is_dense(self.shape, self.stride):
+            raise WrapperDecodeError(
+                f"{type(self).__name__}: shape={self.shape}, stride={self.stride} is not a dense layout "
+                "(producers wrap only dense views; an overlapping or gapped view is refused)")
         if self.byte_offset % self.torch_dtype.itemsize:
             raise WrapperDecodeError(
                 f"{type(self).__name__}: byte_offset {self.byte_offset} is not aligned to {self.dtype}"

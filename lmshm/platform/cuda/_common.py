@@ -25,7 +25,7 @@ import torch
 
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_from_name, dtype_name
 from lmshm.platform.base.mappings import MAPPINGS, Lease
-from lmshm.platform.contiguity import require_dense
+from lmshm.platform.contiguity import is_dense, require_dense
 from lmshm.platform.cuda import devices
 from lmshm.platform.cuda.driver import get_driver, hexptr
 from lmshm.platform.cuda.rebuild import view_as
@@ -54,17 +54,6 @@ def check_bytes(cls: type, field: str, value: Any, *, sizes: tuple[int, ...] = (
         raise WrapperDecodeError(f"{cls.__name__}: {field} must be {' or '.join(map(str, sizes))} bytes, got {len(value)}")
     if max_len and len(value) > max_len:
         raise WrapperDecodeError(f"{cls.__name__}: {field} must be at most {max_len} bytes, got {len(value)}")
-
-
-def is_dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """True if some permutation of the dims is a C-contiguous layout (no gaps, no overlap)."""
-    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 def producer_ordinal(cls: type, tensor: Any, name: str) -> int:

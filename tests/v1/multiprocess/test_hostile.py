@@ -262,6 +262,8 @@ def _tampered(**fields) -> CpuShmIPCWrapper:
     (dict(shape=(2 ** 47,) * 4, stride=(0,) * 4), "2**60"),
     (dict(shape=(2 ** 62,), stride=(1,)), "shape"),
     (dict(shape=(4,), stride=(-1,)), "stride"),
+    (dict(shape=(2 ** 30,), stride=(0,)), "not a dense layout"),   # fits the cap, overlaps itself
+    (dict(shape=(2, 2), stride=(1, 1)), "not a dense layout"),
     (dict(storage_offset=10 ** 5000), ""),
     (dict(shape=(10 ** 5000,), stride=(1,)), ""),
     (dict(segment_bytes=10 ** 5000), ""),

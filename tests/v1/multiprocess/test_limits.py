@@ -176,20 +176,38 @@ def _raw(url: str, body: bytes):
 def test_the_fourth_hello_is_unavailable_under_max_sessions_3(start_server):
     server = start_server("--max-sessions", "3", "--auth-timeout", "1", "--reap-timeout", "5")
     before = server_counts(server.url)
-    sessions = [RawSession(server.url, verify=False) for _ in range(3)]
+    sessions = [RawSession(server.url) for _ in range(3)]  # verified: they keep their slots
     try:
         with pytest.raises(AssertionError, match="--max-sessions"):
             RawSession(server.url, verify=False)
         reply = _raw(server.url, _hello_body())
-        _error(reply, ErrorCode.UNAVAILABLE, "holds 3 sessions", "--max-sessions")
+        _error(reply, ErrorCode.UNAVAILABLE, "holds 3 verified sessions", "--max-sessions")
         assert isinstance(_raw(server.url, codec.encode(protocol.Ping())), protocol.Pong)
     finally:
         for s in sessions:
             s.close()
-    # Unverified sessions expire after --auth-timeout; then a new one opens.
     assert_back_to(server.url, before, fd_slack=1)
     with RawSession(server.url) as s:
         assert s.hello.session_id >= 4
+
+
+def test_unverified_hellos_cannot_lock_a_worker_out(start_server):
+    # An attacker fills every slot with HELLOs it never verifies; an honest worker still gets in,
+    # because the oldest unverified session gives way.
+    server = start_server("--max-sessions", "8", "--max-pending-auth", "4", "--auth-timeout", "30",
+                          "--reap-timeout", "5")
+    before = server_counts(server.url)
+    squatters = [RawSession(server.url, verify=False) for _ in range(20)]
+    try:
+        assert server_counts(server.url)["sessions"] <= 4
+        with RawSession(server.url) as honest:
+            assert honest.hello.session_id > 20
+            _error(honest.peek("nothing"), ErrorCode.NOT_FOUND, "no registration")
+    finally:
+        for s in squatters:
+            s.close()
+    assert "displaced by newer sessions" in server.log()
+    assert_back_to(server.url, before, fd_slack=1)
 
 
 def test_a_third_verified_session_of_one_uid_is_refused_at_auth(start_server):
