@@ -53,15 +53,22 @@ def _enc_hook(obj: Any) -> Any:
     raise NotImplementedError(f"lmshm cannot put a {type(obj).__name__} on the wire")
 
 
+_unpickler: Any = None  # (safe_loads, WrapperDecodeError), imported on the first ext-1 payload
+
+
 def _ext_hook(code: int, data: memoryview) -> Any:
+    global _unpickler
     if code != WRAPPER_EXT_CODE:
         raise CodecError(f"unknown msgpack extension type {code}; lmshm only sends {WRAPPER_EXT_CODE} (wrapper)")
-    from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
-    from lmshm.platform.wrapper_registry import safe_loads
+    if _unpickler is None:
+        from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
+        from lmshm.platform.wrapper_registry import safe_loads
 
+        _unpickler = (safe_loads, WrapperDecodeError)
+    safe_loads, decode_error = _unpickler
     try:
         return safe_loads(data)
-    except WrapperDecodeError as exc:
+    except decode_error as exc:
         raise CodecError(f"refused wrapper payload: {exc}") from None
 
 

@@ -406,11 +406,12 @@ class Registry:
         with self._lock:
             return list(self._live.values())
 
-    def count_owned(self, owner: Hashable) -> tuple[int, int]:
-        """``(registrations, layers)`` that ``owner`` holds."""
+    def count_owned(self, owner: Hashable, instance_id: str = "") -> tuple[int, int, bool]:
+        """``(registrations, layers, holds instance_id)`` of ``owner``."""
         with self._lock:
             regs = [r for r in self._live.values() if r.owner == owner]
-        return len(regs), sum(r.num_layers for r in regs)
+            existing = self._live.get(instance_id)
+        return len(regs), sum(len(r.layer_names) for r in regs), existing is not None and existing.owner == owner
 
     def owned_by(self, owner: Hashable) -> list[str]:
         with self._lock:

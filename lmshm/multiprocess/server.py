@@ -160,7 +160,10 @@ class Server:
         except BlockingIOError:
             pass
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, *, restore_signals: bool = True) -> None:
+        """Serve until SIGINT/SIGTERM, then shut down. From the first signal on, further ones
+        are ignored; ``restore_signals=False`` (the command line) keeps ignoring them until the
+        process exits, so a signal after the release cannot turn exit status 0 into a kill."""
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
@@ -172,8 +175,9 @@ class Server:
                 self.shutdown()
             finally:
                 signal.set_wakeup_fd(old_wakeup)
-                for sig, handler in old_handlers.items():
-                    signal.signal(sig, handler)
+                if restore_signals:
+                    for sig, handler in old_handlers.items():
+                        signal.signal(sig, handler)
 
     def shutdown(self) -> None:
         """Answer what is queued, release everything, remove socket files. Idempotent."""
@@ -328,8 +332,8 @@ class Server:
             layers = sum(len(g.names) for g in req.groups)
             for g in req.groups:
                 self._check_names("layer name", g.names)
-            regs, held = self.registry.count_owned(session.id)
-            if req.instance_id not in self.registry.owned_by(session.id):
+            regs, held, holds_id = self.registry.count_owned(session.id, req.instance_id)
+            if not holds_id:
                 if regs >= self.config.max_registrations_per_session:
                     raise _Refusal(ErrorCode.UNAVAILABLE,
                                    f"this session already holds {regs} registrations, the server's limit "
@@ -448,7 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     print(f"lmshm-server listening on {server.url} (fd socket {server.fdchannel.path}, "
           f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
-    server.serve_forever()
+    server.serve_forever(restore_signals=False)
     return 0
 
 

@@ -23,6 +23,7 @@ because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process
 from __future__ import annotations
 
 import pickle
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -196,7 +197,10 @@ class DeviceIPCWrapper:
         self.dtype, self.shape, self.stride = dtype, shape, stride
         self.storage_offset, self.device = offset, state["device"]
         # Stride-0 and overflowing shapes: what the view claims must stay a sane byte count.
-        if self.nbytes > MAX_WRAPPER_BYTES or (offset * self.torch_dtype.itemsize + self.span_bytes) > MAX_WRAPPER_BYTES:
+        item = _DTYPES[dtype].itemsize
+        numel = math.prod(shape)
+        span = (sum((s - 1) * st for s, st in zip(shape, stride)) + 1) * item if numel else 0
+        if numel * item > MAX_WRAPPER_BYTES or offset * item + span > MAX_WRAPPER_BYTES:
             raise WrapperDecodeError(
                 f"shape {quote(shape)} with stride {quote(stride)} of {dtype} describes more than "
                 f"2**60 bytes; no memory is that large")

@@ -48,9 +48,10 @@ class ServerProcess:
                  env: Optional[dict] = None) -> None:
         self.tmp = tmp
         self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
-        self.fd_socket = fd_socket or str(tmp / "fds.sock")
+        # fd_socket="" leaves the server its default path (read back from its ready line).
+        self.fd_socket = str(tmp / "fds.sock") if fd_socket is None else fd_socket
         cmd = [sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
-               "--fd-socket", self.fd_socket, "--log-level", "DEBUG", *args]
+               *(["--fd-socket", self.fd_socket] if self.fd_socket else []), "--log-level", "DEBUG", *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env={**os.environ, **(env or {})})
@@ -63,6 +64,7 @@ class ServerProcess:
         m = READY.search(line)
         assert m, line
         self.url = m.group(1)
+        self.fd_socket = m.group(2)
 
     def log(self) -> str:
         if not self._log.closed:
