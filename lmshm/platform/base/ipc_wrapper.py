@@ -178,13 +178,13 @@ class DeviceIPCWrapper:
 
     def __setstate__(self, state: Any) -> None:
         if not isinstance(state, dict) or set(state) != set(self.wire_fields()):
-            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            got = quote(sorted(map(str, state))[:20], 200) if isinstance(state, dict) else type(state).__name__
             raise WrapperDecodeError(
                 f"{type(self).__name__} state must have exactly the fields {list(self.wire_fields())}, got {got}"
             )
         dtype = state["dtype"]
         if dtype not in _DTYPES:
-            raise WrapperDecodeError(f"unknown dtype {dtype!r}")
+            raise WrapperDecodeError(f"unknown dtype {quote(dtype)}")
         shape = _check_int_tuple("shape", state["shape"])
         stride = _check_int_tuple("stride", state["stride"])
         if len(shape) != len(stride):

@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from lmshm.quoting import quote
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_from_name, dtype_name
 from lmshm.platform.base.mappings import MAPPINGS, Lease
 from lmshm.platform.contiguity import is_dense, require_dense
@@ -44,7 +45,7 @@ def producer_id() -> str:
 
 def check_int(cls: type, field: str, value: Any, *, lo: int = 0, hi: int = _MAX_BYTES) -> None:
     if type(value) is not int or not lo <= value <= hi:
-        raise WrapperDecodeError(f"{cls.__name__}: {field} must be an int in [{lo}, {hi}], got {value!r}")
+        raise WrapperDecodeError(f"{cls.__name__}: {field} must be an int in [{lo}, {hi}], got {quote(value)}")
 
 
 def check_bytes(cls: type, field: str, value: Any, *, sizes: tuple[int, ...] = (), max_len: int = 0) -> None:
@@ -74,7 +75,7 @@ class CudaWrapperBase(DeviceIPCWrapper):
             raise WrapperDecodeError(f"{type(self).__name__}: device must be a GPU UUID, got {self.device!r}")
         producer = getattr(self, "producer", None)
         if not isinstance(producer, str) or not _PRODUCER_RE.match(producer):
-            raise WrapperDecodeError(f"{type(self).__name__}: malformed producer id {producer!r}")
+            raise WrapperDecodeError(f"{type(self).__name__}: malformed producer id {quote(producer)}")
 
     def _admit_extra(self, peer: Any) -> None:
         producer_pid = int(self.producer.split("-", 1)[0])  # type: ignore[attr-defined]

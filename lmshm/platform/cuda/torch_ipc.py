@@ -102,7 +102,7 @@ class CudaIPCWrapper(CudaWrapperBase):
         """torch's consumer decrements the producer's counter at ``ref_counter_offset`` of the
         ``/dev/shm`` file ``ref_counter_handle``: both come from the peer, so they must be what
         torch makes -- ``/torch_<pid>_<random>_<n>`` of the producer's own pid, a file it owns
-        of exactly REF_COUNTER_FILE_SIZE counters, and an offset inside it."""
+        holding REF_COUNTER_FILE_SIZE counters, and an offset inside it."""
         super()._admit_extra(peer)
         name = self.ref_counter_handle.decode("ascii", "replace")
         m = _REF_COUNTER_RE.fullmatch(name)
@@ -121,7 +121,10 @@ class CudaIPCWrapper(CudaWrapperBase):
             st = os.lstat(path)
         except OSError as exc:
             raise PermissionError(f"{where}: counter file {path}: {exc.strerror}") from None
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != peer.uid or st.st_size != REF_COUNTER_FILE_SIZE * 8:
+        # torch maps the counters with a RefcountedMapAllocator, which may put a small header
+        # in front: the file holds at least the counters and at most a page more.
+        need = REF_COUNTER_FILE_SIZE * 8
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != peer.uid or not need <= st.st_size <= need + 4096:
             raise PermissionError(
                 f"{where}: {path} is not this worker's torch counter file (a regular file of uid "
                 f"{peer.uid} holding {REF_COUNTER_FILE_SIZE} 8-byte counters)")

@@ -29,6 +29,7 @@ import secrets
 from typing import Any, Hashable
 
 from lmshm.platform.base.fds import FD_INBOX
+from lmshm.quoting import quote
 from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
 from lmshm.platform.cuda import devices
 from lmshm.platform.cuda._common import (
@@ -176,7 +177,7 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
         super()._validate_extra()
         cls = type(self)
         if self.handle_type not in HANDLE_TYPES:
-            raise WrapperDecodeError(f"{cls.__name__}: handle_type must be one of {HANDLE_TYPES}, got {self.handle_type!r}")
+            raise WrapperDecodeError(f"{cls.__name__}: handle_type must be one of {HANDLE_TYPES}, got {quote(self.handle_type)}")
         check_int(cls, "alloc_id", self.alloc_id, hi=(1 << 64) - 1)
         check_bytes(cls, "fabric_handle", self.fabric_handle, max_len=FABRIC_HANDLE_BYTES)
         if self.handle_type == "posix-fd":

@@ -334,13 +334,22 @@ class Producer:
 # ---- the consumer side ------------------------------------------------------------------------
 
 def receive(payload: bytes, fds: dict[str, int] | None = None, session: str = "gpu-test") -> Any:
-    """Decode a wrapper as the server would, filing its fds in FD_INBOX first."""
+    """Decode a wrapper as the server would: file its fds in FD_INBOX under ``session``, then
+    ``admit`` it for the producer (a child of this process, same uid and PID namespace), which
+    runs the server's ownership checks -- for cuda-torch, on torch's real counter file."""
+    import os
+
     from lmshm.platform.base.fds import FD_INBOX
     from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
+    from lmshm.platform.base.peer import Peer, own_pid_namespace
 
     for token, fd in (fds or {}).items():
         FD_INBOX.put(token, fd, session)
-    return DeviceIPCWrapper.Deserialize(payload)
+    wrapper = DeviceIPCWrapper.Deserialize(payload)
+    pid = int(wrapper.producer.split("-", 1)[0])
+    wrapper.admit(Peer(session=session, pid=pid, uid=os.geteuid(), gid=os.getegid(), ns_pid=pid,
+                       pid_ns=own_pid_namespace()))
+    return wrapper
 
 
 def open_count(kind: str) -> int:

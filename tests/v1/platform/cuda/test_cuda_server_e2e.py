@@ -66,7 +66,7 @@ def start_server(scratch: Path, isolated: bool) -> tuple[subprocess.Popen, str, 
     log = scratch / "server.log"
     fd_socket = str(scratch / "fds.sock")
     cmd = [sys.executable, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
-           "--fd-socket", fd_socket, "--log-level", "INFO",
+           "--fd-socket", fd_socket, "--log-level", "INFO", "--admin-uid", str(os.geteuid()),  # the reader peeks
            "--isolated-ipc" if isolated else "--no-isolated-ipc"]
     with open(log, "w") as err:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
