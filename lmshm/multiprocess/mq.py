@@ -90,11 +90,99 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
 RequestHandler = Callable[[bytes, bytes, Optional[bytes], Optional[str]], None]
 
 
+class AcceptGate:
+    """Keeps libzmq's ipc listener from ever meeting EMFILE, which aborts the process.
+
+    libzmq 4.3.5 asserts when ``accept`` on an ipc listener fails with EMFILE
+    (src/ipc_listener.cpp; its tcp listener tolerates it). We own that listening socket
+    (``ZMQ_USE_FD``), so when free fds run low the gate *closes*: ``dup2`` puts a private,
+    empty listening socket under the fd number libzmq accepts on (its accepts then answer
+    EAGAIN), while this process drains the real listener's backlog itself, closing each pending
+    connection (the client's ZeroMQ socket retries later). When fds are free again the real
+    listener goes back under libzmq. ``check()`` runs on every accepted connection (a socket
+    monitor) and on every tick. The easy thing to get wrong: libzmq must see its own listener
+    again before it closes the socket (``open()`` in ``close()``), or its epoll removal fails.
+    """
+
+    def __init__(self, listen_fd: int, *, fd_limit: int, low: int, high: int,
+                 count_fds: Callable[[], int]) -> None:
+        self.listen_fd = listen_fd                      # the number libzmq accepts on
+        self._real = socket.socket(fileno=os.dup(listen_fd))  # our reference to the real listener
+        self._real.setblocking(False)
+        self._dummy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._dummy.setblocking(False)
+        self._dummy.bind("")                            # autobind: an abstract address nobody knows
+        self._dummy.listen(1)
+        self.fd_limit, self.low, self.high = fd_limit, low, high
+        self._count_fds = count_fds
+        self.closed = False
+        self.refused = 0
+        self._spare: Optional[int] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    @property
+    def real_fd(self) -> int:
+        return self._real.fileno()
+
+    def check(self) -> Optional[bool]:
+        """Close or open the gate by the free fd count; returns the new state if it changed."""
+        free = self.fd_limit - self._count_fds()
+        if not self.closed and free < self.low:
+            os.dup2(self._dummy.fileno(), self.listen_fd, inheritable=False)
+            self.closed = True
+            logger.warning("lmshm: %d of %d file descriptors in use: refusing new ipc connections until "
+                           "some are free", self.fd_limit - free, self.fd_limit)
+            return True
+        if self.closed and free > self.high:
+            self.open()
+            logger.warning("lmshm: file descriptors free again (%d in use): accepting ipc connections "
+                           "(%d refused meanwhile)", self.fd_limit - free, self.refused)
+            return False
+        return None
+
+    def open(self) -> None:
+        if self.closed:
+            os.dup2(self._real.fileno(), self.listen_fd, inheritable=False)
+            self.closed = False
+
+    def refuse_pending(self) -> None:
+        """While closed: accept and close what waits on the real listener."""
+        for _ in range(64):
+            try:
+                conn, _ = self._real.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare is None:
+                    return
+                os.close(self._spare)  # the classic reserve fd: free one, refuse, take it back
+                self._spare = None
+                try:
+                    conn, _ = self._real.accept()
+                except OSError:
+                    return
+                finally:
+                    try:
+                        self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+                    except OSError:
+                        self._spare = None
+            conn.close()
+            self.refused += 1
+
+    def close(self) -> None:
+        self.open()
+        self._real.close()
+        self._dummy.close()
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
+
+
 class RouterServer:
     """A bound ROUTER socket and the poll loop around it."""
 
     def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 receive_queue: int = 1000) -> None:
+                 receive_queue: int = 1000, fd_limit: int = 0, fd_reserve: int = 64,
+                 count_fds: Optional[Callable[[], int]] = None) -> None:
         check_url(url)
         if max_message_bytes < 1024:
             raise TransportError(f"max_message_bytes={max_message_bytes} is too small (minimum 1024)")
@@ -108,16 +196,23 @@ class RouterServer:
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
         self._ipc_listener = None
+        self._listen_fd: Optional[int] = None
+        self.gate: Optional[AcceptGate] = None
+        self._monitor = None
         try:
             self.url = self._bind(url)
+            if self._listen_fd is not None and fd_limit and count_fds is not None:
+                # Backlog 64 bounds a burst; the gate closes with room for two bursts to spare.
+                self.gate = AcceptGate(self._listen_fd, fd_limit=fd_limit, low=fd_reserve + 128,
+                                       high=fd_reserve + 192, count_fds=count_fds)
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
         except BaseException:
-            self._sock.close(0)
-            self._ctx.term()
-            if self._ipc_listener is not None:
-                self._ipc_listener.close()
+            self.close()
             raise
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
         self._fd_callbacks: dict[int, Callable[[], None]] = {}
 
     def _bind(self, url: str) -> str:
@@ -135,9 +230,10 @@ class RouterServer:
                 self._ipc_listener, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")
             except FdChannelError as exc:
                 raise TransportError(f"cannot listen on {url}: {exc}") from None
-            self._ipc_listener.listen(128)
+            self._ipc_listener.listen(64)
             self._ipc_path = path
-            self._sock.setsockopt(zmq.USE_FD, self._ipc_listener.fileno())
+            self._listen_fd = self._ipc_listener.fileno()
+            self._sock.setsockopt(zmq.USE_FD, self._listen_fd)
         try:
             self._sock.bind(bind_to)
         except zmq.ZMQError as exc:
@@ -202,16 +298,38 @@ class RouterServer:
                     logger.error("lmshm: poll failed: %s", exc.strerror)
                     time.sleep(tick_s)
                 events = {}
+            if self._monitor is not None and self._monitor in events:
+                _guarded("the accept gate", self._on_accepted)
             if self._sock in events:
                 for _ in range(batch):  # bounded, so fds and ticks are never starved
+                    if self._monitor is not None and self._monitor.poll(0):
+                        _guarded("the accept gate", self._on_accepted)  # a burst: react between requests
                     if not _guarded("a request", self._receive_one, on_request):
                         break
             for fd, callback in list(self._fd_callbacks.items()):
                 if fd in events and fd in self._fd_callbacks:
                     _guarded(f"the callback of fd {fd}", callback)
             if time.monotonic() >= next_tick:
+                if self.gate is not None:
+                    _guarded("the accept gate", self._check_gate)
                 _guarded("the periodic tick", on_tick)
                 next_tick = time.monotonic() + tick_s
+
+    def _on_accepted(self) -> None:
+        """Drain the monitor's EVENT_ACCEPTED messages, then look at the fd headroom once."""
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+        self._check_gate()
+
+    def _check_gate(self) -> None:
+        changed = self.gate.check()
+        if changed is True:
+            self.watch_fd(self.gate.real_fd, self.gate.refuse_pending)
+        elif changed is False:
+            self.unwatch_fd(self.gate.real_fd)
 
     def drain(self, on_request: RequestHandler, limit: int = 1024) -> int:
         """Hand every message already queued to ``on_request`` (used at shutdown)."""
@@ -221,8 +339,20 @@ class RouterServer:
         return n
 
     def close(self) -> None:
+        if self.gate is not None:
+            self.gate.open()  # libzmq must find its own listener when it closes (epoll removal)
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
         self._sock.close(0)
         self._ctx.term()
+        if self.gate is not None:
+            self.gate.close()
+            self.gate = None
+        if self._ipc_listener is not None:  # bind failed before libzmq took it
+            self._ipc_listener.close()
+            self._ipc_listener = None
         if self._ipc_listener is not None:
             self._ipc_listener.close()
             self._ipc_listener = None

@@ -104,7 +104,8 @@ class Server:
             protocol.Peek: self._peek,
         }
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
-                                      receive_queue=config.receive_queue)
+                                      receive_queue=config.receive_queue, fd_limit=self.fd_limit,
+                                      fd_reserve=FD_RESERVE, count_fds=lambda: open_fd_count(self.fd_limit))
         max_sessions = min(config.max_sessions, max(1, (self.fd_limit - FD_RESERVE) // FDS_PER_SESSION))
         if max_sessions < config.max_sessions:
             logger.warning("lmshm: the open-file limit (%d) allows %d sessions, fewer than --max-sessions %d",
