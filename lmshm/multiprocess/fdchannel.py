@@ -275,9 +275,29 @@ class FdChannelServer:
         self._links: dict[Hashable, _Conn] = {}
         self.refused = 0
         self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
+        self._spare: Optional[int] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         self._listener.listen(128)
         self._listener.setblocking(False)
         self._watch(self._listener.fileno(), self._accept)
+
+    def _refuse_with_spare(self) -> None:
+        """Out of fds: free the spare one, accept the waiting peer and refuse it, take the spare
+        back -- otherwise the listener stays readable and the loop spins on it."""
+        if self._spare is None:
+            return
+        os.close(self._spare)
+        self._spare = None
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            pass
+        else:
+            self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
+        finally:
+            try:
+                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._spare = None
 
     @property
     def pending(self) -> int:
@@ -294,10 +314,11 @@ class FdChannelServer:
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError as exc:
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                logger.error("lmshm: fd channel cannot accept a connection: %s", exc.strerror)
-                return
-            raise
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            logger.error("lmshm: fd channel cannot accept a connection: %s", exc.strerror)
+            self._refuse_with_spare()
+            return
         try:
             creds = peer_credentials(sock)
         except OSError:
@@ -441,6 +462,9 @@ class FdChannelServer:
         self._unwatch(self._listener.fileno())
         self._listener.close()
         unlink_own(self.path, self._inode)
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
 
 
 # ---- client side ------------------------------------------------------------------------

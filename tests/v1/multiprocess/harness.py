@@ -325,12 +325,29 @@ def server_counts(url: str) -> dict:
 
     s = query_status(url)
     return {"open_fds": s.open_fds, "mappings": s.mappings, "inbox_fds": s.inbox_fds, "sessions": s.sessions,
-            "registrations": len(s.registrations)}
+            "registrations": len(s.registrations), "rss_kb": server_rss_kb(s.server_pid)}
+
+
+#: How much a server's RSS may stay above where it started after a hostile action: the
+#: allocator keeps some freed memory, but a peer must not be able to grow it at will.
+RSS_SLACK_KB = 48 * 1024
+
+
+def server_rss_kb(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def assert_back_to(url: str, before: dict, *, fd_slack: int = 0, timeout_s: float = 5.0) -> dict:
     """An honest PING is answered, and the counters return to ``before`` (open_fds may settle
-    lower or within ``fd_slack`` above: connections of earlier status queries close lazily)."""
+    lower or within ``fd_slack`` above: connections of earlier status queries close lazily; the
+    RSS within ``RSS_SLACK_KB``)."""
     from lmshm.multiprocess import codec, protocol
 
     pong = raw_reply(url, codec.encode(protocol.Ping()))
@@ -341,6 +358,7 @@ def assert_back_to(url: str, before: dict, *, fd_slack: int = 0, timeout_s: floa
         last.clear()
         last.update(server_counts(url))
         return (last["open_fds"] <= before["open_fds"] + fd_slack
+                and last["rss_kb"] <= before["rss_kb"] + RSS_SLACK_KB
                 and all(last[k] == before[k] for k in ("mappings", "inbox_fds", "sessions", "registrations")))
 
     try:
