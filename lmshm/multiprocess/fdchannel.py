@@ -212,6 +212,39 @@ def _stale_socket(path: str, kind: int) -> bool:
     return False
 
 
+class SpareFd:
+    """One file descriptor held in reserve, so that a process out of fds can still accept a
+    waiting peer -- to refuse it -- instead of leaving its listener readable (a busy loop)."""
+
+    def __init__(self) -> None:
+        self._fd: Optional[int] = self._open()
+
+    @staticmethod
+    def _open() -> Optional[int]:
+        try:
+            return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+
+    def accept(self, listener: socket.socket) -> Optional[socket.socket]:
+        """Free the spare fd, accept one connection on ``listener``, take the spare back."""
+        if self._fd is None:
+            return None
+        os.close(self._fd)
+        self._fd = None
+        try:
+            return listener.accept()[0]
+        except OSError:
+            return None
+        finally:
+            self._fd = self._open()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def unlink_own(path: str, inode: tuple[int, int]) -> None:
     """Remove ``path`` only if it is still the file this process created."""
     try:
@@ -275,29 +308,15 @@ class FdChannelServer:
         self._links: dict[Hashable, _Conn] = {}
         self.refused = 0
         self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
-        self._spare: Optional[int] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        self._spare = SpareFd()
         self._listener.listen(128)
         self._listener.setblocking(False)
         self._watch(self._listener.fileno(), self._accept)
 
     def _refuse_with_spare(self) -> None:
-        """Out of fds: free the spare one, accept the waiting peer and refuse it, take the spare
-        back -- otherwise the listener stays readable and the loop spins on it."""
-        if self._spare is None:
-            return
-        os.close(self._spare)
-        self._spare = None
-        try:
-            sock, _ = self._listener.accept()
-        except OSError:
-            pass
-        else:
+        sock = self._spare.accept(self._listener)
+        if sock is not None:
             self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
-        finally:
-            try:
-                self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                self._spare = None
 
     @property
     def pending(self) -> int:
@@ -462,9 +481,7 @@ class FdChannelServer:
         self._unwatch(self._listener.fileno())
         self._listener.close()
         unlink_own(self.path, self._inode)
-        if self._spare is not None:
-            os.close(self._spare)
-            self._spare = None
+        self._spare.close()
 
 
 # ---- client side ------------------------------------------------------------------------

@@ -117,7 +117,9 @@ class AcceptGate:
         self._count_fds = count_fds
         self.closed = False
         self.refused = 0
-        self._spare: Optional[int] = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        from lmshm.multiprocess.fdchannel import SpareFd
+
+        self._spare = SpareFd()
 
     @property
     def real_fd(self) -> int:
@@ -152,19 +154,11 @@ class AcceptGate:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE) or self._spare is None:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     return
-                os.close(self._spare)  # the classic reserve fd: free one, refuse, take it back
-                self._spare = None
-                try:
-                    conn, _ = self._real.accept()
-                except OSError:
+                conn = self._spare.accept(self._real)
+                if conn is None:
                     return
-                finally:
-                    try:
-                        self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-                    except OSError:
-                        self._spare = None
             conn.close()
             self.refused += 1
 
@@ -172,9 +166,7 @@ class AcceptGate:
         self.open()
         self._real.close()
         self._dummy.close()
-        if self._spare is not None:
-            os.close(self._spare)
-            self._spare = None
+        self._spare.close()
 
 
 class RouterServer:

@@ -45,12 +45,12 @@ def _readline(stream, timeout_s: float, what: str) -> str:
 
 class ServerProcess:
     def __init__(self, tmp: Path, *args: str, url: Optional[str] = None, fd_socket: Optional[str] = None,
-                 env: Optional[dict] = None) -> None:
+                 env: Optional[dict] = None, prefix: Optional[list[str]] = None) -> None:
         self.tmp = tmp
         self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
         # fd_socket="" leaves the server its default path (read back from its ready line).
         self.fd_socket = str(tmp / "fds.sock") if fd_socket is None else fd_socket
-        cmd = [sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
+        cmd = [*(prefix or []), sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
                *(["--fd-socket", self.fd_socket] if self.fd_socket else []), "--log-level", "DEBUG", *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
@@ -375,25 +375,38 @@ def proc_fd_count(pid: int) -> int:
 class PrefixedServerProcess(ServerProcess):
     """A ``ServerProcess`` started under a command prefix (``prlimit --nofile=...``, ...)."""
 
-    def __init__(self, tmp: Path, *args: str, prefix: list[str], url: Optional[str] = None,
-                 fd_socket: Optional[str] = None, env: Optional[dict] = None) -> None:
-        self.tmp = tmp
-        self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
-        self.fd_socket = fd_socket or str(tmp / "fds.sock")
-        cmd = [*prefix, sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
-               "--fd-socket", self.fd_socket, "--log-level", "DEBUG", *args]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **(env or {})})
-        try:
-            line = _readline(self.proc.stdout, 30, "lmshm-server")
-        except (TimeoutError, EOFError):
-            self.proc.kill()
-            self.proc.wait()
-            raise RuntimeError(f"lmshm-server did not start:\n{self.log()}")
-        m = READY.search(line)
-        assert m, line
-        self.url = m.group(1)
+    def __init__(self, tmp: Path, *args: str, prefix: list[str], **kw: Any) -> None:
+        super().__init__(tmp, *args, prefix=prefix, **kw)
+
+
+class OwnSegments:
+    """Segments made by this (the attacker's) process, as lmshm makes them; ``unlink_all()``
+    removes their names."""
+
+    def __init__(self, default_size: int = 8192) -> None:
+        self._made: list = []
+        self.default_size = default_size
+
+    def __call__(self, size: int = 0):
+        size = size or self.default_size
+        from lmshm.platform.cpu.segments import create_segment
+
+        seg, u8 = create_segment(size)
+        self._made.append((seg, u8))
+        return seg
+
+    def unlink_all(self) -> None:
+        for seg, _ in self._made:
+            seg.unlink()
+        self._made.clear()
+
+
+def counters_come_back(server: ServerProcess):
+    """Generator for a ``baseline`` fixture: yields the counters, then checks they came back."""
+    before = server_counts(server.url)
+    yield before
+    assert server.alive, server.log()[-4000:]
+    assert_back_to(server.url, before, fd_slack=1)
 
 
 # ---- a leak guard that tolerates other lmshm users of /dev/shm (benchmarks run alongside) ----

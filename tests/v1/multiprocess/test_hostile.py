@@ -26,7 +26,9 @@ from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
 from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
 
 from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
+    OwnSegments,
     RawSession,
+    counters_come_back,
     ServerProcess,
     local_start_worker as start_worker,
     narrow_segment_guard as no_segment_outlives_a_test,
@@ -55,26 +57,14 @@ def srv():
 @pytest.fixture
 def baseline(srv):
     """The server's counters before the test; checked again after it."""
-    before = server_counts(srv.url)
-    yield before
-    assert srv.alive, srv.log()[-4000:]
-    assert_back_to(srv.url, before, fd_slack=1)
+    yield from counters_come_back(srv)
 
 
 @pytest.fixture
 def own_segment():
-    """Segments made by this (the attacker's) process, as lmshm makes them; unlinked afterwards."""
-    made = []
-
-    def make(size: int = 8192):
-        seg, u8 = create_segment(size)
-        made.append((seg, u8))
-        return seg
-
-    yield make
-    for seg, _ in made:
-        seg.unlink()
-    made.clear()
+    segments = OwnSegments()
+    yield segments
+    segments.unlink_all()
 
 
 def _error(reply, code: ErrorCode, *needles: str) -> str:

@@ -21,7 +21,9 @@ from lmshm.platform.cpu.segments import create_segment
 
 from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
     PrefixedServerProcess,
+    OwnSegments,
     RawSession,
+    counters_come_back,
     ServerProcess,
     assert_back_to,
     local_start_worker as start_worker,
@@ -61,24 +63,14 @@ def limited():
 
 @pytest.fixture
 def baseline(limited):
-    before = server_counts(limited.url)
-    yield before
-    assert limited.alive, limited.log()[-4000:]
-    assert_back_to(limited.url, before, fd_slack=1)
+    yield from counters_come_back(limited)
 
 
 @pytest.fixture
 def segments():
-    made = []
-
-    def make(size: int = 4096):
-        seg, u8 = create_segment(size)
-        made.append((seg, u8))
-        return seg
-
-    yield make
-    for seg, _ in made:
-        seg.unlink()
+    made = OwnSegments(4096)
+    yield made
+    made.unlink_all()
 
 
 # ---- per-session limits ----------------------------------------------------------------------
