@@ -33,13 +33,19 @@ def wrapper(handle: str, offset: int = 3, producer_pid: int = 0) -> CudaIPCWrapp
         event_handle=b"", event_sync_required=False)
 
 
+#: What torch's RefcountedMapAllocator makes for 10000 counters: their 80000 bytes plus a 64-byte
+#: header (seen with torch 2.13's CPU ``file_system`` sharing, the same allocator the CUDA
+#: counters use: /dev/shm/torch_<pid>_<random>_<n> of 80064 bytes).
+TORCH_FILE_BYTES = REF_COUNTER_FILE_SIZE * 8 + 64
+
+
 @pytest.fixture
 def counter_file():
     """A file shaped like torch's: /dev/shm/torch_<pid>_<random>_<n>, of this uid."""
     name = f"/torch_{os.getpid()}_123456789_7"
     path = "/dev/shm" + name
     with open(path, "wb") as f:
-        f.truncate(REF_COUNTER_FILE_SIZE * 8)
+        f.truncate(TORCH_FILE_BYTES)
     yield name, path
     if os.path.exists(path):
         os.unlink(path)
@@ -74,7 +80,7 @@ def test_a_missing_or_foreign_or_wrongly_sized_counter_file_is_refused(counter_f
     os.truncate(path, 16)
     with pytest.raises(PermissionError, match="is not this worker's torch counter file"):
         wrapper(name).admit(peer())
-    os.truncate(path, REF_COUNTER_FILE_SIZE * 8)
+    os.truncate(path, TORCH_FILE_BYTES)
     os.chown(path, 65534, 65534)
     with pytest.raises(PermissionError, match="is not this worker's torch counter file"):
         wrapper(name).admit(peer())
