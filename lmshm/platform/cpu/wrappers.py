@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import errno
 import mmap
 import os
 import stat
+import weakref
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterator
 
@@ -178,10 +180,10 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
                 )
             _check_allocated(self.segment, st)
             self._check_object(fd, st)
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            buf, start = _map_shared(fd, st.st_size, self.segment)
         finally:
             os.close(fd)
-        return _Mapping(mm, st.st_size, (st.st_dev, st.st_ino))
+        return _Mapping(buf, start, st.st_size, (st.st_dev, st.st_ino))
 
     def _check_object(self, fd: int, st: os.stat_result) -> None:
         """Kind-specific checks on the opened object."""
@@ -204,7 +206,7 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             self._lease = MAPPINGS.acquire(self._mapping_key(), self._map, _drop_mapping)
         mapping: _Mapping = self._lease.value
         self._inode = mapping.inode
-        u8 = torch.frombuffer(mapping.mm, dtype=torch.uint8)
+        u8 = torch.frombuffer(mapping.buf, dtype=torch.uint8)
         item = self.torch_dtype.itemsize
         out = torch.empty(0, dtype=self.torch_dtype)
         out.set_(u8.untyped_storage(), self.byte_offset // item + self.storage_offset,
@@ -234,18 +236,43 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
 
 @dataclass(frozen=True)
 class _Mapping:
-    """A consumer-side mapping of one segment: the mmap, where it lies, which inode it is."""
+    """A consumer-side mapping of one segment: its bytes, where they lie, which inode they are."""
 
-    mm: mmap.mmap
+    buf: Any                 # a ctypes array over the mapping; unmapped when the last user lets go
+    start: int
     size: int
     inode: tuple[int, int]
 
     def map_file(self) -> str:
         """This mapping's entry in /proc/self/map_files: stat() it to see the object's size now,
         without holding an fd (the entry names the file even after it is unlinked)."""
-        start = torch.frombuffer(self.mm, dtype=torch.uint8).data_ptr()
-        end = start + (-(-self.size // mmap.PAGESIZE)) * mmap.PAGESIZE
-        return f"/proc/self/map_files/{start:x}-{end:x}"
+        end = self.start + (-(-self.size // mmap.PAGESIZE)) * mmap.PAGESIZE
+        return f"/proc/self/map_files/{self.start:x}-{end:x}"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _map_shared(fd: int, size: int, name: str) -> tuple[Any, int]:
+    """Map ``size`` bytes of ``fd`` shared and read-write; return (buffer, address).
+
+    Not ``mmap.mmap``: Python's mmap keeps a dup of the fd for its whole life, so a server
+    mapping 1,000 segments would hold 1,000 fds. This mapping holds none. The buffer unmaps
+    itself (``munmap``) when its last reference -- every tensor built on it -- is gone.
+    """
+    if size <= 0:
+        raise ValueError(f"segment {name!r} is empty; there is nothing to map")
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    if addr is None or addr == _MAP_FAILED:
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot map segment {name!r} ({size} bytes): {os.strerror(err)}")
+    buf = (ctypes.c_uint8 * size).from_address(addr)
+    weakref.finalize(buf, _libc.munmap, addr, size)
+    return buf, addr
 
 
 def _check_allocated(name: str, st: os.stat_result, *, after_register: bool = False) -> None:
@@ -261,8 +288,8 @@ def _check_allocated(name: str, st: os.stat_result, *, after_register: bool = Fa
 
 
 def _drop_mapping(mapping: _Mapping) -> None:
-    # Never mm.close(): tensors built on the mapping hold a reference and keep it mapped;
-    # it is unmapped when the last of them is freed.
+    # Never munmap here: tensors built on the mapping hold its buffer and keep it mapped;
+    # the buffer's finaliser unmaps it when the last of them is freed.
     del mapping
 
 

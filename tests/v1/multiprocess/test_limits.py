@@ -398,3 +398,29 @@ def test_many_isolated_register_unregister_cycles_leak_no_fd_and_no_mapping(star
     assert abs(after["open_fds"] - before["open_fds"]) <= 2, (before, after)
     assert after["mappings"] == 0 and after["inbox_fds"] == 0 and after["registrations"] == 0, after
     worker.exit()
+
+
+def test_a_worker_with_1100_separate_layers_fits_a_1024_fd_server_and_another_worker_may_come_and_go(
+        tmp, start_worker):
+    # Each mapping used to hold an fd (Python's mmap keeps a dup), so 1,100 segments exhausted a
+    # 1,024-fd server, and pidfds numbered past 1023 crashed the select() liveness check.
+    server = PrefixedServerProcess(tmp, "--reap-timeout", "5", prefix=["prlimit", "--nofile=1024:1024"])
+    try:
+        start = server_counts(server.url)
+        big = start_worker(server.url)
+        reg = big.ok("register", layers=1100, layout="per-layer", shape=[2, 4, 8], timeout_s=120)
+        status = query_status(server.url)
+        assert status.mappings == 1100 and status.open_fds < start["open_fds"] + 16, status.open_fds
+        other = start_worker(server.url)
+        other.ok("register", layers=2)
+        other.ok("close")  # its link closes while the big worker's mappings are all open
+        other.exit()
+        assert server.alive, server.log()[-4000:]
+        big.ok("fill", instance_id=reg["instance_id"], layer="model.layers.1099.attn", bytes=[5, 6, 7])
+        assert big.ok("peek", instance_id=reg["instance_id"], layer="model.layers.1099.attn")["bytes"][:3] == [5, 6, 7]
+        big.ok("unregister", instance_id=reg["instance_id"])
+        big.exit()
+        assert_back_to(server.url, start, fd_slack=2, timeout_s=10)
+    finally:
+        rc = server.stop()
+    assert rc == 0, server.log()[-4000:]
