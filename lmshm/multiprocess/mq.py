@@ -29,7 +29,9 @@ import itertools
 import logging
 import os
 import socket
+import struct
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import zmq
@@ -76,6 +78,47 @@ def ipc_path(url: str) -> Optional[str]:
 
 
 # ---- server side ------------------------------------------------------------------------
+
+
+@dataclass
+class _Connection:
+    socket_id: Optional[tuple[int, int]]   # (st_dev, st_ino) of the accepted socket
+    since: float                         # accepted, or last seen with a session
+    identity: Optional[bytes] = None     # the ROUTER identity its messages carry
+
+
+def _socket_id(fd: int) -> Optional[tuple[int, int]]:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _shutdown_if(fd: int, socket_id: Optional[tuple[int, int]]) -> bool:
+    """``shutdown()`` the socket behind ``fd`` if it is still ``socket_id``. libzmq then sees
+    EOF and closes the connection itself (its fd is never closed behind its back)."""
+    if socket_id is None:
+        return False
+    try:
+        dup = os.dup(fd)  # hold it: from here on the number cannot come to mean another socket
+    except OSError:
+        return False
+    try:
+        if _socket_id(dup) != socket_id:
+            return False
+        sock = socket.socket(fileno=dup)
+        dup = -1
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+        finally:
+            sock.close()
+        return True
+    finally:
+        if dup >= 0:
+            os.close(dup)
 
 
 def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -174,7 +217,7 @@ class RouterServer:
 
     def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  receive_queue: int = 1000, fd_limit: int = 0, fd_reserve: int = 64,
-                 count_fds: Optional[Callable[[], int]] = None) -> None:
+                 count_fds: Optional[Callable[[], int]] = None, idle_timeout_s: float = 0.0) -> None:
         check_url(url)
         if max_message_bytes < 1024:
             raise TransportError(f"max_message_bytes={max_message_bytes} is too small (minimum 1024)")
@@ -185,6 +228,11 @@ class RouterServer:
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         self._sock.setsockopt(zmq.RCVHWM, receive_queue)
         self._sock.setsockopt(zmq.SNDHWM, receive_queue)
+        if idle_timeout_s > 0:  # a connection that never completes the ZMTP handshake goes too
+            self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(idle_timeout_s * 1000)))
+        self.idle_timeout_s = idle_timeout_s
+        self._conns: dict[int, _Connection] = {}  # fd -> what we know of that ZeroMQ connection
+        self.dropped_idle = 0
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
         self._ipc_listener = None
@@ -197,7 +245,8 @@ class RouterServer:
                 # Backlog 64 bounds a burst; the gate closes with room for two bursts to spare.
                 self.gate = AcceptGate(self._listen_fd, fd_limit=fd_limit, low=fd_reserve + 128,
                                        high=fd_reserve + 192, count_fds=count_fds)
-                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED)
+            if self.gate is not None or idle_timeout_s > 0:
+                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         except BaseException:
             self.close()
             raise
@@ -253,10 +302,12 @@ class RouterServer:
 
     def _receive_one(self, on_request: RequestHandler) -> bool:
         try:
-            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        identity, rest = frames[0], frames[1:]
+        if self.idle_timeout_s > 0:
+            self._saw(frames[0])
+        identity, rest = frames[0].bytes, [f.bytes for f in frames[1:]]
         total = sum(len(f) for f in rest)
         request_id = rest[0] if rest and len(rest[0]) == REQUEST_ID_BYTES else b""
         if total > self.max_message_bytes:
@@ -308,13 +359,47 @@ class RouterServer:
                 next_tick = time.monotonic() + tick_s
 
     def _on_accepted(self) -> None:
-        """Drain the monitor's EVENT_ACCEPTED messages, then look at the fd headroom once."""
+        """Drain the monitor (connections accepted and gone), then look at the fd headroom once."""
         while True:
             try:
-                self._monitor.recv_multipart(zmq.NOBLOCK)
+                event = self._monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-        self._check_gate()
+            if self.idle_timeout_s > 0 and len(event[0]) == 6:
+                kind, fd = struct.unpack("=HI", event[0])
+                if kind == zmq.EVENT_ACCEPTED:
+                    self._conns[fd] = _Connection(_socket_id(fd), time.monotonic())
+                elif kind == zmq.EVENT_DISCONNECTED:
+                    self._conns.pop(fd, None)
+        if self.gate is not None:
+            self._check_gate()
+
+    def _saw(self, identity_frame: Any) -> None:
+        """A message came in: remember which connection (fd) carries which peer identity."""
+        try:
+            fd = identity_frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            return
+        conn = self._conns.get(fd)
+        if conn is not None:
+            conn.identity = identity_frame.bytes
+
+    def drop_idle(self, has_session: Callable[[bytes], bool]) -> int:
+        """Shut down connections that have had no session for ``idle_timeout_s``: a peer must
+        not hold server fds with connections that do nothing. A connection is dropped only if
+        its fd still names the very socket that was accepted (same socket inode)."""
+        now, dropped = time.monotonic(), 0
+        for fd, conn in list(self._conns.items()):
+            if conn.identity is not None and has_session(conn.identity):
+                conn.since = now
+                continue
+            if now - conn.since <= self.idle_timeout_s:
+                continue
+            del self._conns[fd]
+            if _shutdown_if(fd, conn.socket_id):
+                dropped += 1
+        self.dropped_idle += dropped
+        return dropped
 
     def _check_gate(self) -> None:
         changed = self.gate.check()

@@ -55,6 +55,8 @@ FD_RESERVE = 64
 #: File descriptors a verified session costs: its ZeroMQ connection, fd-channel link, pidfd.
 FDS_PER_SESSION = 3
 MAX_REPLY_MESSAGE = 1024
+#: A ZeroMQ connection without a session is closed after this long (or --auth-timeout, if longer).
+IDLE_CONNECTION_S = 5.0
 
 __all__ = ["ConfigError", "Server", "ServerConfig", "build_arg_parser", "main", "resolve_config"]
 
@@ -105,7 +107,8 @@ class Server:
         }
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
                                       receive_queue=config.receive_queue, fd_limit=self.fd_limit,
-                                      fd_reserve=FD_RESERVE, count_fds=lambda: open_fd_count(self.fd_limit))
+                                      fd_reserve=FD_RESERVE, count_fds=lambda: open_fd_count(self.fd_limit),
+                                      idle_timeout_s=max(IDLE_CONNECTION_S, config.auth_timeout_s))
         max_sessions = min(config.max_sessions, max(1, (self.fd_limit - FD_RESERVE) // FDS_PER_SESSION))
         if max_sessions < config.max_sessions:
             logger.warning("lmshm: the open-file limit (%d) allows %d sessions, fewer than --max-sessions %d",
@@ -200,6 +203,10 @@ class Server:
     def _tick(self) -> None:
         self.sessions.reap()
         self.fdchannel.expire()
+        dropped = self.router.drop_idle(lambda identity: self.sessions.of(identity) is not None)
+        if dropped:
+            logger.info("lmshm: closed %d ZeroMQ connection(s) without a session for %g s", dropped,
+                        self.router.idle_timeout_s)
         if time.monotonic() >= self._next_sweep:
             self._sweep()
 

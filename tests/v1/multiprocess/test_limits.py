@@ -424,3 +424,37 @@ def test_a_worker_with_1100_separate_layers_fits_a_1024_fd_server_and_another_wo
     finally:
         rc = server.stop()
     assert rc == 0, server.log()[-4000:]
+
+
+def test_connections_without_a_session_are_closed_and_cannot_hold_the_servers_fds(start_server):
+    # Any local user can open ZeroMQ connections to a tcp:// endpoint and just sit on them. The
+    # server closes connections that have no session after 5 s (at least --auth-timeout); a
+    # verified worker's connection stays, however quiet it is.
+    import zmq
+
+    server = start_server("--reap-timeout", "30", "--auth-timeout", "1")
+    before = server_counts(server.url)
+    ctx = zmq.Context()
+    idle = []
+    try:
+        with RawSession(server.url) as worker:
+            for _ in range(200):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RECONNECT_IVL, 60_000)  # stay down once dropped
+                sock.connect(server.url)
+                idle.append(sock)
+            wait_for(lambda: server_counts(server.url)["open_fds"] >= before["open_fds"] + 200, 10, 0.05,
+                     "the idle connections to be accepted")
+            wait_for(lambda: server_counts(server.url)["open_fds"] <= before["open_fds"] + 4, 15, 0.1,
+                     "the idle connections to be closed")
+            assert "closed 200 ZeroMQ connection(s) without a session" in server.log() or \
+                "ZeroMQ connection(s) without a session" in server.log()
+            time.sleep(1)
+            assert isinstance(worker.request(protocol.Ping()), protocol.Pong)  # the quiet worker stays
+            assert worker.request(protocol.Ping()).session_known
+    finally:
+        for sock in idle:
+            sock.close(0)
+        ctx.term()
+    assert_back_to(server.url, before, fd_slack=1)
