@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import selectors
-import signal
 import subprocess
 import sys
-import tempfile
 import time
+
+from _server import BenchServer
 
 POOL_SHAPE = (32, 2, 4, 16, 8, 8)
 MAX_CONSECUTIVE_FAILURES = 20
@@ -153,22 +152,12 @@ def main() -> int:
     import torch
     import zmq
 
-    fd_dir = tempfile.mkdtemp(prefix="lmshm-bench-")
-    fd_sock = os.path.join(fd_dir, "fds.sock")
-    server = subprocess.Popen([sys.executable, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
-                               "--fd-socket", fd_sock, "--isolated-ipc", "--log-level", "WARNING"],
-                              stdout=subprocess.PIPE, text=True)
+    server = BenchServer("--isolated-ipc")
     worker = None
     server_rc = None
     ok = True
     try:
-        first = server.stdout.readline()
-        m = re.search(r"listening on (\S+)", first)
-        if not m:
-            raise RuntimeError(f"lmshm-server did not start: {first!r} (rc {server.poll()})")
-        url = m.group(1)
-        pid_m = re.search(r"pid (\d+)", first)
-        spid = int(pid_m.group(1)) if pid_m else server.pid
+        url, spid = server.url, server.pid
         print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, pyzmq {zmq.__version__} "
               f"(libzmq {zmq.zmq_version()}), {os.cpu_count()} CPUs; server at {url} (pid {spid}), isolated_ipc on")
         nbytes = 2 * torch.Size(POOL_SHAPE).numel()
@@ -250,18 +239,7 @@ def main() -> int:
                     f.close()
                 except OSError:
                     pass
-        server.send_signal(signal.SIGTERM)
-        try:
-            server_rc = server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server_rc = server.wait()
-        server.stdout.close()
-        for path in (fd_sock, fd_dir):
-            try:
-                os.rmdir(path) if path == fd_dir else os.unlink(path)
-            except OSError:
-                pass
+        server_rc = server.stop()
     if server_rc != 0:
         print(f"WARNING: lmshm-server exited with status {server_rc} after SIGTERM")
         ok = False

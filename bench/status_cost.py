@@ -16,31 +16,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import select
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-READY = re.compile(r"listening on (\S+) \(fd socket ")
-
-
-def start_server(python: str, tmp: str) -> tuple[subprocess.Popen, str]:
-    cmd = [python, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
-           "--fd-socket", os.path.join(tmp, "fds.sock")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
-    m = READY.search(line)
-    if not m:
-        proc.kill()
-        proc.wait()
-        sys.exit(f"lmshm-server did not say it was listening (got {line!r})")
-    return proc, m.group(1)
-
+from _server import BenchServer
 
 def run_once(cmd: list[str]) -> tuple[float, float]:
     """(wall ms, max RSS MB) of one run of ``cmd``, which must exit 0."""
@@ -69,23 +50,14 @@ def main() -> None:
 
     import lmshm  # say which checkout is measured; the children resolve it the same way
 
-    with tempfile.TemporaryDirectory(prefix="lmshm-bench-") as tmp:
-        server, url = start_server(args.python, tmp)
-        try:
-            status_cmd = [args.python, "-m", "lmshm.cli", "status", "--url", url]
-            bare_cmd = [args.python, "-c", "pass"]
-            run_once(status_cmd)  # warm the page cache and the server once, unmeasured
-            status_runs, bare_runs = [], []
-            for _ in range(args.n):  # interleaved, so both see the same machine load
-                status_runs.append(run_once(status_cmd))
-                bare_runs.append(run_once(bare_cmd))
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(15)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+    with BenchServer(python=args.python, quiet=True) as server:
+        status_cmd = [args.python, "-m", "lmshm.cli", "status", "--url", server.url]
+        bare_cmd = [args.python, "-c", "pass"]
+        run_once(status_cmd)  # warm the page cache and the server once, unmeasured
+        status_runs, bare_runs = [], []
+        for _ in range(args.n):  # interleaved, so both see the same machine load
+            status_runs.append(run_once(status_cmd))
+            bare_runs.append(run_once(bare_cmd))
 
     print(f"lmshm from {os.path.dirname(lmshm.__file__)}, {args.n} runs each, python {sys.version.split()[0]}")
     print(report("lmshm status", status_runs))

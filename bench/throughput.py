@@ -31,14 +31,13 @@ import argparse
 import json
 import math
 import os
-import re
 import selectors
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+
+from _server import BenchServer
 
 SHAPE = (2, 16, 16, 8, 64)
 NUM_LAYERS = 32
@@ -242,21 +241,13 @@ def main() -> int:
     import zmq
 
     shm_before = _shm_entries()
-    fd_dir = tempfile.mkdtemp(prefix="lmshm-bench-")
-    fd_sock = os.path.join(fd_dir, "fds.sock")
-    server = subprocess.Popen([sys.executable, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
-                               "--fd-socket", fd_sock, "--log-level", args.server_log_level]
-                              + (["--isolated-ipc"] if args.isolated_ipc else ["--no-isolated-ipc"]),
-                              stdout=subprocess.PIPE, text=True)
+    server = BenchServer("--isolated-ipc" if args.isolated_ipc else "--no-isolated-ipc",
+                         log_level=args.server_log_level)
     rows = []
     server_rc = None
     our_pids = {os.getpid(), server.pid}
     try:
-        first = server.stdout.readline()
-        m = re.search(r"listening on (\S+)", first)
-        if not m:
-            raise RuntimeError(f"lmshm-server did not start: {first!r} (rc {server.poll()})")
-        url = m.group(1)
+        url = server.url
         print(f"Python {sys.version.split()[0]}, torch {torch.__version__}, pyzmq {zmq.__version__} "
               f"(libzmq {zmq.zmq_version()}), {os.cpu_count()} CPUs; server at {url}")
         layout = "views of one empty_shared pool" if args.layout == "one" else "one empty_shared segment per layer"
@@ -282,22 +273,8 @@ def main() -> int:
             if r["left"]:
                 print(f"WARNING: {r['left']} registrations still listed by clients at close")
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server_rc = server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server_rc = server.wait()
-        server.stdout.close()
-        try:
-            os.unlink(fd_sock)
-        except FileNotFoundError:
-            pass
-        try:
-            os.rmdir(fd_dir)
-        except OSError:
-            pass
-    print(f"\nworker start-up (spawn to all ready): "
+        server_rc = server.stop()
+    print("\nworker start-up (spawn to all ready): "
           + ", ".join(f"{r['workers']} workers {r['startup_s']:.1f} s" for r in rows))
     ok = True
     if server_rc != 0:

@@ -40,6 +40,7 @@ from typing import Annotated, Callable, Hashable, Optional, Union
 import msgspec
 
 from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.files import file_id, unlink_if_same
 from lmshm.quoting import clip
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def bind_unix(path: str, kind: int, what: str) -> tuple[socket.socket, tuple[int
     ``bind`` itself refuses an existing path, so nothing is taken over. An existing path is
     probed: a listener there is another server (refused); a socket file of our own uid that
     nobody accepts on is a leftover of a killed server and is replaced; anything else is refused.
-    Returns the socket and the (st_dev, st_ino) of the file it created, so that ``unlink_own``
+    Returns the socket and the identity of the file it created, so that ``unlink_if_same``
     removes only that file.
     """
     sock = socket.socket(socket.AF_UNIX, kind)
@@ -188,8 +189,7 @@ def bind_unix(path: str, kind: int, what: str) -> tuple[socket.socket, tuple[int
         finally:
             os.umask(old)
     os.chmod(path, 0o600)
-    st = os.lstat(path)
-    return sock, (st.st_dev, st.st_ino)
+    return sock, file_id(os.lstat(path))
 
 
 def _stale_socket(path: str, kind: int) -> bool:
@@ -245,16 +245,6 @@ class SpareFd:
             self._fd = None
 
 
-def unlink_own(path: str, inode: tuple[int, int]) -> None:
-    """Remove ``path`` only if it is still the file this process created."""
-    try:
-        st = os.lstat(path)
-        if (st.st_dev, st.st_ino) == inode:
-            os.unlink(path)
-    except OSError:
-        pass
-
-
 # ---- server side ------------------------------------------------------------------------
 
 
@@ -306,7 +296,6 @@ class FdChannelServer:
         self._fds_available = fds_available
         self._conns: dict[int, _Conn] = {}
         self._links: dict[Hashable, _Conn] = {}
-        self.refused = 0
         self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
         self._spare = SpareFd()
         self._listener.listen(128)
@@ -323,7 +312,6 @@ class FdChannelServer:
         return sum(1 for c in self._conns.values() if c.session is None)
 
     def _refuse(self, sock: socket.socket, code: str, error: str) -> None:
-        self.refused += 1
         self._send(sock, Refused(code, error))
         sock.close()
 
@@ -480,7 +468,7 @@ class FdChannelServer:
         self._links.clear()
         self._unwatch(self._listener.fileno())
         self._listener.close()
-        unlink_own(self.path, self._inode)
+        unlink_if_same(self.path, self._inode)
         self._spare.close()
 
 
@@ -586,4 +574,4 @@ class FdChannelClient:
 
 
 __all__ = ["Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
-           "FdChannelServer", "Refused", "SendFds", "bind_unix", "default_path", "unlink_own"]
+           "FdChannelServer", "Refused", "SendFds", "bind_unix", "default_path"]

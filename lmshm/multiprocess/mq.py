@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from lmshm.platform.base.files import fd_id, unlink_if_same
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
@@ -87,14 +89,6 @@ class _Connection:
     identity: Optional[bytes] = None     # the ROUTER identity its messages carry
 
 
-def _socket_id(fd: int) -> Optional[tuple[int, int]]:
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino)
-
-
 def _shutdown_if(fd: int, socket_id: Optional[tuple[int, int]]) -> bool:
     """``shutdown()`` the socket behind ``fd`` if it is still ``socket_id``. libzmq then sees
     EOF and closes the connection itself (its fd is never closed behind its back)."""
@@ -105,7 +99,7 @@ def _shutdown_if(fd: int, socket_id: Optional[tuple[int, int]]) -> bool:
     except OSError:
         return False
     try:
-        if _socket_id(dup) != socket_id:
+        if fd_id(dup) != socket_id:
             return False
         sock = socket.socket(fileno=dup)
         dup = -1
@@ -232,7 +226,6 @@ class RouterServer:
             self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(idle_timeout_s * 1000)))
         self.idle_timeout_s = idle_timeout_s
         self._conns: dict[int, _Connection] = {}  # fd -> what we know of that ZeroMQ connection
-        self.dropped_idle = 0
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
         self._ipc_listener = None
@@ -368,7 +361,7 @@ class RouterServer:
             if self.idle_timeout_s > 0 and len(event[0]) == 6:
                 kind, fd = struct.unpack("=HI", event[0])
                 if kind == zmq.EVENT_ACCEPTED:
-                    self._conns[fd] = _Connection(_socket_id(fd), time.monotonic())
+                    self._conns[fd] = _Connection(fd_id(fd), time.monotonic())
                 elif kind == zmq.EVENT_DISCONNECTED:
                     self._conns.pop(fd, None)
         if self.gate is not None:
@@ -398,7 +391,6 @@ class RouterServer:
             del self._conns[fd]
             if _shutdown_if(fd, conn.socket_id):
                 dropped += 1
-        self.dropped_idle += dropped
         return dropped
 
     def _check_gate(self) -> None:
@@ -434,9 +426,7 @@ class RouterServer:
             self._ipc_listener.close()
             self._ipc_listener = None
         if self._ipc_path and self._ipc_inode:
-            from lmshm.multiprocess.fdchannel import unlink_own
-
-            unlink_own(self._ipc_path, self._ipc_inode)  # only the file this process created
+            unlink_if_same(self._ipc_path, self._ipc_inode)  # only the file this process created
             self._ipc_path = None
 
 

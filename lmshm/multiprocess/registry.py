@@ -40,7 +40,7 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
+from lmshm.multiprocess.protocol import MAX_LAYERS, ErrorCode, LayerGroup
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import Peer
@@ -48,10 +48,8 @@ from lmshm.quoting import clip, quote
 
 logger = logging.getLogger(__name__)
 
-MAX_INSTANCE_ID_CHARS = 256
 #: Instance ids starting with this are the server's own; clients may not register them.
 RESERVED_ID_PREFIX = "__lmshm"
-MAX_LAYERS = 65536
 
 
 class RegistryError(Exception):
@@ -176,9 +174,8 @@ def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False)
 def _check_request(instance_id: str, world_size: int, worker_rank: int,
                    groups: Sequence[LayerGroup]) -> dict[str, tuple[int, int]]:
     """Validate a request; return layer name -> (group index, storage offset)."""
-    if not instance_id or len(instance_id) > MAX_INSTANCE_ID_CHARS or not instance_id.isprintable():
-        raise InvalidRegistration(
-            f"instance id {quote(instance_id)} must be 1..{MAX_INSTANCE_ID_CHARS} printable characters")
+    if not instance_id or not instance_id.isprintable():  # its length is the server's setting
+        raise InvalidRegistration(f"instance id {quote(instance_id)} must be printable characters, at least one")
     if instance_id.startswith(RESERVED_ID_PREFIX):
         raise InvalidRegistration(
             f"instance id {quote(instance_id)} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
@@ -412,10 +409,6 @@ class Registry:
             regs = [r for r in self._live.values() if r.owner == owner]
             existing = self._live.get(instance_id)
         return len(regs), sum(len(r.layer_names) for r in regs), existing is not None and existing.owner == owner
-
-    def owned_by(self, owner: Hashable) -> list[str]:
-        with self._lock:
-            return [r.instance_id for r in self._live.values() if r.owner == owner]
 
     @property
     def draining(self) -> int:

@@ -94,9 +94,6 @@ class Sessions:
     def __iter__(self) -> Iterator[Session]:
         return iter(list(self._by_id.values()))
 
-    def get(self, session_id: int) -> Optional[Session]:
-        return self._by_id.get(session_id)
-
     def of(self, identity: bytes) -> Optional[Session]:
         return self._by_identity.get(identity)
 

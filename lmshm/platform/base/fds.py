@@ -48,10 +48,6 @@ class FdInbox:
             )
         return fd
 
-    def has(self, token: str, session: Hashable = None) -> bool:
-        with self._lock:
-            return (session, token) in self._fds
-
     def discard(self, tokens: Iterable[str], session: Hashable = None) -> int:
         """Close the fds ``session`` filed under ``tokens`` (those still here); return how many."""
         with self._lock:

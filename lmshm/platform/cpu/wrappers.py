@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Iterator
 import torch
 
 from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.files import file_id, unlink_if_same
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_name
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import Peer
@@ -183,7 +184,7 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             buf, start = _map_shared(fd, st.st_size, self.segment)
         finally:
             os.close(fd)
-        return _Mapping(buf, start, st.st_size, (st.st_dev, st.st_ino))
+        return _Mapping(buf, start, st.st_size, file_id(st))
 
     def _check_object(self, fd: int, st: os.stat_result) -> None:
         """Kind-specific checks on the opened object."""
@@ -337,13 +338,7 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
         inode = self.__dict__.get("_inode")
         if inode is None:
             return  # never mapped here: not ours to remove
-        path = os.path.join(segments.shm_dir(), self.segment)
-        try:
-            st = os.lstat(path)
-            if (st.st_dev, st.st_ino) == inode:
-                os.unlink(path)
-        except FileNotFoundError:
-            pass
+        unlink_if_same(os.path.join(segments.shm_dir(), self.segment), inode)
 
 
 class CpuFdIPCWrapper(CpuSegmentWrapper):

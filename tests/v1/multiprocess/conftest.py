@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import SHM_DIR, ServerProcess, WorkerProcess, lmshm_segments, scratch_dir
+from harness import SHM_DIR, ServerProcess, WorkerProcess, lmshm_segments, scratch_dir, serving
 
 
 @pytest.fixture
@@ -30,10 +30,8 @@ def _stop_cleanly(server: ServerProcess) -> None:
 @pytest.fixture(scope="module")
 def shared_server():
     """One server for a whole module, for tests that leave it as they found it."""
-    with scratch_dir() as path:
-        server = ServerProcess(path, "--reap-timeout", "5")
+    with serving("--reap-timeout", "5") as server:
         yield server
-        _stop_cleanly(server)
 
 
 @pytest.fixture

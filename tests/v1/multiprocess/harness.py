@@ -155,6 +155,20 @@ def wait_for(predicate, timeout_s: float, interval_s: float = 0.01, what: str = 
 
 
 @contextlib.contextmanager
+def serving(*args: str, **kw: Any):
+    """A server for a whole module: started in a scratch directory; at the end it must stop on
+    SIGTERM with exit status 0 and leave no socket file."""
+    with scratch_dir() as path:
+        server = ServerProcess(path, *args, **kw)
+        try:
+            yield server
+        finally:
+            if server.alive:
+                rc = server.stop()
+                assert rc == 0, f"lmshm-server exited {rc}:\n{server.log()}"
+
+
+@contextlib.contextmanager
 def scratch_dir():
     """A short directory under /tmp (Unix socket paths are limited to 107 bytes)."""
     path = Path(tempfile.mkdtemp(prefix="lmshm-t-", dir="/tmp"))
@@ -461,3 +475,22 @@ def local_start_worker():
     for worker in workers:
         if worker.proc.poll() is None:
             worker.exit()
+
+
+def assert_an_honest_worker_registers(url: str, *, server_pid: Optional[int] = None) -> None:
+    """After a hostile action: a verified session registers its own segment, reads it through
+    the server and unregisters it (and, if given, is served by ``server_pid``)."""
+    from lmshm.multiprocess import protocol
+    from lmshm.platform.cpu.segments import create_segment
+
+    seg, u8 = create_segment(4096)
+    try:
+        with RawSession(url) as honest:
+            if server_pid is not None:
+                assert honest.hello.server_pid == server_pid
+            assert isinstance(honest.register("honest", shm_wrapper(seg.name, 4096)), protocol.RegisterReply)
+            assert isinstance(honest.peek("honest"), protocol.PeekReply)
+            honest.unregister("honest")
+    finally:
+        seg.unlink()
+        del u8

@@ -26,16 +26,15 @@ from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
 from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
 
 from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
-    OwnSegments,
-    RawSession,
+    assert_back_to,
     counters_come_back,
-    ServerProcess,
     local_start_worker as start_worker,
     narrow_segment_guard as no_segment_outlives_a_test,
-    assert_back_to,
+    OwnSegments,
     proc_fd_count,
-    scratch_dir,
+    RawSession,
     server_counts,
+    serving,
     shm_wrapper,
     wait_for,
 )
@@ -47,11 +46,8 @@ MAX_REPLY = 2048
 
 @pytest.fixture(scope="module")
 def srv():
-    with scratch_dir() as path:
-        server = ServerProcess(path, "--reap-timeout", "5")
+    with serving("--reap-timeout", "5") as server:
         yield server
-        if server.alive:
-            assert server.stop() == 0, server.log()
 
 
 @pytest.fixture

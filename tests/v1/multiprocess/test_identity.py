@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lmshm.multiprocess.client import LmshmError, MPClient, query_status
-from lmshm.multiprocess.fdchannel import FdChannelError, user_runtime_dir
+from lmshm.multiprocess.fdchannel import user_runtime_dir
 from lmshm.platform.cpu import empty_shared
 
 from harness import ServerProcess, lmshm_segments, wait_for

@@ -20,17 +20,18 @@ from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform.cpu.segments import create_segment
 
 from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
-    PrefixedServerProcess,
-    OwnSegments,
-    RawSession,
-    counters_come_back,
-    ServerProcess,
+    assert_an_honest_worker_registers,
     assert_back_to,
+    counters_come_back,
     local_start_worker as start_worker,
     narrow_segment_guard as no_segment_outlives_a_test,
+    OwnSegments,
+    PrefixedServerProcess,
     proc_fd_count,
-    scratch_dir,
+    RawSession,
     server_counts,
+    ServerProcess,
+    serving,
     shm_wrapper,
     wait_for,
 )
@@ -52,13 +53,9 @@ def _hello_body(isolated: bool = False) -> bytes:
 
 @pytest.fixture(scope="module")
 def limited():
-    with scratch_dir() as path:
-        server = ServerProcess(path, "--reap-timeout", "5", "--max-registrations-per-session", "2",
-                               "--max-layers-per-session", "8", "--max-name-bytes", "32",
-                               "--max-pending-auth", "4")
+    with serving("--reap-timeout", "5", "--max-registrations-per-session", "2", "--max-layers-per-session", "8",
+                 "--max-name-bytes", "32", "--max-pending-auth", "4") as server:
         yield server
-        if server.alive:
-            assert server.stop() == 0, server.log()
 
 
 @pytest.fixture
@@ -324,15 +321,7 @@ def test_2000_sessions_under_ulimit_1024_never_kill_the_server_and_it_recovers(t
         assert sum(outcome.values()) == 2000 and outcome["session"] >= 1
         # The attacker is gone: the server recovers, an honest client registers.
         assert_back_to(server.url, start, fd_slack=1, timeout_s=30)
-        seg, u8 = create_segment(4096)
-        try:
-            with RawSession(server.url) as honest:
-                assert isinstance(honest.register("honest", shm_wrapper(seg.name, 4096)), protocol.RegisterReply)
-                assert isinstance(honest.peek("honest"), protocol.PeekReply)
-                honest.unregister("honest")
-        finally:
-            seg.unlink()
-            del u8
+        assert_an_honest_worker_registers(server.url)
         with MPClient(server.url, heartbeat=False) as client:
             assert client.ping() > 0
         assert_back_to(server.url, start, fd_slack=1, timeout_s=10)
@@ -361,15 +350,7 @@ def test_a_second_server_on_the_same_endpoint_or_fd_socket_exits_1_and_the_first
         # The first server's socket files are still its own, and it still serves.
         assert {p: os.stat(p).st_ino for p in (ipc, fds)} == inodes
         assert first.alive
-        seg, u8 = create_segment(4096)
-        try:
-            with RawSession(first.url) as honest:
-                assert honest.hello.server_pid == first.proc.pid
-                assert isinstance(honest.register("after", shm_wrapper(seg.name, 4096)), protocol.RegisterReply)
-                honest.unregister("after")
-        finally:
-            seg.unlink()
-            del u8
+        assert_an_honest_worker_registers(first.url, server_pid=first.proc.pid)
         with MPClient(first.url, heartbeat=False) as client:
             assert client.ping() > 0
     finally:

@@ -9,17 +9,14 @@ import pytest
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import query_status
 
-from harness import lmshm_segments, raw_exchange, scratch_dir, ServerProcess, wait_for
+from harness import lmshm_segments, raw_exchange, serving, wait_for
 
 
 @pytest.fixture(scope="module")
 def fast_reap_server():
     """Sessions silent for 0.5 s are reaped; workers beat every 0.1 s."""
-    with scratch_dir() as path:
-        server = ServerProcess(path, "--reap-timeout", "0.5", "--auth-timeout", "0.5")
+    with serving("--reap-timeout", "0.5", "--auth-timeout", "0.5") as server:
         yield server
-        if server.alive:
-            assert server.stop() == 0, server.log()
 
 
 def _reclaim_seconds(server, worker, iid: str) -> float:
