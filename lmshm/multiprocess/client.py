@@ -105,6 +105,18 @@ _ERRORS: dict[int, type[ServerError]] = {
 }
 
 
+class LayoutMismatch(ServerError):
+    """The registration's layout cannot be moved block by block, or differs from the stored chunk's."""
+
+
+class DataLoss(ServerError):
+    """A copy failed in the server; nothing of it was made visible (RETRIEVE: recompute the blocks)."""
+
+
+_ERRORS[ErrorCode.LAYOUT] = LayoutMismatch
+_ERRORS[ErrorCode.DATA_LOSS] = DataLoss
+
+
 def server_error(reply: protocol.ErrorReply) -> ServerError:
     return _ERRORS.get(reply.code, ServerError)(reply.code, reply.message)
 
@@ -122,6 +134,55 @@ class MessageTooLarge(LmshmError, ValueError):
 
 
 # ---- the client -------------------------------------------------------------------------
+
+
+class Pending:
+    """A request in flight (``MPClient.submit``). ``result()`` waits for its reply."""
+
+    _SLICE_S = 0.02  # the client's lock is let go this often while waiting
+
+    def __init__(self, client: "MPClient", rid: bytes, what: str, timeout_s: float) -> None:
+        self._client, self._rid, self.what = client, rid, what
+        self._deadline = time.monotonic() + timeout_s
+        self._timeout_s = timeout_s
+        self._outcome: Optional[tuple[bool, Any]] = None
+
+    def done(self) -> bool:
+        """True once the reply is here (or the request failed); never blocks for long."""
+        if self._outcome is None:
+            self._poll(0.0)
+        return self._outcome is not None
+
+    def _poll(self, slice_s: float) -> None:
+        dealer = self._client._dealer
+        remaining = self._deadline - time.monotonic()
+        try:
+            with self._client._lock:
+                raw = dealer.wait(self._rid, max(0.0, remaining), what=self.what, slice_s=slice_s)
+            if raw is None:
+                return
+            self._outcome = (True, _decoded(dealer, raw))
+        except mq.TransportTimeout as exc:
+            self._outcome = (False, ServerTimeout(exc.url, f"{self.what} to {exc.url} got no reply within "
+                                                           f"{self._timeout_s:g} s"))
+        except (LmshmError, mq.TransportError) as exc:
+            self._outcome = (False, exc if isinstance(exc, LmshmError) else LmshmError(str(exc)))
+
+    def result(self) -> Any:
+        """The reply struct; raises its ``ServerError``, ``ServerTimeout`` or ``LmshmError``."""
+        while self._outcome is None:
+            self._poll(self._SLICE_S)
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+    def cancel(self) -> None:
+        """Stop waiting; a late reply is dropped."""
+        if self._outcome is None:
+            with self._client._lock:
+                self._client._dealer.abandon(self._rid)
+            self._outcome = (False, LmshmError(f"{self.what} was cancelled"))
 
 
 @dataclass
@@ -152,18 +213,27 @@ def layer_groups(names: list[str], wrappers: list[DeviceIPCWrapper]) -> list[pro
     return groups
 
 
-def _exchange(dealer: mq.DealerClient, msg: Any, timeout_s: Optional[float] = None,
-              max_bytes: Optional[int] = None) -> Any:
-    """Send one request, return the reply struct; error replies raise ``ServerError``."""
+def _encode(dealer: mq.DealerClient, msg: Any, max_bytes: Optional[int]) -> bytes:
     body = codec.encode(msg)
     if max_bytes is not None and len(body) > max_bytes:
         raise MessageTooLarge(
             f"{type(msg).__name__} is {len(body)} bytes, more than the server at {dealer.url} accepts "
             f"({max_bytes} bytes, lmshm-server --max-message-bytes)")
+    return body
+
+
+def _exchange(dealer: mq.DealerClient, msg: Any, timeout_s: Optional[float] = None,
+              max_bytes: Optional[int] = None) -> Any:
+    """Send one request, return the reply struct; error replies raise ``ServerError``."""
+    body = _encode(dealer, msg, max_bytes)
     try:
         raw = dealer.request(body, timeout_s, what=type(msg).__name__.upper())
     except mq.TransportTimeout as exc:
         raise ServerTimeout(exc.url, str(exc)) from None
+    return _decoded(dealer, raw)
+
+
+def _decoded(dealer: mq.DealerClient, raw: bytes) -> Any:
     try:
         reply = codec.decode_reply(raw)
     except codec.CodecError as exc:
@@ -381,6 +451,39 @@ class MPClient:
 
     def status(self) -> protocol.StatusReply:
         return self._request(protocol.Status())
+
+    # ---- the data plane ----------------------------------------------------------------
+    def submit(self, msg: Any, timeout_s: Optional[float] = None) -> Pending:
+        """Send ``msg`` without waiting; ``Pending.result()`` has its reply. Requests submitted
+        by one client are applied by the server in the order they were sent."""
+        with self._lock:
+            if self._closed:
+                raise LmshmError("this MPClient is closed")
+            body = _encode(self._dealer, msg, self._hello.max_message_bytes if self._hello else None)
+            rid = self._dealer.send(body)
+        return Pending(self, rid, type(msg).__name__.upper(), self.timeout_s if timeout_s is None else timeout_s)
+
+    def store(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
+              *, wait: bool = True, timeout_s: Optional[float] = None) -> Any:
+        """Copy chunks of blocks into the server's pool (``protocol.Store``). Returns the
+        ``StoreReply``, or with ``wait=False`` a ``Pending`` for it."""
+        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks), timeout_s)
+        return p.result() if wait else p
+
+    def retrieve(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
+                 lease: bytes = b"", *, wait: bool = True, timeout_s: Optional[float] = None) -> Any:
+        """Copy stored chunks into blocks (``protocol.Retrieve``); all or nothing."""
+        p = self.submit(protocol.Retrieve(instance_id, keys, block_ids, chunk_blocks, lease), timeout_s)
+        return p.result() if wait else p
+
+    def lookup(self, keys: list[list[bytes]], ttl_s: float = 0.0,
+               timeout_s: Optional[float] = None) -> protocol.LookupReply:
+        """Leading chunks stored for every rank (``keys[rank]``), pinned under a lease."""
+        return self._request(protocol.Lookup(keys, ttl_s), timeout_s)
+
+    def release(self, lease: bytes, timeout_s: Optional[float] = None) -> bool:
+        """End a LOOKUP lease early. False if it had already ended."""
+        return self._request(protocol.Release(lease), timeout_s).released
 
     def ping(self) -> float:
         """One empty round trip; returns its duration in seconds."""

@@ -49,6 +49,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth_timeout_s: Positive = 5.0
     max_pending_auth: Count = 64
     sweep_interval_s: NonNegative = 10.0
+    # the data plane
+    capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 2 << 30   # bytes; 0 = no pool
+    copy_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    max_inflight_per_session: Count = 256
+    max_leases_per_session: Count = 4096
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -63,7 +69,7 @@ class Setting:
     toml: str
     help: str
     metavar: str = ""
-    kind: str = "value"  # value | bool | list
+    kind: str = "value"  # value | bool | list | size
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -111,6 +117,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sweep_interval_s", "--sweep-interval", "LMSHM_SWEEP_INTERVAL", "sweep_interval",
             "seconds between sweeps of /dev/shm names left by dead workers of the server's uid (default 10; "
             "0 = only at start)", "SECONDS"),
+    Setting("capacity", "--capacity", "LMSHM_CAPACITY", "capacity",
+            "bytes of the server's KV pool, e.g. 4GiB or 512MiB (default 2GiB; reserved at start, memory is used "
+            "only as blocks are stored; 0 turns the data plane off)", "SIZE", "size"),
+    Setting("copy_threads", "--copy-threads", "LMSHM_COPY_THREADS", "copy_threads",
+            "threads that run STORE and RETRIEVE copies (default 2)", "N"),
+    Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
+            "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
+    Setting("max_inflight_per_session", "--max-inflight-per-session", "LMSHM_MAX_INFLIGHT",
+            "max_inflight_per_session", "STORE/RETRIEVE requests one session may have queued (default 256)", "N"),
+    Setting("max_leases_per_session", "--max-leases-per-session", "LMSHM_MAX_LEASES", "max_leases_per_session",
+            "LOOKUP leases one session may hold at once (default 4096)", "N"),
 )
 _BY_TOML = {s.toml: s for s in SETTINGS}
 _BY_FIELD = {s.field: s for s in SETTINGS if s.field}
@@ -168,6 +185,13 @@ def _from_text(s: Setting, raw: Any) -> Any:
             return _BOOL_WORDS.get(raw.strip().lower(), raw)
         if s.kind == "list":
             return [v.strip() for v in raw.split(",") if v.strip()]
+    if s.kind == "size" and isinstance(raw, (str, int)) and not isinstance(raw, bool):
+        from lmshm.core.pool import parse_size
+
+        try:
+            return parse_size(raw)
+        except ValueError as exc:
+            raise ConfigError(f"bad setting {_describe(s)}: {exc}") from None
     if s.kind == "list" and isinstance(raw, list):
         return [v for item in raw for v in (_from_text(s, item) if isinstance(item, str) else [item])]
     return raw
@@ -181,6 +205,9 @@ def resolve_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]
     env = os.environ if environ is None else environ
     config_path = args.config or env.get("LMSHM_CONFIG")
     layers: dict[str, Any] = dict(_load_toml(config_path)) if config_path else {}
+    for key, value in list(layers.items()):
+        if _BY_TOML[key].kind == "size":
+            layers[key] = _from_text(_BY_TOML[key], value)
     for s in SETTINGS:
         if env.get(s.env, "") != "":
             layers[s.toml] = _from_text(s, env[s.env])

@@ -436,8 +436,8 @@ class RouterServer:
 class DealerClient:
     """One DEALER connection with request/reply matching and a per-request timeout.
 
-    Not thread-safe: callers serialise ``request`` (``MPClient`` holds a lock). After a
-    timeout the socket is closed and a fresh one connected (the "lazy pirate" pattern), so
+    Not thread-safe: callers serialise every call (``MPClient`` holds a lock). After a
+    timeout with no other request pending, the socket is closed and a fresh one connected (the "lazy pirate" pattern), so
     a dead or restarted server never leaves stale requests queued; the new socket has a new
     ZeroMQ identity, which is why sessions are resumed by token, not by identity.
     """
@@ -449,6 +449,8 @@ class DealerClient:
         self._ids = itertools.count(1)
         self._salt = os.getpid() << 32
         self._sock: Optional[zmq.Socket] = None
+        self._pending: set[bytes] = set()
+        self._replies: dict[bytes, bytes] = {}
         self._connect()
 
     def _connect(self) -> None:
@@ -460,29 +462,69 @@ class DealerClient:
         self._sock = sock
 
     def reset(self) -> None:
-        """Drop the socket (and anything queued on it) and connect a fresh one."""
+        """Drop the socket (and anything queued on it, pending requests too) and connect a fresh one."""
         if self._sock is not None:
             self._sock.close(0)
+        self._pending.clear()
+        self._replies.clear()
         self._connect()
 
-    def request(self, body: bytes, timeout_s: Optional[float] = None, what: str = "request") -> bytes:
+    def send(self, body: bytes) -> bytes:
+        """Send one request; returns its request id, for ``wait``. Requests may be pipelined:
+        replies are matched by id, in whatever order they come."""
         if self._sock is None:
             raise TransportError("the client is closed")
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         rid = ((self._salt | next(self._ids)) & (2**64 - 1)).to_bytes(REQUEST_ID_BYTES, "big")
         self._sock.send_multipart([rid, body], copy=False)
+        self._pending.add(rid)
+        return rid
+
+    def wait(self, rid: bytes, timeout_s: Optional[float] = None, what: str = "request",
+             slice_s: Optional[float] = None) -> Optional[bytes]:
+        """The reply to ``rid``. Replies to other pending requests that arrive meanwhile are kept
+        for their own ``wait``. With ``slice_s``, returns None after that long without it (the
+        request stays pending). After ``timeout_s`` the request is abandoned; if none is pending
+        any more, the socket is replaced (a dead server's queue must not linger)."""
+        if rid in self._replies:
+            self._pending.discard(rid)
+            return self._replies.pop(rid)
+        if rid not in self._pending:
+            raise TransportTimeout(self.url, 0.0, what)  # abandoned, or lost with a replaced socket
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
+        end = deadline if slice_s is None else min(deadline, time.monotonic() + slice_s)
         while True:
-            remaining = deadline - time.monotonic()
+            remaining = end - time.monotonic()
             if remaining <= 0:
-                self.reset()
+                if end < deadline:
+                    return None
+                self._pending.discard(rid)
+                if not self._pending:
+                    self.reset()
                 raise TransportTimeout(self.url, timeout, what)
+            if self._sock is None:
+                raise TransportError("the client is closed")
             if not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
                 continue
             frames = self._sock.recv_multipart()
-            if len(frames) == 2 and frames[0] == rid:
+            if len(frames) != 2:
+                continue  # garbage
+            if frames[0] == rid:
+                self._pending.discard(rid)
                 return frames[1]
-            # a late reply to an earlier request, or garbage: ignore it
+            if frames[0] in self._pending:
+                self._replies[frames[0]] = frames[1]
+            # else: a late reply to a request already given up on
+
+    def abandon(self, rid: bytes) -> None:
+        """Forget a pending request; its reply, if it comes, is dropped."""
+        self._pending.discard(rid)
+        self._replies.pop(rid, None)
+
+    def request(self, body: bytes, timeout_s: Optional[float] = None, what: str = "request") -> bytes:
+        reply = self.wait(self.send(body), timeout_s, what)
+        assert reply is not None
+        return reply
 
     def close(self) -> None:
         if self._sock is not None:

@@ -18,6 +18,14 @@ Identity is never taken from a message: HELLO opens a session and hands out its 
 the worker proves who it is by presenting the token on the fd channel (``fdchannel.py``), where
 the kernel reports its pid and uid. REGISTER, UNREGISTER and PEEK need that verified identity.
 
+The data plane (STORE, LOOKUP, RETRIEVE, RELEASE) moves KV blocks between a worker's registered
+memory and the server's pool. KV bytes never travel in these messages: only keys (opaque bytes
+the engine computes, see ``lmshm.integrations.adapter``) and block ids. Each needs a verified
+session; STORE and RETRIEVE only for an instance the caller owns; objects are visible only to
+sessions of the uid that stored them. A client's STOREs and RETRIEVEs are applied in the order
+it sent them, off the request loop; their replies may overtake other replies (match them by
+request id).
+
 Limits live next to the fields (msgspec ``Meta``): they bound what decoding may build. The
 server's configurable limits (names, counts) are tighter and checked after decoding.
 """
@@ -53,13 +61,18 @@ else:
         __slots__ = ()
 
 #: Bumped whenever a message changes incompatibly. HELLO refuses a different version.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Hard caps of the wire (the server's settings may be tighter).
 MAX_TEXT = 4096          # characters of any name or free-text field
 MAX_LAYERS = 65536       # layers of one registration
 MAX_GROUPS = 65536       # wrapper groups of one registration
 PEEK_MAX_BYTES = 4096
+MAX_KEY_BYTES = 64       # one chunk key
+MAX_KEYS = 65536         # chunk keys of one STORE, RETRIEVE or LOOKUP (all ranks together)
+MAX_BLOCK_IDS = 1 << 20  # block ids of one STORE or RETRIEVE
+MAX_WORLD = 1024         # ranks of one LOOKUP
+LEASE_BYTES = 16
 
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 
@@ -73,6 +86,10 @@ class MsgType(IntEnum):
     STATUS = 4
     PING = 5
     PEEK = 6
+    STORE = 7
+    LOOKUP = 8
+    RETRIEVE = 9
+    RELEASE = 10
 
     HELLO_REPLY = 101
     REGISTER_REPLY = 102
@@ -80,6 +97,10 @@ class MsgType(IntEnum):
     STATUS_REPLY = 104
     PONG = 105
     PEEK_REPLY = 106
+    STORE_REPLY = 107
+    LOOKUP_REPLY = 108
+    RETRIEVE_REPLY = 109
+    RELEASE_REPLY = 110
     ERROR = 199
 
 
@@ -93,6 +114,8 @@ class ErrorCode(IntEnum):
     UNSUPPORTED = 5        # protocol version or isolated_ipc disagreement, unknown request
     PERMISSION_DENIED = 6  # identity not verified, not the owner, memory the worker does not own
     INTERNAL = 7           # a server bug: the handler raised
+    LAYOUT = 8             # the registration's layout cannot be moved, or differs from the stored object's
+    DATA_LOSS = 9          # a copy failed (memory truncated under the server); nothing was made visible
 
 
 class _Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
@@ -168,7 +191,59 @@ class Peek(_Message, tag=int(MsgType.PEEK)):
     length: Annotated[int, msgspec.Meta(ge=0, le=PEEK_MAX_BYTES)] = 64
 
 
-Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek]
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+ChunkBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+Lease = Annotated[bytes, msgspec.Meta(max_length=LEASE_BYTES)]
+
+
+class Store(_Message, tag=int(MsgType.STORE)):
+    """Copy whole chunks of blocks from a registration the caller owns into the server's pool.
+
+    Chunk ``i`` is stored under ``keys[i]`` from the blocks
+    ``block_ids[i * chunk_blocks:(i + 1) * chunk_blocks]``, of every layer, in registration
+    order. A chunk becomes visible to LOOKUP only once its copy has completed.
+    """
+
+    instance_id: Text
+    keys: Keys
+    block_ids: BlockIds
+    chunk_blocks: ChunkBlocks
+
+
+class Lookup(_Message, tag=int(MsgType.LOOKUP)):
+    """How many leading chunks are stored for every rank; pin them under a lease.
+
+    ``keys[r]`` are rank ``r``'s chunk keys, in prompt order; every rank lists the same number.
+    A chunk counts only if all ranks have it. ``ttl_s`` (capped by the server) bounds the pin.
+    """
+
+    keys: Annotated[list[Keys], msgspec.Meta(min_length=1, max_length=MAX_WORLD)]
+    ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0   # 0 = the server's default
+
+
+class Retrieve(_Message, tag=int(MsgType.RETRIEVE)):
+    """Copy stored chunks into blocks of a registration the caller owns. All or nothing.
+
+    ``lease``, if given, is the LOOKUP lease that pinned these keys; its pins of them end with
+    this request, whatever its outcome.
+    """
+
+    instance_id: Text
+    keys: Keys
+    block_ids: BlockIds
+    chunk_blocks: ChunkBlocks
+    lease: Lease = b""
+
+
+class Release(_Message, tag=int(MsgType.RELEASE)):
+    """End a LOOKUP lease before its TTL (unknown or expired leases are not an error)."""
+
+    lease: Lease
+
+
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek, Store, Lookup, Retrieve, Release]
 
 #: Requests that are answered without a session.
 SESSIONLESS = (Status, Ping)
@@ -236,6 +311,7 @@ class StatusReply(_Message, tag=int(MsgType.STATUS_REPLY)):
     fd_limit: int            # its RLIMIT_NOFILE
     inbox_fds: int           # received fds not mapped yet
     registrations: list[RegistrationInfo]
+    pool: PoolInfo
 
 
 class Pong(_Message, tag=int(MsgType.PONG)):
@@ -247,9 +323,55 @@ class PeekReply(_Message, tag=int(MsgType.PEEK_REPLY)):
     data: bytes
 
 
+class StoreResult(IntEnum):
+    """What STORE did with one chunk."""
+
+    STORED = 0        # copied now
+    PRESENT = 1       # already stored (or being stored by an earlier request): skipped
+    NO_SPACE = 2      # the pool is full of pinned or in-flight objects: skipped, not an error
+
+
+class StoreReply(_Message, tag=int(MsgType.STORE_REPLY)):
+    results: list[int]       # one StoreResult per key
+    nbytes: int              # bytes copied
+
+
+class LookupReply(_Message, tag=int(MsgType.LOOKUP_REPLY)):
+    hits: int                # leading chunks present for every rank
+    lease: bytes             # pins those chunks (all ranks); empty when hits == 0
+    ttl_s: float             # the lease ends this many seconds from now, at the latest
+
+
+class RetrieveReply(_Message, tag=int(MsgType.RETRIEVE_REPLY)):
+    chunks: int
+    nbytes: int
+
+
+class ReleaseReply(_Message, tag=int(MsgType.RELEASE_REPLY)):
+    released: bool           # False: the lease had already ended
+
+
+class PoolInfo(msgspec.Struct, frozen=True):
+    capacity: int            # bytes; 0 = no data plane
+    used: int                # bytes held by objects (stored and in flight)
+    objects: int             # visible objects
+    in_flight: int           # objects whose copy has not completed
+    pinned: int              # objects pinned by leases or copies
+    leases: int
+    hits: int                # chunks LOOKUP found
+    misses: int              # chunks LOOKUP asked for and did not find (first miss per rank list)
+    stored: int              # chunks stored
+    store_skipped: int       # chunks skipped for lack of space
+    evictions: int
+    evicted_bytes: int
+    retrieved: int           # chunks copied into workers
+    failed: int              # STOREs and RETRIEVEs that failed
+
+
 class ErrorReply(_Message, tag=int(MsgType.ERROR)):
     code: int                # an ErrorCode
     message: str             # at most a few hundred characters; peer data in it is quoted and cut
 
 
-Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, Pong, PeekReply, ErrorReply]
+Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, Pong, PeekReply, StoreReply, LookupReply,
+              RetrieveReply, ReleaseReply, ErrorReply]

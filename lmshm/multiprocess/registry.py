@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator, Sequence
+from typing import Any, Hashable, Iterator, Sequence
 
 import torch
 
@@ -108,6 +108,7 @@ class Registration:
     orphaned: bool = False          # the owner died: release_orphaned() on release
     released: bool = False
     views: dict[str, torch.Tensor] = field(default_factory=dict)
+    block_layout: Any = None        # the data plane's BlockLayout, built on first use
 
     @property
     def wrappers(self) -> tuple[DeviceIPCWrapper, ...]:
@@ -377,19 +378,28 @@ class Registry:
     @contextlib.contextmanager
     def hold(self, instance_id: str) -> Iterator[Registration]:
         """Keep ``instance_id``'s mappings alive for the duration of a data operation."""
+        reg = self.acquire(instance_id)
+        try:
+            yield reg
+        finally:
+            self.let_go(reg)
+
+    def acquire(self, instance_id: str) -> Registration:
+        """``hold`` in two halves, for an operation that ends on another thread: every
+        ``acquire`` is matched by exactly one ``let_go``."""
         with self._lock:
             reg = self._live.get(instance_id)
             if reg is None:
                 raise InstanceNotFound(f"no registration with instance id {quote(instance_id)}")
             reg.holds += 1
-        try:
-            yield reg
-        finally:
-            with self._lock:
-                reg.holds -= 1
-                release = reg.holds == 0 and reg.unregistered
-            if release:
-                self._release(reg)
+        return reg
+
+    def let_go(self, reg: Registration) -> None:
+        with self._lock:
+            reg.holds -= 1
+            release = reg.holds == 0 and reg.unregistered
+        if release:
+            self._release(reg)
 
     # ---- introspection ------------------------------------------------------------------
     def get(self, instance_id: str) -> Registration:

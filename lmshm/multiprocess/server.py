@@ -25,6 +25,7 @@ Further signals during that shutdown are ignored, so the release always complete
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import resource
@@ -34,6 +35,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from lmshm.core.dataplane import DataPlane, DataPlaneError, Deferred
 from lmshm.multiprocess import codec, mq, protocol
 from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
 from lmshm.multiprocess.fdchannel import Credentials, FdChannelError, FdChannelServer, default_path
@@ -104,7 +106,12 @@ class Server:
             protocol.Status: self._status,
             protocol.Ping: self._ping,
             protocol.Peek: self._peek,
+            protocol.Store: self._store,
+            protocol.Lookup: self._lookup,
+            protocol.Retrieve: self._retrieve,
+            protocol.Release: self._release,
         }
+        self._completions: collections.deque = collections.deque()
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
                                       receive_queue=config.receive_queue, fd_limit=self.fd_limit,
                                       fd_reserve=FD_RESERVE, count_fds=lambda: open_fd_count(self.fd_limit),
@@ -133,6 +140,17 @@ class Server:
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
+        try:
+            self.dataplane = DataPlane(
+                registry=self.registry, capacity=config.capacity, copy_threads=config.copy_threads,
+                lease_ttl_s=config.lease_ttl_s, max_inflight_per_session=config.max_inflight_per_session,
+                max_leases_per_session=config.max_leases_per_session, reply=self._complete)
+        except BaseException:
+            self.fdchannel.close()
+            self.router.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            raise
         self._next_sweep = 0.0
         self._sweep()
 
@@ -163,6 +181,26 @@ class Server:
                 pass
         except BlockingIOError:
             pass
+        self._send_completions()
+
+    def _complete(self, identity: bytes, request_id: bytes, reply: Any) -> None:
+        """A copier thread's answer: queued here, sent by the loop (ZeroMQ sockets are not
+        thread-safe)."""
+        self._completions.append((identity, request_id, reply))
+        try:
+            os.write(self._wake_w, b"!")
+        except BlockingIOError:  # the pipe is full: the loop is awake anyway
+            pass
+
+    def _send_completions(self) -> None:
+        while self._completions and self.router is not None:
+            identity, request_id, reply = self._completions.popleft()
+            try:
+                data = codec.encode(reply)
+            except Exception as exc:  # noqa: BLE001
+                logger.exception("lmshm: could not encode a copy's reply")
+                data = codec.encode(protocol.ErrorReply(ErrorCode.INTERNAL, clip(str(exc), 300)))
+            self.router.reply(identity, request_id, data)
 
     def serve_forever(self, *, restore_signals: bool = True) -> None:
         """Serve until SIGINT/SIGTERM, then shut down. From the first signal on, further ones
@@ -189,6 +227,8 @@ class Server:
             return
         self._stopping = True
         self.router.drain(self._on_request)
+        self.dataplane.shutdown()  # queued copies are answered UNAVAILABLE, running ones finish
+        self._send_completions()
         released = self.registry.release_all()
         for session in self.sessions:
             self.sessions.end(session, "server shutdown", orphaned=False)
@@ -201,6 +241,7 @@ class Server:
         logger.info("lmshm-server stopped; released %d registration(s)", released)
 
     def _tick(self) -> None:
+        self.dataplane.tick()
         self.sessions.reap()
         self.fdchannel.expire()
         dropped = self.router.drop_idle(lambda identity: self.sessions.of(identity) is not None)
@@ -226,6 +267,10 @@ class Server:
     def _on_request(self, identity: bytes, request_id: bytes, body: Optional[bytes], problem: Optional[str]) -> None:
         try:
             reply = self._dispatch(identity, body, problem)
+            if isinstance(reply, Deferred):
+                self.dataplane.copier.submit(reply.session, lambda: reply.job(identity, request_id),
+                                             lambda: reply.cancel(identity, request_id))
+                return
             data = codec.encode(reply)
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded is still answered
             logger.exception("lmshm: could not build a reply")
@@ -257,7 +302,7 @@ class Server:
             return self._handlers[type(request)](identity, request)
         except _Refusal as exc:
             return protocol.ErrorReply(exc.code, clip(exc.message, MAX_REPLY_MESSAGE))
-        except RegistryError as exc:
+        except (RegistryError, DataPlaneError) as exc:
             return protocol.ErrorReply(exc.code, clip(exc.message, MAX_REPLY_MESSAGE))
         except Exception as exc:  # noqa: BLE001 - every request gets a reply
             logger.exception("lmshm: %s handler failed", name)
@@ -382,7 +427,8 @@ class Server:
             server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
             isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
             sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
-            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs)
+            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
+            pool=self.dataplane.info())
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)
@@ -409,8 +455,22 @@ class Server:
             n = min(req.length, span - req.offset)
             return protocol.PeekReply(_read_bytes(tensor, req.offset, n))
 
+    # ---- the data plane (lmshm.core.dataplane) -----------------------------------------
+    def _store(self, identity: bytes, req: protocol.Store) -> Any:
+        return self.dataplane.store(self._verified(identity, "STORE"), req)
+
+    def _retrieve(self, identity: bytes, req: protocol.Retrieve) -> Any:
+        return self.dataplane.retrieve(self._verified(identity, "RETRIEVE"), req)
+
+    def _lookup(self, identity: bytes, req: protocol.Lookup) -> Any:
+        return self.dataplane.lookup(self._verified(identity, "LOOKUP"), req)
+
+    def _release(self, identity: bytes, req: protocol.Release) -> Any:
+        return self.dataplane.release(self._verified(identity, "RELEASE"), req)
+
     # ---- session ends -------------------------------------------------------------------
     def _session_ended(self, session: Session, reason: str, orphaned: bool) -> None:
+        self.dataplane.session_ended(session.id)
         released = self.registry.release_owner(session.id, orphaned=orphaned)
         self.fdchannel.close_session(session.id)
         log = logger.info if released or reason != "server shutdown" else logger.debug

@@ -51,6 +51,7 @@ class Session:
     peer: Optional[Peer] = None          # set once the fd channel verified it
     pidfd: Optional[int] = None
     link_lost: Optional[float] = None    # when its fd-channel link closed while the pid lived
+    ended: bool = False                  # set once, when the session ends (copier jobs look)
 
     @property
     def verified(self) -> bool:
@@ -191,6 +192,7 @@ class Sessions:
     def end(self, session: Session, reason: str, *, orphaned: bool) -> None:
         if self._by_id.pop(session.id, None) is None:
             return
+        session.ended = True
         if self._by_identity.get(session.identity) is session:
             del self._by_identity[session.identity]
         self._by_token.pop(session.token, None)

@@ -1,0 +1,188 @@
+"""How the data plane moves blocks: layouts, the copies themselves, and ordered copier threads.
+
+A registration's layers are tensors whose dim 0 is the block index (vLLM's CPU layout
+``[num_blocks, kv_heads, block_size, 2 * head_size]``, a TRT-LLM pool ``[blocks, layers, 2, ...]``).
+``BlockLayout`` checks, once per registration, that one block of each layer is at most
+``MAX_RUNS`` dense byte runs at a fixed spacing, and builds per layer a uint8 view
+``[num_blocks, *run_grid, run_bytes]`` over the server's own mapping. A chunk object in the pool
+is, layer after layer, its blocks' runs packed densely. Copies are one torch ``index_select``
+(STORE) per layer and chunk, or one ``copy_`` per block (RETRIEVE), straight between the worker's mapping
+and the pool: no staging buffer.
+
+``OrderedExecutor`` runs copies on worker threads, never on the request loop, and keeps each
+client's jobs in the order it sent them.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import math
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Byte runs one block of one layer may take; more is refused with a LAYOUT error.
+MAX_RUNS = 8
+
+
+class LayoutError(ValueError):
+    """The registration cannot be moved block by block; the message names the layout."""
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    name: str
+    view: torch.Tensor        # uint8 [num_blocks, *grid, run_bytes] over the server's mapping
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    layers: tuple[LayerPlan, ...]
+    num_blocks: int
+    block_bytes: int          # one block of every layer
+    digest: bytes             # names, dtypes, per-block shapes and strides; not num_blocks
+
+    def chunk_bytes(self, chunk_blocks: int) -> int:
+        return self.block_bytes * chunk_blocks
+
+    @classmethod
+    def of(cls, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> "BlockLayout":
+        plans = []
+        blocks = None
+        fingerprint = []
+        for name, t in zip(names, tensors):
+            plan, desc = _plan_layer(name, t)
+            if blocks is None:
+                blocks = t.shape[0]
+            elif t.shape[0] != blocks:
+                raise LayoutError(f"layer {name!r} has {t.shape[0]} blocks, layer {names[0]!r} has {blocks}: "
+                                  "every layer of a registration must have the same number of blocks")
+            plans.append(plan)
+            fingerprint.append((name, desc))
+        if not plans:
+            raise LayoutError("the registration has no layers")
+        digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).digest()
+        return cls(tuple(plans), int(blocks), sum(p.block_bytes for p in plans), digest)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, stride {tuple(t.stride())}, dtype {str(t.dtype).removeprefix('torch.')}"
+
+
+def _plan_layer(name: str, t: torch.Tensor) -> tuple[LayerPlan, tuple]:
+    if t.dim() < 1 or t.shape[0] < 1:
+        raise LayoutError(f"layer {name!r} ({_describe(t)}) has no block dimension (dim 0)")
+    item = t.element_size()
+    dims = [(s, st * item) for s, st in zip(t.shape[1:], t.stride()[1:]) if s != 1]
+    if any(st <= 0 for _, st in dims):
+        raise LayoutError(f"layer {name!r} ({_describe(t)}) has a zero or negative stride inside a block")
+    # The dense tail: dims whose stride is the bytes of everything after them.
+    run = item
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    grid = dims
+    runs = math.prod(s for s, _ in grid)
+    if runs > MAX_RUNS:
+        raise LayoutError(
+            f"layer {name!r} ({_describe(t)}): one block is {runs} separate byte runs of {run} bytes; the data "
+            f"plane moves at most {MAX_RUNS} runs per block (dim 0 must be the block index, and each block "
+            "mostly dense)")
+    block_extent = sum((s - 1) * st for s, st in grid) + run
+    block_stride = t.stride(0) * item
+    if t.shape[0] > 1 and block_stride < block_extent:
+        raise LayoutError(f"layer {name!r} ({_describe(t)}): blocks overlap (block stride {block_stride} bytes, "
+                          f"a block spans {block_extent})")
+    u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset() * item,
+        (t.shape[0], *[s for s, _ in grid], run), (block_stride, *[st for _, st in grid], 1))
+    desc = (str(t.dtype), tuple(t.shape[1:]), tuple(t.stride()[1:]))
+    return LayerPlan(name, u8, runs * run), desc
+
+
+def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[torch.Tensor]:
+    """An object's bytes as one ``[chunk_blocks, *grid, run]`` tensor per layer."""
+    out, at = [], 0
+    for plan in layout.layers:
+        n = plan.block_bytes * chunk_blocks
+        out.append(obj[at:at + n].view(chunk_blocks, *plan.view.shape[1:]))
+        at += n
+    return out
+
+
+def gather(layout: BlockLayout, block_ids: torch.Tensor, obj: torch.Tensor, chunk_blocks: int) -> None:
+    """STORE: copy blocks ``block_ids`` of every layer into ``obj`` (a pool object's bytes)."""
+    for plan, dst in zip(layout.layers, _split(obj, layout, chunk_blocks)):
+        torch.index_select(plan.view, 0, block_ids, out=dst)
+
+
+def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:
+    """RETRIEVE: copy ``obj`` into blocks ``block_ids`` of every layer.
+
+    One ``copy_`` per block: torch's ``index_copy_`` and ``index_put_`` reach only 2-3 GB/s
+    here, a block-by-block ``copy_`` the speed of memcpy (bench/dataplane.py)."""
+    for plan, src in zip(layout.layers, _split(obj, layout, chunk_blocks)):
+        view = plan.view
+        for i, b in enumerate(block_ids):
+            view[b].copy_(src[i])
+
+
+class OrderedExecutor:
+    """Jobs run on ``threads`` worker threads; jobs of one key run one at a time, in order."""
+
+    def __init__(self, threads: int) -> None:
+        self._threads = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="lmshm-copy")
+        self._lock = threading.Lock()
+        self._queues: dict[Hashable, collections.deque] = {}
+        self._closed = False
+
+    def submit(self, key: Hashable, job: Callable[[], None], cancel: Callable[[], None]) -> None:
+        """Queue ``job`` behind ``key``'s earlier jobs. ``cancel`` runs instead if the executor
+        shuts down first."""
+        with self._lock:
+            if self._closed:
+                start = False
+            else:
+                queue = self._queues.get(key)
+                start = queue is None
+                if start:
+                    queue = self._queues[key] = collections.deque()
+                queue.append((job, cancel))
+        if self._closed:
+            cancel()
+        elif start:
+            self._threads.submit(self._drain, key)
+
+    def pending(self, key: Hashable) -> int:
+        with self._lock:
+            queue = self._queues.get(key)
+            return len(queue) if queue is not None else 0
+
+    def _drain(self, key: Hashable) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[key]
+                if not queue:
+                    del self._queues[key]
+                    return
+                job, cancel = queue[0]
+                closed = self._closed
+            try:
+                (cancel if closed else job)()
+            except Exception:  # noqa: BLE001 - jobs answer their own errors; this is a bug
+                logger.exception("lmshm: a copy job failed")
+            with self._lock:
+                queue.popleft()
+
+    def shutdown(self) -> None:
+        """Cancel queued jobs, wait for running ones."""
+        with self._lock:
+            self._closed = True
+        self._threads.shutdown(wait=True)

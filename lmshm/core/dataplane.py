@@ -1,0 +1,250 @@
+"""The data plane's requests: STORE, LOOKUP, RETRIEVE, RELEASE (protocol.py has the messages).
+
+The request loop calls the methods here. Each validates on the loop -- verified caller, an
+instance it owns, block-id counts and bounds, a layout that moves in few byte runs, the
+session's limits -- *before* anything is copied, and raises ``DataPlaneError`` with the code to
+answer. STORE and RETRIEVE then become jobs on the copier threads (``OrderedExecutor``, one
+FIFO per session, so a client's copies apply in the order it sent them); a job answers its
+request itself through ``reply(identity, request_id, reply)``, which the server sends from the
+loop. LOOKUP and RELEASE touch only the pool's tables and answer at once.
+
+A job holds its registration (``Registry.acquire``) from validation until its copy ends, so an
+unregister or a reclaim waits for the copy, and checks each mapping (``verify_mapped``) just
+before it touches it. The objects it creates are visible only once their copy has completed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Hashable
+
+import torch
+
+from lmshm.core.copier import BlockLayout, LayoutError, OrderedExecutor, gather, scatter
+from lmshm.core.pool import Pool, Reservation
+from lmshm.multiprocess import protocol
+from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.quoting import clip, quote
+
+logger = logging.getLogger("lmshm.dataplane")
+
+Reply = Callable[[bytes, bytes, Any], None]
+
+
+class DataPlaneError(Exception):
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class Deferred:
+    """A handler's answer when a copier job will reply later."""
+
+    __slots__ = ("session", "job", "cancel")
+
+    def __init__(self, session: Hashable, job: Callable[[bytes, bytes], None],
+                 cancel: Callable[[bytes, bytes], None]) -> None:
+        self.session, self.job, self.cancel = session, job, cancel
+
+
+def _error(code: ErrorCode, message: str) -> protocol.ErrorReply:
+    return protocol.ErrorReply(int(code), clip(message, 1024))
+
+
+class DataPlane:
+    def __init__(self, *, registry: Any, capacity: int, copy_threads: int, lease_ttl_s: float,
+                 max_inflight_per_session: int, max_leases_per_session: int, reply: Reply) -> None:
+        self.registry = registry
+        self.pool = Pool(capacity)
+        self.copier = OrderedExecutor(copy_threads)
+        self.lease_ttl_s = lease_ttl_s
+        self.max_inflight = max_inflight_per_session
+        self.max_leases = max_leases_per_session
+        self._reply = reply
+
+    # ---- validation, on the loop --------------------------------------------------------
+    def _owned(self, session: Any, instance_id: str, what: str) -> Any:
+        if not self.pool.capacity:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"{what}: this lmshm-server has no pool (started with --capacity 0)")
+        reg = self.registry.get(instance_id)
+        if reg.owner != session.id:
+            raise DataPlaneError(ErrorCode.PERMISSION_DENIED,
+                                 f"{what}: instance {quote(instance_id, 60)} belongs to another session "
+                                 f"(pid {reg.owner_pid}); only the worker that registered it may copy blocks "
+                                 "in or out of it")
+        if self.copier.pending(session.id) >= self.max_inflight:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"{what}: this session already has {self.max_inflight} STORE/RETRIEVE requests in "
+                                 "flight, the server's limit (lmshm-server --max-inflight-per-session)")
+        return reg
+
+    def _layout(self, reg: Any) -> BlockLayout:
+        if reg.block_layout is None:
+            tensors = [reg.tensor(n) for n in reg.layer_names]
+            if any(t is None for t in tensors):
+                raise DataPlaneError(ErrorCode.NOT_FOUND, f"instance {quote(reg.instance_id, 60)} is being released")
+            if any(t.device.type != "cpu" for t in tensors):
+                raise DataPlaneError(ErrorCode.UNSUPPORTED,
+                                     f"instance {quote(reg.instance_id, 60)} is on {tensors[0].device}: this "
+                                     "lmshm-server's data plane copies CPU registrations only")
+            try:
+                reg.block_layout = BlockLayout.of(reg.layer_names, tensors)
+            except LayoutError as exc:
+                reg.block_layout = exc
+        if isinstance(reg.block_layout, LayoutError):
+            raise DataPlaneError(ErrorCode.LAYOUT, f"instance {quote(reg.instance_id, 60)}: {reg.block_layout}")
+        return reg.block_layout
+
+    @staticmethod
+    def _check_blocks(what: str, layout: BlockLayout, keys: list[bytes], block_ids: list[int],
+                      chunk_blocks: int) -> None:
+        if len(block_ids) != len(keys) * chunk_blocks:
+            raise DataPlaneError(ErrorCode.INVALID_ARG,
+                                 f"{what}: {len(keys)} chunk(s) of {chunk_blocks} block(s) need "
+                                 f"{len(keys) * chunk_blocks} block ids, the request has {len(block_ids)}")
+        if block_ids and max(block_ids) >= layout.num_blocks:
+            bad = next(b for b in block_ids if b >= layout.num_blocks)
+            raise DataPlaneError(ErrorCode.INVALID_ARG,
+                                 f"{what}: block id {bad} is out of range; the registration has "
+                                 f"{layout.num_blocks} blocks")
+
+    # ---- requests -----------------------------------------------------------------------
+    def store(self, session: Any, req: protocol.Store) -> Deferred:
+        reg = self._owned(session, req.instance_id, "STORE")
+        layout = self._layout(reg)
+        self._check_blocks("STORE", layout, req.keys, req.block_ids, req.chunk_blocks)
+        reg = self.registry.acquire(req.instance_id)
+        uid = session.peer.uid
+
+        def job(identity: bytes, rid: bytes) -> None:
+            try:
+                self._reply(identity, rid, self._store(session, reg, layout, uid, req))
+            finally:
+                self.registry.let_go(reg)
+
+        return Deferred(session.id, job, self._cancelled(reg))
+
+    def _store(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
+        if session.ended:
+            return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
+        cb = req.chunk_blocks
+        size = layout.chunk_bytes(cb)
+        ids = torch.tensor(req.block_ids, dtype=torch.int64)
+        results: list[int] = []
+        copied = 0
+        for i, key in enumerate(req.keys):
+            outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
+            results.append(outcome)
+            if obj is None:
+                continue
+            try:
+                for w in reg.wrappers:
+                    w.verify_mapped()
+                gather(layout, ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
+            except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
+                self.pool.abort([obj])
+                self.pool.count_failure()
+                logger.warning("lmshm: STORE into the pool from %s failed: %s", quote(reg.instance_id, 60), exc)
+                return _error(ErrorCode.DATA_LOSS, f"STORE: chunk {i} could not be copied ({clip(str(exc), 300)}); "
+                                                   f"{sum(r == Reservation.STORED for r in results[:-1])} earlier "
+                                                   "chunk(s) were stored, this and later ones were not")
+            self.pool.commit([obj])
+            copied += size
+        return protocol.StoreReply(results, copied)
+
+    def retrieve(self, session: Any, req: protocol.Retrieve) -> Deferred:
+        reg = self._owned(session, req.instance_id, "RETRIEVE")
+        layout = self._layout(reg)
+        self._check_blocks("RETRIEVE", layout, req.keys, req.block_ids, req.chunk_blocks)
+        reg = self.registry.acquire(req.instance_id)
+        uid = session.peer.uid
+
+        def job(identity: bytes, rid: bytes) -> None:
+            try:
+                self._reply(identity, rid, self._retrieve(session, reg, layout, uid, req))
+            finally:
+                self.registry.let_go(reg)
+
+        def cancel(identity: bytes, rid: bytes) -> None:
+            if req.lease:
+                self.pool.release_lease(req.lease, uid)
+            self._cancelled(reg)(identity, rid)
+
+        return Deferred(session.id, job, cancel)
+
+    def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+        objs, missing = self.pool.pin_for_copy(uid, req.keys, req.lease)
+        if missing is not None:
+            self.pool.count_failure()
+            return _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
+        try:
+            if session.ended:
+                return _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
+            cb = req.chunk_blocks
+            for i, obj in enumerate(objs):
+                if obj.layout != layout.digest or obj.blocks != cb:
+                    self.pool.count_failure()
+                    return _error(ErrorCode.LAYOUT,
+                                  f"RETRIEVE: chunk {i} was stored from another layout ({obj.blocks} blocks per chunk, "
+                                  f"layout {obj.layout.hex()}) than instance {quote(reg.instance_id, 60)} has "
+                                  f"({cb} blocks, layout {layout.digest.hex()}); no block was written")
+            try:
+                for w in reg.wrappers:
+                    w.verify_mapped()
+                for i, obj in enumerate(objs):
+                    scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
+            except Exception as exc:  # noqa: BLE001
+                self.pool.count_failure()
+                logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), exc)
+                return _error(ErrorCode.DATA_LOSS, f"RETRIEVE: the copy failed ({clip(str(exc), 300)}); the "
+                                                   "blocks' contents are undefined, recompute them")
+            self.pool.unpin(objs, retrieved=True)
+            objs = []
+            return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
+        finally:
+            if objs:
+                self.pool.unpin(objs, retrieved=False)
+
+    def _cancelled(self, reg: Any) -> Callable[[bytes, bytes], None]:
+        def cancel(identity: bytes, rid: bytes) -> None:
+            try:
+                self._reply(identity, rid, _error(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down"))
+            finally:
+                self.registry.let_go(reg)
+        return cancel
+
+    def lookup(self, session: Any, req: protocol.Lookup) -> protocol.LookupReply:
+        if not self.pool.capacity:
+            return protocol.LookupReply(0, b"", 0.0)
+        lengths = {len(k) for k in req.keys}
+        if len(lengths) != 1:
+            raise DataPlaneError(ErrorCode.INVALID_ARG,
+                                 f"LOOKUP: every rank must list the same number of keys, got {sorted(lengths)}")
+        if sum(len(k) for k in req.keys) > protocol.MAX_KEYS:
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"LOOKUP: more than {protocol.MAX_KEYS} keys in all")
+        if self.pool.leases_of(session.id) >= self.max_leases:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"LOOKUP: this session holds {self.max_leases} leases, the server's limit "
+                                 "(lmshm-server --max-leases-per-session); RELEASE or RETRIEVE them")
+        ttl = min(req.ttl_s or self.lease_ttl_s, self.lease_ttl_s)
+        hits, lease = self.pool.lookup(session.peer.uid, req.keys, session.id, ttl)
+        return protocol.LookupReply(hits, lease, ttl if hits else 0.0)
+
+    def release(self, session: Any, req: protocol.Release) -> protocol.ReleaseReply:
+        return protocol.ReleaseReply(self.pool.release_lease(req.lease, session.peer.uid))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def session_ended(self, session_id: Hashable) -> None:
+        self.pool.release_session(session_id)
+
+    def tick(self) -> None:
+        self.pool.expire()
+
+    def info(self) -> protocol.PoolInfo:
+        return protocol.PoolInfo(**self.pool.info())
+
+    def shutdown(self) -> None:
+        """Cancel queued copies, wait for running ones, drop the pool."""
+        self.copier.shutdown()
+        self.pool.release()
