@@ -355,10 +355,14 @@ class MPClient:
     def _heartbeat(self, interval: float) -> None:
         while not self._stop.wait(interval):
             try:
+                if self._closed:
+                    return
+                # submit(): the lock is held in short slices, so a dead server never blocks the
+                # requests of other threads for the length of a heartbeat timeout.
+                pong = self.submit(protocol.Ping(), min(self.timeout_s, max(1.0, 2 * interval))).result()
                 with self._lock:
                     if self._closed:
                         return
-                    pong = _exchange(self._dealer, protocol.Ping(), min(self.timeout_s, max(1.0, 2 * interval)))
                     if pong.server_id != self.server_id or not pong.session_known:
                         self._recover()
             except ServerTimeout:
