@@ -54,6 +54,16 @@ def format_status_table(status) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     if not rows:
         lines.append("(no registrations)")
+    p = status.pool
+    if p.capacity:
+        lines.append(
+            f"pool: {_human_bytes(p.used)} of {_human_bytes(p.capacity)} used, {p.objects} object(s)"
+            + (f" (+{p.in_flight} in flight)" if p.in_flight else "")
+            + f", {p.pinned} pinned, {p.leases} lease(s); {p.hits} hit(s), {p.misses} miss(es), {p.stored} stored, "
+            f"{p.retrieved} retrieved, {p.store_skipped} store(s) skipped, {p.evictions} eviction(s)"
+            + (f", {p.failed} failed" if p.failed else ""))
+    else:
+        lines.append("pool: none (lmshm-server --capacity 0)")
     return "\n".join(lines)
 
 

@@ -85,6 +85,66 @@ def main() -> int:
                 caches.pop(r["instance_id"])
                 n += 1
             return {"iterations": n}
+        # ---- the data plane: blocks are dim 0 of every layer; keys travel as hex ----
+        if op == "register_kv":  # every layer [blocks, *shape] float32, views of one pool or separate
+            n, shape = cmd.get("layers", 2), [cmd.get("blocks", 16), *cmd.get("shape", [2, 16, 8])]
+            if cmd.get("layout", "one") == "one":
+                pool = empty_shared((n, *shape), torch.float32)
+                layers = {f"layer.{i}": pool[i] for i in range(n)}
+            else:
+                layers = {f"layer.{i}": empty_shared(shape, torch.float32) for i in range(n)}
+            if cmd.get("transpose"):  # a layout the data plane must refuse: blocks scattered in the last dim
+                layers = {k: v.transpose(0, -1) for k, v in layers.items()}
+            iid = client.register_kv_caches(layers, cmd.get("instance_id"))
+            caches[iid] = layers
+            return {"instance_id": iid}
+        if op == "fill_blocks":  # block b of layer i <- seed * 1e6 + i * 1e4 + b * 10 + element index
+            for i, t in enumerate(caches[cmd["instance_id"]].values()):
+                for b in cmd["blocks"]:
+                    base = cmd["seed"] * 1e6 + i * 1e4 + b * 10
+                    t[b] = base + torch.arange(t[b].numel(), dtype=torch.float32).view(t[b].shape) / 1e3
+            return {}
+        if op == "digest_blocks":  # per block: a hash of its bytes in every layer
+            import hashlib
+
+            layers = list(caches[cmd["instance_id"]].values())
+            return {"digests": [hashlib.sha1(b"".join(t[b].contiguous().numpy().tobytes() for t in layers)).hexdigest()
+                                for b in cmd["blocks"]]}
+        if op == "store":
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            if cmd.get("pipelined"):  # many STOREs in flight at once, then every reply
+                pend = [client.store(cmd["instance_id"], [k], cmd["blocks"][i * cmd["chunk_blocks"]:(i + 1) * cmd["chunk_blocks"]],
+                                     cmd["chunk_blocks"], wait=False) for i, k in enumerate(keys)]
+                return {"results": [p.result().results[0] for p in pend]}
+            r = client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"])
+            return {"results": list(r.results), "nbytes": r.nbytes}
+        if op == "store_then_retrieve":  # sent back to back, never waiting in between
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            p1 = client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"], wait=False)
+            p2 = client.retrieve(cmd["instance_id"], keys, cmd["into"], cmd["chunk_blocks"], wait=False)
+            return {"stored": list(p1.result().results), "chunks": p2.result().chunks}
+        if op == "lookup":
+            r = client.lookup([[bytes.fromhex(k) for k in ks] for ks in cmd["keys"]], cmd.get("ttl_s", 0.0))
+            return {"hits": r.hits, "lease": r.lease.hex(), "ttl_s": r.ttl_s}
+        if op == "retrieve":
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            r = client.retrieve(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"],
+                                bytes.fromhex(cmd.get("lease", "")))
+            return {"chunks": r.chunks, "nbytes": r.nbytes}
+        if op == "release":
+            return {"released": client.release(bytes.fromhex(cmd["lease"]))}
+        if op == "pool":
+            import msgspec
+
+            return {"pool": msgspec.to_builtins(client.status().pool)}
+        if op == "ping_during_store":  # a large STORE in flight; PINGs must still come back at once
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            p = client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"], wait=False)
+            pings = []
+            while not p.done():
+                pings.append(client.ping())
+            p.result()
+            return {"pings": pings}
         if op == "close":
             client.close()
             return {}
