@@ -1,18 +1,24 @@
 """Runs inside .venv-vllm: build the tiny random Llama, or serve prompts with a real vLLM engine.
 
     python vllm_engine.py build DIR
-    python vllm_engine.py serve DIR URL PROMPTS.json OUT.json [--corrupt] [--block-size N] [--chunk-tokens N]
+    python vllm_engine.py serve DIR URL OUT.json --batch PROMPTS.json [--batch PROMPTS2.json ...]
+                                [--sync DIR] [--salt S] [--corrupt] [--block-size N] [--chunk-tokens N]
 
-``serve`` runs one ``LLM`` with ``LmshmConnector``, greedy, and writes per prompt its output
-token ids and ``num_cached_tokens`` (tokens the connector supplied; prefix caching is off).
-Which process mode runs is the caller's ``VLLM_ENABLE_V1_MULTIPROCESSING``.
+``serve`` starts one ``LLM`` with ``LmshmConnector`` (greedy, vLLM's own prefix caching off, so
+every cached token came from lmshm) and serves each batch's prompts one at a time. Before batch
+``i > 0`` it writes ``SYNC/ready-i`` and waits for ``SYNC/go-i``, so a test can restart or stop
+the server between batches with the same engine running. OUT gets, per batch and prompt, the
+output token ids, ``num_cached_tokens`` and the seconds it took. Which process mode runs is the
+caller's ``VLLM_ENABLE_V1_MULTIPROCESSING``.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
+import time
 
 
 def build(path: str) -> None:
@@ -28,54 +34,68 @@ def build(path: str) -> None:
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.2)
+            p.normal_(0.0, 0.2)  # a wide spread: greedy decoding has clear winners
     tmp = path + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, path)
 
 
-def serve(path: str, url: str, prompts_file: str, out_file: str, *, corrupt: bool, block_size: int,
-          chunk_tokens: int, max_tokens: int) -> None:
+def serve(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    with open(prompts_file) as f:
-        prompts = json.load(f)
-    extra = {"lmshm.url": url, "lmshm.chunk_tokens": chunk_tokens}
-    if corrupt:
+    extra = {"lmshm.url": args.url, "lmshm.chunk_tokens": args.chunk_tokens, "lmshm.salt": args.salt,
+             "lmshm.retry_s": 2.0}
+    if args.corrupt:
         extra["lmshm.test_corrupt_loads"] = True
-    llm = LLM(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", block_size=block_size,
-              max_model_len=8192, max_num_batched_tokens=8192, enable_prefix_caching=False, seed=0,
-              kv_transfer_config=KVTransferConfig(kv_connector="LmshmConnector",
-                                                  kv_connector_module_path="lmshm.integrations.vllm",
-                                                  kv_role="kv_both", kv_connector_extra_config=extra))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    results = []
-    for tokens in prompts:  # one at a time: each request sees what the ones before it stored
-        out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        results.append({"output": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
-                        "prompt": len(tokens)})
-    with open(out_file, "w") as f:
-        json.dump(results, f)
+    if args.no_connector:
+        ktc = None
+    else:
+        ktc = KVTransferConfig(kv_connector="LmshmConnector", kv_connector_module_path="lmshm.integrations.vllm",
+                               kv_role="kv_both", kv_connector_extra_config=extra)
+    llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=args.block_size, max_model_len=8192, max_num_batched_tokens=8192,
+              enable_prefix_caching=False, seed=0, kv_transfer_config=ktc)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    batches = []
+    for i, batch_file in enumerate(args.batch):
+        if i and args.sync:
+            open(os.path.join(args.sync, f"ready-{i}"), "w").close()
+            while not os.path.exists(os.path.join(args.sync, f"go-{i}")):
+                time.sleep(0.05)
+        with open(batch_file) as f:
+            prompts = json.load(f)
+        results = []
+        for tokens in prompts:  # one at a time: each request sees what the ones before it stored
+            t0 = time.perf_counter()
+            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
+            results.append({"output": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+                            "prompt": len(tokens), "seconds": time.perf_counter() - t0})
+        batches.append(results)
+    with open(args.out, "w") as f:
+        json.dump(batches, f)
     del llm
 
 
 def main(argv: list[str]) -> int:
-    if argv[0] == "build":
+    if argv and argv[0] == "build":
         build(argv[1])
         return 0
-    args = argv[1:]
-    flags = {a for a in args if a.startswith("--")}
-
-    def opt(name: str, default: int) -> int:
-        return int(args[args.index(name) + 1]) if name in args else default
-
-    positional = [a for i, a in enumerate(args) if not a.startswith("--") and (i == 0 or not args[i - 1].startswith("--")
-                                                                             or args[i - 1] == "--corrupt")]
-    path, url, prompts_file, out_file = positional[:4]
-    serve(path, url, prompts_file, out_file, corrupt="--corrupt" in flags, block_size=opt("--block-size", 32),
-          chunk_tokens=opt("--chunk-tokens", 32), max_tokens=opt("--max-tokens", 8))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cmd", choices=["serve"])
+    ap.add_argument("model")
+    ap.add_argument("url")
+    ap.add_argument("out")
+    ap.add_argument("--batch", action="append", required=True)
+    ap.add_argument("--sync", default="")
+    ap.add_argument("--salt", default="")
+    ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--no-connector", action="store_true")
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--chunk-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    serve(ap.parse_args(argv))
     return 0
 
 

@@ -74,9 +74,12 @@ def test_replies_round_trip_including_status_and_errors():
     status = protocol.StatusReply(
         server_id="s", server_pid=1, protocol_version=2, isolated_ipc=False, uptime_s=1.5, sessions=1,
         mappings=2, draining=0, open_fds=12, fd_limit=1024, inbox_fds=0, registrations=[protocol.RegistrationInfo(
-            "i", 1, 2, 0, "w", "m", 1, 0, 3, 4096, ["cpu-shm"], ["cpu"], 0.25)])
+            "i", 1, 2, 0, "w", "m", 1, 0, 3, 4096, ["cpu-shm"], ["cpu"], 0.25)],
+        pool=protocol.PoolInfo(1 << 30, 4096, 1, 0, 0, 0, 3, 1, 1, 0, 0, 0, 2, 0))
     for reply in (status, protocol.ErrorReply(protocol.ErrorCode.NOT_FOUND, "no such id"),
-                  protocol.Pong("s", True), protocol.PeekReply(b"\x00\x01")):
+                  protocol.Pong("s", True), protocol.PeekReply(b"\x00\x01"),
+                  protocol.StoreReply([0, 1, 2], 4096), protocol.LookupReply(2, b"l" * 16, 30.0),
+                  protocol.RetrieveReply(2, 8192), protocol.ReleaseReply(True)):
         assert codec.decode_reply(codec.encode(reply)) == reply
 
 
@@ -137,7 +140,8 @@ def test_truncated_random_and_mistyped_bytes_give_a_codec_error():
 
 def test_message_codes_are_explicit_and_distinct():
     assert protocol.MsgType.HELLO == 1 and protocol.MsgType.PING == 5 and protocol.MsgType.ERROR == 199
-    assert [c.value for c in protocol.ErrorCode] == list(range(1, 8))
+    assert [c.value for c in protocol.ErrorCode] == list(range(1, 10))
+    assert protocol.MsgType.STORE == 7 and protocol.MsgType.RELEASE == 10 and protocol.MsgType.RELEASE_REPLY == 110
     tags = [t.__struct_config__.tag for t in (*protocol.Request.__args__, *protocol.Reply.__args__)]
     assert len(set(tags)) == len(tags)
 
