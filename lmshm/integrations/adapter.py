@@ -117,7 +117,7 @@ class Link:
         self._down_until = 0.0
         self._connecting = False
         self._closed = False
-        self._registration: Optional[tuple[Mapping[str, Any], str, dict]] = None
+        self._registration: Optional[Callable[[Any], str]] = None
         self.instance_id: Optional[str] = None
         self._warn = _RateLimited(config.warn_every_s)
         if connect_now:
@@ -139,7 +139,7 @@ class Link:
                               client_name=self.config.client_name)
         except Exception as exc:  # noqa: BLE001 - a missing server is not the engine's problem
             self._warn.warn("connect", "cannot reach lmshm-server at %s: %s; lookups miss and stores are dropped "
-                            "until it answers", self.config.url or "the default URL", exc)
+                            "until it answers", self.config.url or "the default URL", str(exc))
             with self._lock:
                 self._connecting = False
                 self._down_until = time.monotonic() + self.config.retry_s
@@ -154,7 +154,7 @@ class Link:
             registration = self._registration
         logger.info("lmshm: connected to lmshm-server at %s", client.url)
         if registration is not None:
-            self._register_now(*registration)
+            self._register_now(registration)
 
     def client(self) -> Any:
         """The connected ``MPClient``, or None (then a connection attempt starts, at most every
@@ -176,7 +176,9 @@ class Link:
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self._down_until = time.monotonic() + self.config.retry_s
-        self._warn.warn(what, "%s failed: %s (the engine goes on without lmshm for %g s)", what.upper(), exc,
+        # str(exc), never exc: a log record keeping the exception would keep its traceback's
+        # frames, and the KV tensors in them, alive
+        self._warn.warn(what, "%s failed: %s (the engine goes on without lmshm for %g s)", what.upper(), str(exc),
                         self.config.retry_s)
 
     # ---- registration -------------------------------------------------------------------
@@ -184,17 +186,23 @@ class Link:
                  rank: int = 0, instance_id: Optional[str] = None) -> None:
         """Register the engine's KV caches now if the server is up, else as soon as it is."""
         iid = instance_id or f"{self.config.client_name or 'lmshm'}-{uuid.uuid4().hex[:12]}"
+        self.register_with(lambda client: client.register_kv_caches(
+            kv_caches, iid, model_name=model_name, world_size=world_size, rank=rank))
+
+    def register_with(self, registrar: Callable[[Any], str]) -> None:
+        """``register`` with the caller's own call: ``registrar(client)`` registers and returns
+        the instance id. It runs now if the server is up, else once it is."""
         with self._lock:
-            self._registration = (kv_caches, iid, dict(model_name=model_name, world_size=world_size, rank=rank))
+            self._registration = registrar
             client = self._client
         if client is not None:
-            self._register_now(kv_caches, iid, self._registration[2])
+            self._register_now(registrar)
         else:
             self._connect_in_background()
 
-    def _register_now(self, kv_caches: Mapping[str, Any], iid: str, kw: dict) -> None:
+    def _register_now(self, registrar: Callable[[Any], str]) -> None:
         try:
-            self.instance_id = self._client.register_kv_caches(kv_caches, iid, **kw)
+            self.instance_id = registrar(self._client)
         except Exception as exc:  # noqa: BLE001
             self._failed("register", exc)
 
@@ -257,7 +265,7 @@ class Link:
         except ServerTimeout as exc:
             self._failed(what, exc)
         except ServerError as exc:  # the server answered: it is up, this request failed
-            self._warn.warn(what, "%s failed: %s", what.upper(), exc)
+            self._warn.warn(what, "%s failed: %s", what.upper(), str(exc))
         except Exception as exc:  # noqa: BLE001
             self._failed(what, exc)
         return None

@@ -410,11 +410,28 @@ class MPClient:
         CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
         once (see ``wrap_kv_caches``).
         """
-        from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
+        from lmshm.platform.kv_wrap import wrap_kv_caches
+
+        return self.register_wrappers(list(kv_caches), wrap_kv_caches(kv_caches), instance_id,
+                                      model_name=model_name, world_size=world_size, rank=rank)
+
+    def register_wrappers(
+        self,
+        names: list[str],
+        wrappers: list[DeviceIPCWrapper],
+        instance_id: Optional[str] = None,
+        *,
+        model_name: str = "",
+        world_size: int = 1,
+        rank: int = 0,
+    ) -> str:
+        """``register_kv_caches`` for wrappers made by the caller (e.g. one
+        ``RawCudaIPCWrapper.from_pointer`` over a pool no tensor describes). Takes ownership
+        of the wrappers: they are closed on failure and at unregister."""
+        from lmshm.platform.kv_wrap import release_wrappers
 
         instance_id = instance_id or uuid.uuid4().hex
-        wrappers = wrap_kv_caches(kv_caches)
-        groups = layer_groups(list(kv_caches), wrappers)
+        groups = layer_groups(names, wrappers)
         request = protocol.RegisterKVCache(
             instance_id=instance_id, model_name=model_name, world_size=world_size, worker_rank=rank,
             groups=groups)

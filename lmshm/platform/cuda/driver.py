@@ -242,6 +242,12 @@ class CudaDriver:
         with self.bound(ordinal):
             return bool(self._call("cuPointerGetAttribute", attr, ptr, subject=f"ptr={hexptr(ptr)}"))
 
+    def is_managed(self, ptr: int, ordinal: int) -> bool:
+        """True for unified (cudaMallocManaged) memory, which has no IPC handle of any kind."""
+        attr = self.b.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_MANAGED
+        with self.bound(ordinal):
+            return bool(self._call("cuPointerGetAttribute", attr, ptr, subject=f"ptr={hexptr(ptr)}"))
+
     def ipc_get_handle(self, base: int, ordinal: int) -> bytes:
         with self.bound(ordinal):
             handle = self._call("cuIpcGetMemHandle", base, subject=f"ptr={hexptr(base)}")

@@ -155,6 +155,17 @@ class FakeCudaDriver:
         r = self._find(ptr)
         return r is not None and r.phys.kind == "malloc"
 
+    def is_managed(self, ptr: int, ordinal: int) -> bool:
+        self._enter("cuPointerGetAttribute", f"ptr={hexptr(ptr)}")
+        r = self._find(ptr)
+        return r is not None and r.phys.kind == "managed"
+
+    def malloc_managed(self, size: int, ordinal: int = 0) -> int:
+        """A cudaMallocManaged allocation: device-addressable, not IPC-capable."""
+        ptr = self.malloc(size, ordinal)
+        self._find(ptr).phys.kind = "managed"
+        return ptr
+
     def ipc_get_handle(self, base: int, ordinal: int) -> bytes:
         with self._lock:
             r = self.ranges.get(base)

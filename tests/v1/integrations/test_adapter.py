@@ -1,0 +1,161 @@
+"""The engine-neutral adapter without an engine: keys, chunk math, the scheduler and worker
+halves, and the TRT-LLM pool, against a real lmshm-server process. The "engines" here are this
+test process; their KV lives in real shared memory the server maps."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+
+from harness import ServerProcess, scratch_dir, wait_for
+from lmshm.integrations.adapter import Link, LinkConfig, Namespace, SchedulerSide, WorkerSide, chunk_keys
+from lmshm.integrations.trtllm import TrtllmKVPool
+from lmshm.multiprocess.client import query_status
+
+BLOCK = 16
+
+
+@pytest.fixture
+def server():
+    with scratch_dir() as tmp:
+        s = ServerProcess(tmp, "--capacity", "64MiB")
+        yield s
+        assert s.stop() == 0, s.log()
+
+
+def test_keys_chain_over_chunks_and_separate_namespaces():
+    ns = Namespace("m", "float16", "L", world_size=2, rank=0, chunk_tokens=4).digest
+    toks = list(range(13))
+    keys = chunk_keys(ns, toks, 4)
+    assert len(keys) == 3 and all(len(k) == 32 for k in keys)                   # whole chunks only
+    assert chunk_keys(ns, toks[:8], 4) == keys[:2]                               # a prefix keeps its keys
+    changed = chunk_keys(ns, [99] + toks[1:], 4)
+    assert all(a != b for a, b in zip(changed, keys))                            # chained: one token changes all
+    others = [Namespace("m2", "float16", "L", 2, 0, 4), Namespace("m", "bfloat16", "L", 2, 0, 4),
+              Namespace("m", "float16", "L2", 2, 0, 4), Namespace("m", "float16", "L", 2, 1, 4),
+              Namespace("m", "float16", "L", 1, 0, 4), Namespace("m", "float16", "L", 2, 0, 4, salt="s")]
+    assert len({chunk_keys(o.digest, toks, 4)[0] for o in others} | {keys[0]}) == len(others) + 1
+
+
+def test_a_link_to_no_server_never_stalls():
+    link = Link(LinkConfig(url="tcp://127.0.0.1:9", timeout_s=0.5, retry_s=30))
+    t0 = time.perf_counter()
+    for _ in range(100):
+        assert link.lookup([[b"k" * 32]]) == (0, b"")
+        assert link.store([b"k" * 32], [0], 1) is None
+        assert link.retrieve([b"k" * 32], [0], 1) is None
+    assert time.perf_counter() - t0 < 0.5
+    link.close()
+
+
+class Engine:
+    """Both halves of a connector, and a KV cache of 4 layers [blocks, 2, BLOCK, 8]."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.kv = {f"layer.{i}": torch.zeros(32, 2, BLOCK, 8) for i in range(4)}
+        ns = Namespace("tiny", "float32", "4x[2,16,8]")
+        self.slink = Link(LinkConfig(url=url, client_name=f"{name}-sched"))
+        self.wlink = Link(LinkConfig(url=url, client_name=f"{name}-worker"))
+        self.wlink.register(self.kv, instance_id=name)
+        assert self.slink.wait_connected(10) and self.wlink.wait_connected(10)
+        self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK)
+        self.worker = WorkerSide(self.wlink)
+
+    def blocks(self, ids):
+        return torch.stack([t[ids] for t in self.kv.values()])
+
+    def close(self) -> None:
+        self.slink.close()
+        self.wlink.close()
+        self.kv.clear()
+
+
+def test_one_engine_stores_and_another_loads_whole_chunks(server):
+    a, b = Engine(server.url, "A"), Engine(server.url, "B")
+    try:
+        tokens = list(range(1000, 1100))                   # 6 whole chunks and 4 tokens
+        a_blocks = list(range(3, 10))
+        for t in a.kv.values():
+            t[a_blocks] = torch.randn(7, 2, BLOCK, 8)
+        assert a.sched.matched_tokens("r1", tokens, 0) == 0
+        a.sched.allocated("r1", a_blocks, 0)
+        plan = a.sched.plan()
+        a.sched.scheduled("r1", block_ids=a_blocks, replace_blocks=True, computed_after_step=100, plan=plan)
+        assert [len(s.keys[0]) for s in plan.stores] == [6] and plan.stores[0].block_ids == a_blocks[:6]
+        a.worker.save(plan)
+        assert a.sched.finished("r1") is True              # blocks stay until the store is done
+        wait_for(lambda: a.worker.finished({"r1"}) == {"r1"}, 10, what="the store to finish")
+        assert a.worker.stored_chunks == 6
+
+        assert b.sched.matched_tokens("x", tokens, 0) == 96
+        assert b.sched.matched_tokens("full", tokens[:96], 0) == 95  # a full hit leaves one token
+        b.sched.finished("full")
+        b_blocks = list(range(20, 27))
+        b.sched.allocated("x", b_blocks, 96)
+        plan = b.sched.plan()
+        b.sched.take_loads(plan)
+        b.sched.scheduled("x", block_ids=b_blocks, replace_blocks=True, computed_after_step=100, plan=plan)
+        assert plan.stores == []                           # what was loaded is not stored again
+        b.worker.load(plan)
+        assert b.worker.take_load_errors() == set() and b.worker.loaded_chunks == 6
+        assert torch.equal(b.blocks(b_blocks[:6]), a.blocks(a_blocks[:6]))
+        assert b.sched.finished("x") is False
+        pool = query_status(server.url).pool
+        assert (pool.leases, pool.pinned) == (0, 0)
+    finally:
+        a.close()
+        b.close()
+        gc.collect()
+
+
+def test_a_failed_load_reports_its_blocks(server):
+    a = Engine(server.url, "A")
+    try:
+        tokens = list(range(64))
+        a.sched.matched_tokens("r", tokens, 0)
+        plan = a.sched.plan()
+        a.sched.scheduled("r", block_ids=[0, 1, 2, 3], replace_blocks=True, computed_after_step=64,
+                          tokens=tokens, plan=plan)
+        a.worker.save(plan)
+        a.worker.wait_for_stores()
+        assert a.sched.matched_tokens("again", tokens, 0) == 63
+        a.sched.allocated("again", [8, 9, 10, 11], 63)
+        plan = a.sched.plan()
+        a.sched.take_loads(plan)
+        plan.loads[0].block_ids[-1] = 32                   # out of range: the server refuses the RETRIEVE
+        a.worker.load(plan)
+        assert a.worker.take_load_errors() == {8, 9, 10, 32} and a.worker.failed_loads == 1
+        assert a.worker.take_load_errors() == set()
+    finally:
+        a.close()
+        gc.collect()
+
+
+def test_trtllm_pool_stores_and_loads_through_the_same_adapter(server):
+    shape = (16, 2, 2, BLOCK, 2, 8)                        # [blocks, layers, K/V, tokens, heads, dim]
+    pa, pb = torch.zeros(shape), torch.zeros(shape)
+    a = TrtllmKVPool(pa, model="tiny", tokens_per_block=BLOCK, url=server.url)
+    b = TrtllmKVPool(pb, model="tiny", tokens_per_block=BLOCK, url=server.url)
+    try:
+        a.register("trt-a")
+        b.register("trt-b")
+        assert a.link.wait_connected(10) and b.link.wait_connected(10)
+        (ra, rb) = sorted(query_status(server.url).registrations, key=lambda r: r.instance_id)
+        assert (ra.num_layers, ra.instance_id, rb.instance_id) == (1, "trt-a", "trt-b")
+        tokens = list(range(50))
+        pa[[1, 2, 3]] = torch.randn(3, *shape[1:])
+        assert b.lookup(tokens) == (0, b"")
+        assert a.store(tokens, [1, 2, 3, 4]) == 3
+        matched, lease = b.lookup(tokens)
+        assert matched == 48 and lease
+        assert b.load(tokens, matched, [9, 10, 11, 12], lease)
+        assert torch.equal(pb[[9, 10, 11]], pa[[1, 2, 3]])
+        assert not b.load(list(range(500, 550)), 48, [9, 10, 11], b"")  # not stored: a clean failure
+    finally:
+        a.close()
+        b.close()
+        del pa, pb
+        gc.collect()
