@@ -5,8 +5,8 @@ A registration's layers are tensors whose dim 0 is the block index (vLLM's CPU l
 ``BlockLayout`` checks, once per registration, that one block of each layer is at most
 ``MAX_RUNS`` dense byte runs at a fixed spacing, and builds per layer a uint8 view
 ``[num_blocks, *run_grid, run_bytes]`` over the server's own mapping. A chunk object in the pool
-is, layer after layer, its blocks' runs packed densely. Copies are one torch ``index_select``
-(STORE) per layer and chunk, or one ``copy_`` per block (RETRIEVE), straight between the worker's mapping
+is, layer after layer, its blocks' runs packed densely. Copies go per layer and run of consecutive block ids:
+one ``memmove`` (or a torch ``copy_`` for long runs), straight between the worker's mapping
 and the pool: no staging buffer.
 
 ``OrderedExecutor`` runs copies on worker threads, never on the request loop, and keeps each
@@ -16,6 +16,7 @@ client's jobs in the order it sent them.
 from __future__ import annotations
 
 import collections
+import ctypes
 import hashlib
 import logging
 import math
@@ -41,6 +42,9 @@ class LayerPlan:
     name: str
     view: torch.Tensor        # uint8 [num_blocks, *grid, run_bytes] over the server's mapping
     block_bytes: int
+    dense: bool               # one block is one byte run (no grid)
+    base: int                 # address of block 0 (CPU)
+    block_stride: int         # bytes from one block to the next
 
 
 @dataclass(frozen=True)
@@ -95,16 +99,20 @@ def _plan_layer(name: str, t: torch.Tensor) -> tuple[LayerPlan, tuple]:
             f"layer {name!r} ({_describe(t)}): one block is {runs} separate byte runs of {run} bytes; the data "
             f"plane moves at most {MAX_RUNS} runs per block (dim 0 must be the block index, and each block "
             "mostly dense)")
-    block_extent = sum((s - 1) * st for s, st in grid) + run
     block_stride = t.stride(0) * item
-    if t.shape[0] > 1 and block_stride < block_extent:
-        raise LayoutError(f"layer {name!r} ({_describe(t)}): blocks overlap (block stride {block_stride} bytes, "
-                          f"a block spans {block_extent})")
+    # No two bytes of the layer may alias (a RETRIEVE into one block would write another):
+    # sorted by stride, every dim must step past everything the smaller dims cover.
+    extent = run
+    for size, step in sorted([*grid, (t.shape[0], block_stride)], key=lambda d: d[1]):
+        if size > 1 and step < extent:
+            raise LayoutError(f"layer {name!r} ({_describe(t)}): its blocks overlap in memory (a stride of "
+                              f"{step} bytes inside a span of {extent})")
+        extent += (size - 1) * step
     u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         t.untyped_storage(), t.storage_offset() * item,
         (t.shape[0], *[s for s, _ in grid], run), (block_stride, *[st for _, st in grid], 1))
     desc = (str(t.dtype), tuple(t.shape[1:]), tuple(t.stride()[1:]))
-    return LayerPlan(name, u8, runs * run), desc
+    return LayerPlan(name, u8, runs * run, not grid, u8.data_ptr(), block_stride), desc
 
 
 def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[torch.Tensor]:
@@ -117,21 +125,84 @@ def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[to
     return out
 
 
-def gather(layout: BlockLayout, block_ids: torch.Tensor, obj: torch.Tensor, chunk_blocks: int) -> None:
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position in the list, first block, count)`` for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            pos, first, n = runs[-1]
+            runs[-1] = (pos, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+#: A run of at least this many bytes is copied by torch (several threads); shorter ones by
+#: one ``memmove`` each, whose call costs ~1 us against ~10 us for a torch ``copy_``.
+TORCH_COPY_BYTES = 1 << 20
+
+_memmove = ctypes.memmove
+
+
+def _copy_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], *, store: bool) -> None:
+    bb = plan.block_bytes
+    if plan.dense and plan.view.device.type == "cpu":
+        obj_base = obj_layer.data_ptr()
+        for pos, first, n in runs:
+            if n * bb >= TORCH_COPY_BYTES and plan.block_stride == bb:
+                a, b = obj_layer[pos:pos + n], plan.view[first:first + n]
+                (a.copy_(b) if store else b.copy_(a))
+            elif plan.block_stride == bb:
+                o, k = obj_base + pos * bb, plan.base + first * bb
+                _memmove(o, k, n * bb) if store else _memmove(k, o, n * bb)
+            else:
+                for j in range(n):
+                    o, k = obj_base + (pos + j) * bb, plan.base + (first + j) * plan.block_stride
+                    _memmove(o, k, bb) if store else _memmove(k, o, bb)
+        return
+    for pos, first, n in runs:
+        a, b = obj_layer[pos:pos + n], plan.view[first:first + n]
+        (a.copy_(b) if store else b.copy_(a))
+
+
+#: Helpers that split one large copy of short runs by layer (ctypes drops the GIL in memmove).
+_SPLIT_THREADS = 2
+_SPLIT_BYTES = 8 << 20
+_splitter: ThreadPoolExecutor | None = None
+_splitter_lock = threading.Lock()
+
+
+def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
+                store: bool) -> None:
+    global _splitter
+    runs = _runs(block_ids)
+    pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
+    short = len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].block_bytes < TORCH_COPY_BYTES
+    if short and len(pairs) > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
+        with _splitter_lock:
+            if _splitter is None:
+                _splitter = ThreadPoolExecutor(_SPLIT_THREADS, thread_name_prefix="lmshm-copy-split")
+        half = len(pairs) // 2
+        other = _splitter.submit(lambda: [_copy_runs(p, o, runs, store=store) for p, o in pairs[half:]])
+        for p, o in pairs[:half]:
+            _copy_runs(p, o, runs, store=store)
+        other.result()
+        return
+    for p, o in pairs:
+        _copy_runs(p, o, runs, store=store)
+
+
+def gather(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:
     """STORE: copy blocks ``block_ids`` of every layer into ``obj`` (a pool object's bytes)."""
-    for plan, dst in zip(layout.layers, _split(obj, layout, chunk_blocks)):
-        torch.index_select(plan.view, 0, block_ids, out=dst)
+    _each_layer(layout, block_ids, obj, chunk_blocks, store=True)
 
 
 def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:
     """RETRIEVE: copy ``obj`` into blocks ``block_ids`` of every layer.
 
-    One ``copy_`` per block: torch's ``index_copy_`` and ``index_put_`` reach only 2-3 GB/s
-    here, a block-by-block ``copy_`` the speed of memcpy (bench/dataplane.py)."""
-    for plan, src in zip(layout.layers, _split(obj, layout, chunk_blocks)):
-        view = plan.view
-        for i, b in enumerate(block_ids):
-            view[b].copy_(src[i])
+    Per run of consecutive block ids, not torch's ``index_copy_``/``index_put_``, which reach
+    only 2-3 GB/s here (bench/dataplane.py)."""
+    _each_layer(layout, block_ids, obj, chunk_blocks, store=False)
 
 
 class OrderedExecutor:

@@ -130,7 +130,6 @@ class DataPlane:
             return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
         cb = req.chunk_blocks
         size = layout.chunk_bytes(cb)
-        ids = torch.tensor(req.block_ids, dtype=torch.int64)
         results: list[int] = []
         copied = 0
         for i, key in enumerate(req.keys):
@@ -141,7 +140,7 @@ class DataPlane:
             try:
                 for w in reg.wrappers:
                     w.verify_mapped()
-                gather(layout, ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
+                gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
             except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
                 self.pool.abort([obj])
                 self.pool.count_failure()

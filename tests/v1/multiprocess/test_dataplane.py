@@ -55,6 +55,19 @@ def test_blocks_stored_by_one_worker_are_retrieved_by_another(start_worker, serv
     assert (p["stored"], p["retrieved"], p["hits"], p["misses"]) == (2, 2, 2, 1)
 
 
+def test_blocks_of_several_byte_runs_round_trip(start_worker, server):
+    """K and V of a block in two places ([2, blocks, ...] per layer): two runs per block."""
+    a, ia = kv_worker(start_worker, server, layout="kv-split")
+    a.ok("fill_blocks", instance_id=ia, blocks=list(range(16)), seed=4)
+    a.ok("store", instance_id=ia, keys=[key(0), key(1)], blocks=[3, 9, 4, 1], chunk_blocks=2)
+    before = a.ok("digest_blocks", instance_id=ia, blocks=[3, 9, 4, 1])["digests"]
+    a.ok("fill_blocks", instance_id=ia, blocks=list(range(16)), seed=5)
+    others = a.ok("digest_blocks", instance_id=ia, blocks=[0, 2, 5, 6, 7, 8])["digests"]
+    a.ok("retrieve", instance_id=ia, keys=[key(0), key(1)], blocks=[10, 12, 11, 15], chunk_blocks=2)
+    assert a.ok("digest_blocks", instance_id=ia, blocks=[10, 12, 11, 15])["digests"] == before
+    assert a.ok("digest_blocks", instance_id=ia, blocks=[0, 2, 5, 6, 7, 8])["digests"] == others
+
+
 def test_a_stored_key_is_skipped_and_reported(start_worker, server):
     a, ia = kv_worker(start_worker, server)
     a.ok("fill_blocks", instance_id=ia, blocks=[0, 1], seed=1)

@@ -88,7 +88,10 @@ def main() -> int:
         # ---- the data plane: blocks are dim 0 of every layer; keys travel as hex ----
         if op == "register_kv":  # every layer [blocks, *shape] float32, views of one pool or separate
             n, shape = cmd.get("layers", 2), [cmd.get("blocks", 16), *cmd.get("shape", [2, 16, 8])]
-            if cmd.get("layout", "one") == "one":
+            if cmd.get("layout", "one") == "kv-split":  # [2, blocks, ...] per layer, seen block-first: 2 runs a block
+                pool = empty_shared((n, 2, *shape), torch.float32)
+                layers = {f"layer.{i}": pool[i].transpose(0, 1) for i in range(n)}
+            elif cmd.get("layout", "one") == "one":
                 pool = empty_shared((n, *shape), torch.float32)
                 layers = {f"layer.{i}": pool[i] for i in range(n)}
             else:

@@ -1,0 +1,88 @@
+"""The pool's bookkeeping in one process: allocation, eviction order, pins, leases, uids.
+(The copies and the requests are tested end to end in tests/v1/multiprocess/test_dataplane.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from lmshm.core.copier import BlockLayout, LayoutError
+from lmshm.core.pool import ALIGN, Pool, Reservation, parse_size
+
+
+def stored(pool: Pool, uid: int, key: bytes, n: int = ALIGN):
+    outcome, obj = pool.reserve(uid, key, n, b"L", 1)
+    assert outcome == Reservation.STORED
+    pool.commit([obj])
+    return obj
+
+
+def test_sizes_parse_in_binary_units_and_refuse_nonsense():
+    assert parse_size("4GiB") == 4 << 30 and parse_size("512m") == 512 << 20 and parse_size("0") == 0
+    assert parse_size("1.5G") == 3 << 29 and parse_size(4096) == 4096
+    for bad in ("-1", "lots", "4XB", "nan"):
+        with pytest.raises(ValueError):
+            parse_size(bad)
+
+
+def test_freed_space_is_merged_and_reused():
+    pool = Pool(4 * ALIGN)
+    objs = [stored(pool, 0, bytes([i])) for i in range(4)]
+    outcome, new = pool.reserve(0, b"x", ALIGN, b"L", 1)                    # evicts the LRU one
+    assert outcome == Reservation.STORED and pool.evictions == 1 and new.offset == objs[0].offset
+    pool2 = Pool(4 * ALIGN)
+    a, b, c, d = (stored(pool2, 0, bytes([i])) for i in range(4))
+    pool2.reserve(0, b"big", 2 * ALIGN, b"L", 1)      # needs two neighbours evicted: a, then b
+    assert pool2.evictions == 2 and pool2.used == 4 * ALIGN
+
+
+def test_objects_are_visible_only_once_committed_and_only_to_their_uid():
+    pool = Pool(8 * ALIGN)
+    outcome, obj = pool.reserve(1000, b"k", ALIGN, b"L", 1)
+    assert pool.lookup(1000, [[b"k"]], "s", 10) == (0, b"")         # in flight: invisible
+    assert pool.reserve(1000, b"k", ALIGN, b"L", 1)[0] == Reservation.PRESENT
+    pool.commit([obj])
+    hits, lease = pool.lookup(1000, [[b"k"]], "s", 10)
+    assert hits == 1 and lease
+    assert pool.lookup(2000, [[b"k"]], "t", 10) == (0, b"")         # another uid sees nothing
+    assert pool.pin_for_copy(2000, [b"k"])[0] == []
+    assert pool.release_lease(lease, 2000) is False                 # nor can it end the lease
+    assert pool.release_lease(lease, 1000) is True
+
+
+def test_pinned_objects_are_never_evicted_and_leases_end():
+    pool = Pool(2 * ALIGN)
+    stored(pool, 0, b"a")
+    stored(pool, 0, b"b")
+    _, lease = pool.lookup(0, [[b"a", b"b"]], "s", 0.0)
+    assert pool.reserve(0, b"c", ALIGN, b"L", 1) == (Reservation.NO_SPACE, None)
+    assert pool.expire() == 1                                        # ttl 0: ends at the next tick
+    assert pool.reserve(0, b"c", ALIGN, b"L", 1)[0] == Reservation.STORED
+    _, lease = pool.lookup(0, [[b"b"]], "s2", 30)
+    assert pool.release_session("s2") == 1 and pool.info()["pinned"] == 0
+
+
+def test_a_retrieve_takes_over_its_leases_pins():
+    pool = Pool(4 * ALIGN)
+    stored(pool, 0, b"a")
+    stored(pool, 0, b"b")
+    _, lease = pool.lookup(0, [[b"a", b"b"]], "s", 30)
+    objs, missing = pool.pin_for_copy(0, [b"a"], lease)
+    assert missing is None and [o.pins for o in objs] == [1]
+    pool.unpin(objs, retrieved=True)
+    assert pool.info()["leases"] == 1                               # b is still pinned by it
+    objs, _ = pool.pin_for_copy(0, [b"b"], lease)
+    pool.unpin(objs, retrieved=True)
+    assert pool.info()["leases"] == 0 and pool.info()["pinned"] == 0 and pool.retrieved == 2
+
+
+def test_layouts_the_data_plane_cannot_move_are_named():
+    import torch
+
+    with pytest.raises(LayoutError, match="separate byte runs"):
+        BlockLayout.of(["l"], [torch.zeros(8, 4, 16).transpose(0, 2)])
+    with pytest.raises(LayoutError, match="overlap"):
+        BlockLayout.of(["l"], [torch.zeros(64).as_strided((8, 16), (4, 1))])
+    with pytest.raises(LayoutError, match="same number of blocks"):
+        BlockLayout.of(["a", "b"], [torch.zeros(8, 4), torch.zeros(9, 4)])
+    ok = BlockLayout.of(["a"], [torch.zeros(8, 2, 4).transpose(0, 1).contiguous().transpose(0, 1)])
+    assert ok.block_bytes == 2 * 4 * 4 and len(ok.digest) == 16
