@@ -23,7 +23,8 @@ from lmshm.multiprocess.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
-ENGINE = Path(__file__).with_name("vllm_engine.py")
+# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
+ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
 CHUNK = 32
 
 pytestmark = pytest.mark.vllm
@@ -37,7 +38,7 @@ def model(tmp_path_factory) -> str:
         pytest.fail(f"{VLLM_PYTHON} is missing: run scripts/bootstrap-vllm (scripts/test does), "
                     "or set LMSHM_SKIP_VLLM=1 to skip the real-engine tests")
     path = tmp_path_factory.mktemp("tiny-llama") / "model"
-    subprocess.run([str(VLLM_PYTHON), str(ENGINE), "build", str(path)], check=True, timeout=300,
+    subprocess.run([str(VLLM_PYTHON), *ENGINE, "build", str(path)], check=True, timeout=300,
                    env=_env(str(path.parent)), capture_output=True)
     return str(path)
 
@@ -59,7 +60,7 @@ def prompts() -> dict[str, list[int]]:
 
 
 class Engine:
-    """One engine process serving batches of prompts (see vllm_engine.py)."""
+    """One engine process serving batches of prompts (see lmshm/integrations/vllm_engine.py)."""
 
     def __init__(self, model: str, url: str, tmp: Path, *batches: list[list[int]], name: str = "engine",
                  multiprocess: bool = False, extra: tuple[str, ...] = ()) -> None:
@@ -74,7 +75,7 @@ class Engine:
         self.out = tmp / f"{name}-out.json"
         self.log_path = tmp / f"{name}.log"
         self.proc = subprocess.Popen(
-            [str(VLLM_PYTHON), str(ENGINE), "serve", model, url, str(self.out), *files, "--sync", str(self.sync),
+            [str(VLLM_PYTHON), *ENGINE, "serve", model, url, str(self.out), *files, "--sync", str(self.sync),
              "--chunk-tokens", str(CHUNK), *extra],
             stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=_env(str(tmp), multiprocess))
 

@@ -1,8 +1,12 @@
-"""Runs inside .venv-vllm: build the tiny random Llama, or serve prompts with a real vLLM engine.
+"""A tiny real vLLM engine with LmshmConnector, for ``scripts/demo-vllm``, the real-engine tests
+and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``)::
 
-    python vllm_engine.py build DIR
-    python vllm_engine.py serve DIR URL OUT.json --batch PROMPTS.json [--batch PROMPTS2.json ...]
-                                [--sync DIR] [--salt S] [--corrupt] [--block-size N] [--chunk-tokens N]
+    python -m lmshm.integrations.vllm_engine build DIR
+    python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
+        [--sync DIR] [--salt S] [--corrupt] [--no-connector] [--block-size N] [--chunk-tokens N]
+
+``build`` saves a random ``LlamaForCausalLM`` (2 layers, hidden 128, head size 64, float32,
+weights drawn with a wide spread so greedy decoding has clear winners) to DIR: no download.
 
 ``serve`` starts one ``LLM`` with ``LmshmConnector`` (greedy, vLLM's own prefix caching off, so
 every cached token came from lmshm) and serves each batch's prompts one at a time. Before batch
