@@ -438,19 +438,25 @@ class SchedulerSide:
 class WorkerSide:
     """The worker's half: runs a step's copies, tracks stores in flight per request."""
 
-    def __init__(self, link: Link, rank: int = 0, *, corrupt_loads: Optional[Callable[[list[int]], None]] = None) -> None:
+    def __init__(self, link: Link, rank: int = 0, *, corrupt_loads: Optional[Callable[[list[int]], None]] = None,
+                 fail_loads: bool = False) -> None:
         self.link = link
         self.rank = rank
         self._stores: dict[str, list[Any]] = {}     # req id -> Pending STOREs
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
         self._corrupt_loads = corrupt_loads        # the control experiment of the real-engine tests
+        self._fail_loads = fail_loads              # every load fails (the recompute path, tested for real)
         self.loaded_chunks = self.stored_chunks = self.failed_loads = self.dropped_stores = 0
 
     def load(self, plan: StepPlan) -> None:
         """RETRIEVE every load of this step and wait: the forward pass needs them."""
         pending = []
         for spec in plan.loads:
+            if self._fail_loads:
+                self.link.release(spec.lease)
+                pending.append((spec, None))
+                continue
             p = self.link.retrieve(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, spec.lease)
             pending.append((spec, p))
         for spec, p in pending:

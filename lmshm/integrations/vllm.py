@@ -16,8 +16,9 @@ Keys of ``kv_connector_extra_config`` (all optional; ``docs/vllm.md`` has the de
   ``lmshm.retry_s``: after a failure, lmshm is skipped for this long (default 5);
 - ``lmshm.load_failure_policy``: vLLM's ``kv_load_failure_policy`` for this connector,
   ``recompute`` (default) or ``fail``;
-- ``lmshm.test_corrupt_loads``: overwrite every loaded block with noise after it arrives (a
-  test's control experiment; never in production).
+- ``lmshm.test_corrupt_loads``: overwrite every loaded block with noise after it arrives, and
+  ``lmshm.test_fail_loads``: treat every load as failed (the tests' control experiments; never in
+  production).
 
 The logic lives in the engine-neutral ``lmshm.integrations.adapter``; this class only translates
 vLLM's objects. Scheduler side: ``get_num_new_matched_tokens`` looks up whole chunks beyond what
@@ -50,7 +51,7 @@ logger = logging.getLogger("lmshm.vllm")
 _KEYS = {
     "lmshm.url": str, "lmshm.chunk_tokens": int, "lmshm.salt": str, "lmshm.store": bool, "lmshm.load": bool,
     "lmshm.timeout_s": float, "lmshm.lookup_timeout_s": float, "lmshm.retry_s": float,
-    "lmshm.load_failure_policy": str, "lmshm.test_corrupt_loads": bool,
+    "lmshm.load_failure_policy": str, "lmshm.test_corrupt_loads": bool, "lmshm.test_fail_loads": bool,
 }
 
 
@@ -132,7 +133,8 @@ class LmshmConnector(KVConnectorBase_V1):
             self._scheduler = None
             self._rank = _tp_rank()
             corrupt = self._corrupt if s.get("lmshm.test_corrupt_loads", False) else None
-            self._worker = WorkerSide(self._link, self._rank, corrupt_loads=corrupt)
+            self._worker = WorkerSide(self._link, self._rank, corrupt_loads=corrupt,
+                                      fail_loads=s.get("lmshm.test_fail_loads", False))
 
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -3,7 +3,7 @@ and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``):
 
     python -m lmshm.integrations.vllm_engine build DIR
     python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
-        [--sync DIR] [--salt S] [--corrupt] [--no-connector] [--block-size N] [--chunk-tokens N]
+        [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--no-connector] [--block-size N] [--chunk-tokens N]
 
 ``build`` saves a random ``LlamaForCausalLM`` (2 layers, hidden 128, head size 64, float32,
 weights drawn with a wide spread so greedy decoding has clear winners) to DIR: no download.
@@ -53,6 +53,8 @@ def serve(args: argparse.Namespace) -> None:
              "lmshm.retry_s": 2.0}
     if args.corrupt:
         extra["lmshm.test_corrupt_loads"] = True
+    if args.fail_loads:
+        extra["lmshm.test_fail_loads"] = True
     if args.no_connector:
         ktc = None
     else:
@@ -95,6 +97,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sync", default="")
     ap.add_argument("--salt", default="")
     ap.add_argument("--corrupt", action="store_true")
+    ap.add_argument("--fail-loads", action="store_true")
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=32)

@@ -159,3 +159,26 @@ def test_trtllm_pool_stores_and_loads_through_the_same_adapter(server):
         b.close()
         del pa, pb
         gc.collect()
+
+
+def test_a_preempted_request_waits_for_its_stores_and_starts_over(server):
+    a = Engine(server.url, "A")
+    try:
+        tokens = list(range(64))
+        a.sched.matched_tokens("r", tokens, 0)
+        plan = a.sched.plan()
+        a.sched.scheduled("r", block_ids=[0, 1, 2, 3], replace_blocks=True, computed_after_step=64,
+                          tokens=tokens, plan=plan)
+        a.worker.save(plan)
+        plan = a.sched.plan()
+        a.sched.preempted("r", plan)
+        assert plan.preempted == ["r"]
+        a.worker.wait_for_stores(plan.preempted)          # what handle_preemptions does
+        assert a.worker.stored_chunks == 4
+        assert all(p.done() for p in a.worker._stores["r"])
+        plan = a.sched.plan()                              # resumed: new blocks, stored again (PRESENT)
+        a.sched.scheduled("r", block_ids=[8, 9, 10, 11], replace_blocks=True, computed_after_step=64, plan=plan)
+        assert plan.stores[0].block_ids == [8, 9, 10, 11]
+    finally:
+        a.close()
+        gc.collect()

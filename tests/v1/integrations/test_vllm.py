@@ -167,6 +167,20 @@ def test_corrupted_loaded_kv_changes_the_output(model, server, tmp):
         assert ra["output"] != rc["output"], "outputs unchanged although every loaded block was noise"
 
 
+def test_a_failed_load_is_recomputed_never_served_wrong(model, server, tmp):
+    """Every RETRIEVE fails in engine F: vLLM must recompute those blocks (kv_load_failure_policy
+    "recompute", which the connector sets) and answer exactly as engine A did."""
+    p = prompts()
+    batch = [p["long"], p["other"]]
+    a = run(model, server.url, tmp, batch, name="A")
+    before = query_status(server.url).pool
+    f = Engine(model, server.url, tmp, batch, name="F", extra=("--fail-loads",)).results(warnings=True)[0]
+    assert query_status(server.url).pool.hits >= before.hits + 2 * 6  # F was offered the loads...
+    assert [r["output"] for r in f] == [r["output"] for r in a]        # ...failed them, and recomputed
+    assert query_status(server.url).pool.retrieved == before.retrieved  # nothing was copied in
+    assert query_status(server.url).pool.leases == 0
+
+
 def test_a_restart_serves_nothing_stale_and_a_down_server_never_stalls_the_engine(model, tmp, sockets):
     before = lmshm_segments()
     p = prompts()
