@@ -86,8 +86,10 @@ def wrap_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[DeviceIPCWrapp
                 key = (storage_ptr, tensor.dtype, tensor.shape, tensor.stride(), tensor.get_device())
                 leader = leaders.get(key)
                 if leader is not None:
-                    wrapped.append(leader.sibling_for(tensor, storage_ptr))  # type: ignore[attr-defined]
-                    continue
+                    sibling = leader.sibling_for(tensor, storage_ptr)  # type: ignore[attr-defined]
+                    if sibling is not None:
+                        wrapped.append(sibling)
+                        continue
                 wrapper = wrap_one_kv_cache(tensor, name)
                 wrapped.append(wrapper)
                 if wrapper.groupable:

@@ -126,7 +126,15 @@ class DeviceMapping:
 
 
 class FlatCudaWrapper(CudaWrapperBase):
-    """Raw and VMM kinds: a handle for the allocation + the tensor's byte offset in it."""
+    """Raw and VMM kinds: a handle for the allocation + the tensor's byte offset in it.
+
+    Groupable: the consumer's tensor is built on bytes that run from ``alloc_offset`` to the end
+    of the mapped allocation, so the per-layer views of one allocation travel as one wrapper
+    (at ``alloc_offset``) and per-layer ``storage_offset``s in elements from there, and the
+    allocation is opened once for all of them.
+    """
+
+    groupable = True
 
     # ---- producer --------------------------------------------------------------------------
     @classmethod
@@ -139,6 +147,22 @@ class FlatCudaWrapper(CudaWrapperBase):
                               ordinal, name, **options)
         wrapper._keepalive = tensor
         return wrapper
+
+    def sibling_for(self, tensor: torch.Tensor, storage_ptr: int) -> "FlatCudaWrapper | None":
+        """This wrapper for ``tensor``, another view with the same dtype, shape and stride in
+        the same allocation: the same handle, at ``storage_offset`` elements past this one's
+        first byte. None when ``tensor`` starts before it (``wrap_kv_caches`` then wraps it on
+        its own)."""
+        first = self.__dict__.get("_keepalive")
+        if first is None:
+            return None
+        delta = tensor.data_ptr() - first.data_ptr()
+        item = self.torch_dtype.itemsize
+        if delta < 0 or delta % item or self.alloc_offset + delta + self.span_bytes > self.alloc_size:
+            return None
+        sib = self.sibling(delta // item)
+        sib._keepalive = tensor
+        return sib
 
     @classmethod
     def from_pointer(
@@ -197,8 +221,6 @@ class FlatCudaWrapper(CudaWrapperBase):
         cls = type(self)
         check_int(cls, "alloc_offset", self.alloc_offset)
         check_int(cls, "alloc_size", self.alloc_size, lo=1)
-        if self.storage_offset != 0:
-            raise WrapperDecodeError(f"{cls.__name__}: storage_offset must be 0, got {self.storage_offset}")
         if self.numel == 0:
             raise WrapperDecodeError(f"{cls.__name__}: empty tensors are not shared")
         if not is_dense(self.shape, self.stride):
@@ -209,10 +231,11 @@ class FlatCudaWrapper(CudaWrapperBase):
             raise WrapperDecodeError(
                 f"{cls.__name__}: alloc_offset {self.alloc_offset} is not aligned to {self.dtype}"
             )
-        if self.alloc_offset + self.nbytes > self.alloc_size:
+        end = self.alloc_offset + self.storage_offset * self.torch_dtype.itemsize + self.span_bytes
+        if end > self.alloc_size:
             raise WrapperDecodeError(
-                f"{cls.__name__}: {self.nbytes} bytes at offset {self.alloc_offset} do not fit an "
-                f"allocation of {self.alloc_size} bytes"
+                f"{cls.__name__}: the view's bytes (storage_offset {self.storage_offset}, {self.span_bytes} bytes "
+                f"at offset {self.alloc_offset}) do not fit an allocation of {self.alloc_size} bytes"
             )
 
     # ---- consumer --------------------------------------------------------------------------
@@ -234,15 +257,20 @@ class FlatCudaWrapper(CudaWrapperBase):
         child = None
         try:
             mapping: DeviceMapping = lease.value
-            if self.alloc_offset + self.nbytes > mapping.size:
+            item = self.torch_dtype.itemsize
+            need = self.alloc_offset + self.storage_offset * item + self.span_bytes
+            if need > mapping.size:
                 raise ValueError(
-                    f"{type(self).__name__}: {self.nbytes} bytes at offset {self.alloc_offset} run past "
-                    f"the mapped allocation ({mapping.size} bytes at {hexptr(mapping.base)}); the "
-                    "wrapper does not describe the memory its handle maps"
+                    f"{type(self).__name__}: the view needs bytes up to {need}: they run past the mapped "
+                    f"allocation ({mapping.size} bytes at {hexptr(mapping.base)}); the wrapper does not describe "
+                    "the memory its handle maps"
                 )
             child = lease.child()
-            flat = drv.as_uint8_tensor(mapping.base + self.alloc_offset, self.nbytes, mapping.ordinal, child)
-            out = view_as(flat, self.torch_dtype, self.shape, self.stride)
+            # Every byte from alloc_offset to the end of the allocation (whole elements): the
+            # other layers of a group are views of the same bytes at other storage offsets.
+            tail = (mapping.size - self.alloc_offset) // item * item
+            flat = drv.as_uint8_tensor(mapping.base + self.alloc_offset, tail, mapping.ordinal, child)
+            out = view_as(flat, self.torch_dtype, self.shape, self.stride, self.storage_offset)
         except BaseException:
             if child is not None:
                 child.release()

@@ -43,7 +43,8 @@ def uint8_tensor(ptr: int, nbytes: int, ordinal: int, owner: Any) -> torch.Tenso
 
 
 def view_as(flat_u8: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...],
-            stride: tuple[int, ...]) -> torch.Tensor:
-    """Reinterpret dense bytes as ``dtype`` and lay the caller's view (shape, stride) over them."""
+            stride: tuple[int, ...], storage_offset: int = 0) -> torch.Tensor:
+    """Reinterpret bytes as ``dtype`` and lay the caller's view (shape, stride, offset in
+    elements) over them."""
     typed = flat_u8.view(dtype)
-    return typed.as_strided(shape, stride, 0)
+    return typed.as_strided(shape, stride, storage_offset)

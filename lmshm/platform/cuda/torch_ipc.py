@@ -53,6 +53,7 @@ class CudaIPCWrapper(CudaWrapperBase):
     """A CUDA tensor shared through PyTorch's storage IPC (needs a shared /dev/shm)."""
 
     kind = "cuda-torch"
+    groupable = True  # to_tensor() sets the whole shared storage: other layers are other offsets
     extra_fields = ("producer", "torch_handle", "storage_bytes", "storage_byte_offset",
                     "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
@@ -74,6 +75,11 @@ class CudaIPCWrapper(CudaWrapperBase):
                       event_sync_required=bool(event_sync))
         wrapper._keepalive = storage
         return wrapper
+
+    def sibling_for(self, tensor: torch.Tensor, storage_ptr: int) -> "CudaIPCWrapper":
+        """This wrapper for another view of the same storage (``wrap_kv_caches``): one storage
+        handle for every layer, per-layer storage offsets."""
+        return self.sibling(tensor.storage_offset())
 
     # ---- wire checks -----------------------------------------------------------------------
     def _validate_extra(self) -> None:

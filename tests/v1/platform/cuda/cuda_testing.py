@@ -182,6 +182,21 @@ class _ProducerState:
             fds.update(w.export_fds())
         return {"payloads": payloads, "fds": fds, "wrap_s": elapsed}
 
+    def op_wrap_group(self, name: str, kind: str) -> dict:
+        """Wrap every t[i] of tensor ``name`` the way wrap_kv_caches does (leader + siblings)
+        and fold them into wire groups; returns each group's payload and storage offsets."""
+        from lmshm.multiprocess.client import layer_groups
+
+        t = self.tensors[name]
+        leader = wrapper_class(kind).wrap(t[0], name=f"{name}[0]")
+        ws = [leader] + [leader.sibling_for(t[i], t.untyped_storage().data_ptr()) for i in range(1, t.shape[0])]
+        self.wrappers.extend(ws)
+        groups = layer_groups([f"l{i}" for i in range(len(ws))], ws)
+        fds: dict[str, int] = {}
+        for g in groups:
+            fds.update(g.wrapper.export_fds())
+        return {"groups": [(g.wrapper.Serialize(), list(g.storage_offsets)) for g in groups], "fds": fds}
+
     def op_try_wrap(self, name: str, kind: str, view: tuple = (), **options: Any) -> dict:
         try:
             self._wrap(name, kind, view, options)

@@ -97,6 +97,29 @@ def test_interior_pointers_carry_their_offset_and_share_one_open(producer, kind)
 
 
 @pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
+def test_gpu_layers_of_one_allocation_register_as_one_group(producer, kind):
+    """vLLM's layers are views of one allocation: one wrapper, per-layer offsets, one open."""
+    name = f"group-{kind}"
+    producer.call("alloc", name, (6, 64, 256), "bfloat16", memory=KIND_MEMORY[kind], seed=11)
+    out = producer.call("wrap_group", name, kind)
+    assert len(out["groups"]) == 1
+    payload, offsets = out["groups"][0]
+    assert len(offsets) == 6
+    opens = open_count(kind)
+    w = receive(payload, out.get("fds"))
+    base = w.to_tensor()
+    assert open_count(kind) - opens == 1
+    delta0 = offsets[0]
+    for i, off in enumerate(offsets):
+        layer = base.as_strided(base.size(), base.stride(), base.storage_offset() + off - delta0)
+        assert digest(layer) == producer.call("digest", name, (("select", 0, i),)), f"layer {i}"
+    del base, layer
+    w.close()
+    producer.call("close_wrappers")
+    producer.call("free", name)
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
 def test_an_nhd_view_over_hnd_storage_comes_back_with_its_strides(producer, kind):
     name = f"nhd-{kind}"
     producer.call("alloc", name, (2, 4, 8, 16, 64), "bfloat16", memory=KIND_MEMORY[kind], seed=5)  # HND

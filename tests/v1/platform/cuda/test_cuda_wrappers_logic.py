@@ -179,7 +179,7 @@ def test_the_consumer_checks_the_view_against_the_mapped_size(fake_driver, as_co
     ("alloc_offset", 1 * MiB, "do not fit an allocation"),
     ("alloc_offset", 1, "not aligned"),
     ("stride", (16, 2), "not a dense layout"),
-    ("storage_offset", 3, "storage_offset must be 0"),
+    ("storage_offset", 1 << 40, "do not fit an allocation"),   # a group's later layer past the end
     ("producer", "me", "malformed producer id"),
 ])
 def test_malformed_raw_fields_from_a_peer_are_refused(fake_driver, field, value, match):
