@@ -53,6 +53,7 @@ class BlockLayout:
     num_blocks: int
     block_bytes: int          # one block of every layer
     digest: bytes             # names, dtypes, per-block shapes and strides; not num_blocks
+    cuda_device: int = -1     # the registration's GPU (ordinal), or -1 for CPU memory
 
     def chunk_bytes(self, chunk_blocks: int) -> int:
         return self.block_bytes * chunk_blocks
@@ -190,6 +191,17 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         return
     for p, o in pairs:
         _copy_runs(p, o, runs, store=store)
+
+
+def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
+                *, store: bool, copy: Any, stream: Any) -> None:
+    """The copies of one chunk on a CUDA registration, queued with ``copy(dst, src, stream)``
+    (one per layer and run of consecutive blocks; the caller's stream orders them)."""
+    runs = _runs(block_ids)
+    for plan, part in zip(layout.layers, _split(obj, layout, chunk_blocks)):
+        for pos, first, n in runs:
+            pool_side, kv_side = part[pos:pos + n], plan.view[first:first + n]
+            copy(pool_side, kv_side, stream) if store else copy(kv_side, pool_side, stream)
 
 
 def gather(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:

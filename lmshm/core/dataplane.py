@@ -15,12 +15,12 @@ before it touches it. The objects it creates are visible only once their copy ha
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Hashable
 
-import torch
-
-from lmshm.core.copier import BlockLayout, LayoutError, OrderedExecutor, gather, scatter
+from lmshm.core.copier import BlockLayout, LayoutError, OrderedExecutor, cuda_copies, gather, scatter
+from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.pool import Pool, Reservation
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.protocol import ErrorCode
@@ -51,9 +51,20 @@ def _error(code: ErrorCode, message: str) -> protocol.ErrorReply:
     return protocol.ErrorReply(int(code), clip(message, 1024))
 
 
+class _Then:
+    """A job's reply, and what the job does after sending it (CUDA: wait for the server's
+    event, then commit or unpin)."""
+
+    __slots__ = ("reply", "after")
+
+    def __init__(self, reply: Any, after: Callable[[], None]) -> None:
+        self.reply, self.after = reply, after
+
+
 class DataPlane:
     def __init__(self, *, registry: Any, capacity: int, copy_threads: int, lease_ttl_s: float,
-                 max_inflight_per_session: int, max_leases_per_session: int, reply: Reply) -> None:
+                 max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
+                 cuda_sync: Any = None) -> None:
         self.registry = registry
         self.pool = Pool(capacity)
         self.copier = OrderedExecutor(copy_threads)
@@ -61,6 +72,8 @@ class DataPlane:
         self.max_inflight = max_inflight_per_session
         self.max_leases = max_leases_per_session
         self._reply = reply
+        self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
+        self.events = EventKeeper()
 
     # ---- validation, on the loop --------------------------------------------------------
     def _owned(self, session: Any, instance_id: str, what: str) -> Any:
@@ -84,17 +97,38 @@ class DataPlane:
             tensors = [reg.tensor(n) for n in reg.layer_names]
             if any(t is None for t in tensors):
                 raise DataPlaneError(ErrorCode.NOT_FOUND, f"instance {quote(reg.instance_id, 60)} is being released")
-            if any(t.device.type != "cpu" for t in tensors):
+            kinds = {w.device_type for w in reg.wrappers}
+            devices = {w.device for w in reg.wrappers}
+            if len(kinds) > 1 or len(devices) > 1:
                 raise DataPlaneError(ErrorCode.UNSUPPORTED,
-                                     f"instance {quote(reg.instance_id, 60)} is on {tensors[0].device}: this "
-                                     "lmshm-server's data plane copies CPU registrations only")
+                                     f"instance {quote(reg.instance_id, 60)} spans {', '.join(sorted(devices))}: the "
+                                     "data plane moves registrations of one device")
             try:
-                reg.block_layout = BlockLayout.of(reg.layer_names, tensors)
+                layout = BlockLayout.of(reg.layer_names, tensors)
+                if kinds == {"cuda"}:
+                    from lmshm.platform.cuda.driver import get_driver
+
+                    layout = dataclasses.replace(layout, cuda_device=get_driver().local_ordinal(next(iter(devices))))
+                reg.block_layout = layout
             except LayoutError as exc:
                 reg.block_layout = exc
         if isinstance(reg.block_layout, LayoutError):
             raise DataPlaneError(ErrorCode.LAYOUT, f"instance {quote(reg.instance_id, 60)}: {reg.block_layout}")
         return reg.block_layout
+
+    def _sync(self) -> Any:
+        if self._cuda_sync is None:
+            from lmshm.core.cuda_sync import TorchCudaSync
+
+            self._cuda_sync = TorchCudaSync()
+        return self._cuda_sync
+
+    def _run(self, identity: bytes, rid: bytes, result: Any) -> None:
+        if isinstance(result, _Then):
+            self._reply(identity, rid, result.reply)
+            result.after()
+        else:
+            self._reply(identity, rid, result)
 
     @staticmethod
     def _check_blocks(what: str, layout: BlockLayout, keys: list[bytes], block_ids: list[int],
@@ -117,9 +151,11 @@ class DataPlane:
         reg = self.registry.acquire(req.instance_id)
         uid = session.peer.uid
 
+        store = self._store_cuda if layout.cuda_device >= 0 else self._store
+
         def job(identity: bytes, rid: bytes) -> None:
             try:
-                self._reply(identity, rid, self._store(session, reg, layout, uid, req))
+                self._run(identity, rid, store(session, reg, layout, uid, req))
             finally:
                 self.registry.let_go(reg)
 
@@ -159,9 +195,11 @@ class DataPlane:
         reg = self.registry.acquire(req.instance_id)
         uid = session.peer.uid
 
+        retrieve = self._retrieve_cuda if layout.cuda_device >= 0 else self._retrieve
+
         def job(identity: bytes, rid: bytes) -> None:
             try:
-                self._reply(identity, rid, self._retrieve(session, reg, layout, uid, req))
+                self._run(identity, rid, retrieve(session, reg, layout, uid, req))
             finally:
                 self.registry.let_go(reg)
 
@@ -205,6 +243,91 @@ class DataPlane:
             if objs:
                 self.pool.unpin(objs, retrieved=False)
 
+    # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
+    def _store_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
+        if session.ended:
+            return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
+        sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
+        size = layout.chunk_bytes(cb)
+        objs: list = []
+        results: list[int] = []
+        try:
+            stream = sync.stream(dev)
+            if req.event:
+                sync.wait_ipc_event(stream, req.event, dev)
+            sync.pin(self.pool.tensor)
+            for i, key in enumerate(req.keys):
+                outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
+                results.append(outcome)
+                if obj is not None:
+                    objs.append(obj)
+                    cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, store=True,
+                                copy=sync.copy, stream=stream)
+            done, handle = sync.record(stream, dev)
+        except CudaSyncError as exc:
+            self.pool.abort(objs)
+            self.pool.count_failure()
+            return _error(ErrorCode.INVALID_ARG, f"STORE: {exc}; nothing was stored")
+        except Exception as exc:  # noqa: BLE001
+            self.pool.abort(objs)
+            self.pool.count_failure()
+            logger.warning("lmshm: CUDA STORE from %s failed: %s", quote(reg.instance_id, 60), exc)
+            return _error(ErrorCode.DATA_LOSS, f"STORE: the copies could not be queued ({clip(str(exc), 300)}); "
+                                               "nothing was stored")
+        self.events.keep(session.id, done)
+
+        def after() -> None:  # visible only once the copies have completed
+            try:
+                sync.synchronize(done)
+            except Exception as exc:  # noqa: BLE001
+                self.pool.abort(objs)
+                self.pool.count_failure()
+                logger.warning("lmshm: CUDA STORE from %s failed on the GPU: %s", quote(reg.instance_id, 60), exc)
+                return
+            self.pool.commit(objs)
+
+        return _Then(protocol.StoreReply(results, size * len(objs), handle), after)
+
+    def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+        objs, missing = self.pool.pin_for_copy(uid, req.keys, req.lease)
+        if missing is not None:
+            self.pool.count_failure()
+            return _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
+        cb = req.chunk_blocks
+        for i, obj in enumerate(objs):
+            if obj.layout != layout.digest or obj.blocks != cb:
+                self.pool.unpin(objs, retrieved=False)
+                self.pool.count_failure()
+                return _error(ErrorCode.LAYOUT, f"RETRIEVE: chunk {i} was stored from another layout than instance "
+                                                f"{quote(reg.instance_id, 60)} has; no block was written")
+        if session.ended:
+            self.pool.unpin(objs, retrieved=False)
+            return _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
+        sync, dev = self._sync(), layout.cuda_device
+        try:
+            stream = sync.stream(dev)
+            if req.event:
+                sync.wait_ipc_event(stream, req.event, dev)
+            sync.pin(self.pool.tensor)
+            for i, obj in enumerate(objs):
+                cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, store=False,
+                            copy=sync.copy, stream=stream)
+            done, handle = sync.record(stream, dev)
+        except Exception as exc:  # noqa: BLE001 - an unopenable event, or a copy that cannot be queued
+            self.pool.unpin(objs, retrieved=False)
+            self.pool.count_failure()
+            code = ErrorCode.INVALID_ARG if isinstance(exc, CudaSyncError) else ErrorCode.DATA_LOSS
+            return _error(code, f"RETRIEVE: {clip(str(exc), 300)}; recompute these blocks")
+        self.events.keep(session.id, done)
+
+        def after() -> None:  # the pool's bytes stay pinned until the GPU has read them
+            try:
+                sync.synchronize(done)
+            finally:
+                self.pool.unpin(objs, retrieved=True)
+
+        return _Then(protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys), handle), after)
+
     def _cancelled(self, reg: Any) -> Callable[[bytes, bytes], None]:
         def cancel(identity: bytes, rid: bytes) -> None:
             try:
@@ -236,6 +359,7 @@ class DataPlane:
     # ---- lifecycle ----------------------------------------------------------------------
     def session_ended(self, session_id: Hashable) -> None:
         self.pool.release_session(session_id)
+        self.events.drop(session_id)
 
     def tick(self) -> None:
         self.pool.expire()
@@ -246,4 +370,9 @@ class DataPlane:
     def shutdown(self) -> None:
         """Cancel queued copies, wait for running ones, drop the pool."""
         self.copier.shutdown()
+        if self._cuda_sync is not None and hasattr(self._cuda_sync, "unpin_all"):
+            try:
+                self._cuda_sync.unpin_all([self.pool.tensor])
+            except Exception:  # noqa: BLE001 - shutdown goes on
+                logger.exception("lmshm: unpinning the pool failed")
         self.pool.release()

@@ -232,26 +232,27 @@ class Link:
         except Exception as exc:  # noqa: BLE001
             self._failed("release", exc)
 
-    def store(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int) -> Any:
+    def store(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, event: bytes = b"") -> Any:
         """A ``Pending`` STORE, or None if it was dropped (no server, nothing registered)."""
         client = self.client()
         if client is None or self.instance_id is None or not keys:
             return None
         try:
             return client.store(self.instance_id, keys, block_ids, chunk_blocks, wait=False,
-                                timeout_s=self.config.timeout_s)
+                                timeout_s=self.config.timeout_s, event=event)
         except Exception as exc:  # noqa: BLE001
             self._failed("store", exc)
             return None
 
-    def retrieve(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, lease: bytes = b"") -> Any:
+    def retrieve(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, lease: bytes = b"",
+                 event: bytes = b"") -> Any:
         """A ``Pending`` RETRIEVE, or None if it cannot be sent (treat as a failure)."""
         client = self.client()
         if client is None or self.instance_id is None:
             return None
         try:
             return client.retrieve(self.instance_id, keys, block_ids, chunk_blocks, lease, wait=False,
-                                   timeout_s=self.config.timeout_s)
+                                   timeout_s=self.config.timeout_s, event=event)
         except Exception as exc:  # noqa: BLE001
             self._failed("retrieve", exc)
             return None
@@ -439,9 +440,12 @@ class WorkerSide:
     """The worker's half: runs a step's copies, tracks stores in flight per request."""
 
     def __init__(self, link: Link, rank: int = 0, *, corrupt_loads: Optional[Callable[[list[int]], None]] = None,
-                 fail_loads: bool = False) -> None:
+                 fail_loads: bool = False, cuda: Any = None) -> None:
         self.link = link
         self.rank = rank
+        #: For a CUDA KV cache: a ``WorkerCudaSync``. Each request carries an event recorded on
+        #: the worker's stream, and the stream waits on the server's event from the reply.
+        self.cuda = cuda
         self._stores: dict[str, list[Any]] = {}     # req id -> Pending STOREs
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
@@ -457,10 +461,13 @@ class WorkerSide:
                 self.link.release(spec.lease)
                 pending.append((spec, None))
                 continue
-            p = self.link.retrieve(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, spec.lease)
-            pending.append((spec, p))
-        for spec, p in pending:
+            ev, handle = self.cuda.ready() if self.cuda is not None else (None, b"")
+            p = self.link.retrieve(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, spec.lease, handle)
+            pending.append((spec, p, ev))
+        for spec, p, _ev in pending:  # _ev lives until the reply is here
             reply = self.link.outcome("retrieve", p) if p is not None else None
+            if reply is not None and self.cuda is not None:
+                self.cuda.wait(reply.event)
             if reply is None:
                 self.failed_loads += 1
                 self._load_errors.update(spec.block_ids)
@@ -471,12 +478,14 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         """Send this step's STOREs; they complete in the background."""
+        ev, handle = self.cuda.ready() if self.cuda is not None and plan.stores else (None, b"")
         for spec in plan.stores:
-            p = self.link.store(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks)
+            p = self.link.store(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, handle)
             self._stores.setdefault(spec.req_id, [])
             if p is None:
                 self.dropped_stores += 1
             else:
+                p._lmshm_event = ev  # alive until the reply
                 self._stores[spec.req_id].append(p)
 
     def wait_for_stores(self, req_ids: Optional[Iterable[str]] = None) -> None:
@@ -491,7 +500,10 @@ class WorkerSide:
             reply = self.link.outcome("store", p)
             if reply is not None:
                 self.stored_chunks += sum(1 for r in reply.results if r == 0)
+                if self.cuda is not None:
+                    self.cuda.wait(reply.event)  # the blocks are reused only after the server read them
             p._lmshm_settled = True
+            p._lmshm_event = None
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks may be freed now: finished, and no store in flight."""

@@ -95,6 +95,13 @@ class TrtllmKVPool:
                            for r in range(world_size)]
         self.link = link or Link(LinkConfig(url=url, client_name=f"trtllm-rank{rank}", timeout_s=timeout_s))
         self._model = model
+        self._cuda: Any = None
+        device = pool.device if isinstance(pool, torch.Tensor) else torch.device("cuda", pool.device) \
+            if isinstance(pool.device, int) else torch.device(pool.device)
+        if device.type == "cuda":
+            from lmshm.core.cuda_sync import WorkerCudaSync
+
+            self._cuda = WorkerCudaSync(device.index or 0)
 
     def register(self, instance_id: Optional[str] = None) -> None:
         """Register the pool (now, or as soon as the server answers)."""
@@ -129,9 +136,14 @@ class TrtllmKVPool:
         if not keys:
             self.release(lease)
             return False
+        ev, handle = self._cuda.ready() if self._cuda is not None else (None, b"")
         pending = self.link.retrieve(keys, chunk_block_ids(block_ids, 0, chunks, self.chunk_blocks),
-                                     self.chunk_blocks, lease)
-        return pending is not None and self.link.outcome("retrieve", pending) is not None
+                                     self.chunk_blocks, lease, handle)
+        reply = self.link.outcome("retrieve", pending) if pending is not None else None
+        if reply is not None and self._cuda is not None:
+            self._cuda.wait(reply.event)   # the current stream reads the blocks after the copies
+        del ev
+        return reply is not None
 
     def store(self, tokens: Sequence[int], block_ids: Sequence[int], *, wait: bool = True) -> Any:
         """Store every whole chunk of ``tokens`` from ``block_ids``. With ``wait``, returns the
@@ -139,11 +151,16 @@ class TrtllmKVPool:
         keys = self.keys(tokens)[self.rank]
         if not keys:
             return 0 if wait else None
+        ev, handle = self._cuda.ready() if self._cuda is not None else (None, b"")
         pending = self.link.store(keys, chunk_block_ids(block_ids, 0, len(keys), self.chunk_blocks),
-                                  self.chunk_blocks)
+                                  self.chunk_blocks, handle)
         if not wait or pending is None:
+            if pending is not None:
+                pending._lmshm_event = ev  # alive until the caller has the reply
             return pending if not wait else 0
         reply = self.link.outcome("store", pending)
+        if reply is not None and self._cuda is not None:
+            self._cuda.wait(reply.event)   # reuse the blocks only after the server read them
         return 0 if reply is None else sum(1 for r in reply.results if r == 0)
 
     def release(self, lease: bytes) -> None:

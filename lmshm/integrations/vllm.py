@@ -139,6 +139,11 @@ class LmshmConnector(KVConnectorBase_V1):
     # ---- worker side --------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv_caches = dict(kv_caches)
+        first = next(iter(self._kv_caches.values()), None)
+        if first is not None and first.is_cuda:
+            from lmshm.core.cuda_sync import WorkerCudaSync
+
+            self._worker.cuda = WorkerCudaSync(first.device.index or 0)
         self._link.register(self._kv_caches, model_name=self._model_name, world_size=self._world, rank=self._rank)
         self._link.wait_connected(self._link.config.timeout_s)
 

@@ -485,16 +485,19 @@ class MPClient:
         return Pending(self, rid, type(msg).__name__.upper(), self.timeout_s if timeout_s is None else timeout_s)
 
     def store(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
-              *, wait: bool = True, timeout_s: Optional[float] = None) -> Any:
+              *, wait: bool = True, timeout_s: Optional[float] = None, event: bytes = b"") -> Any:
         """Copy chunks of blocks into the server's pool (``protocol.Store``). Returns the
-        ``StoreReply``, or with ``wait=False`` a ``Pending`` for it."""
-        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks), timeout_s)
+        ``StoreReply``, or with ``wait=False`` a ``Pending`` for it. ``event``: for a CUDA
+        registration, the IPC handle of an event recorded after the blocks were written."""
+        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event), timeout_s)
         return p.result() if wait else p
 
     def retrieve(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
-                 lease: bytes = b"", *, wait: bool = True, timeout_s: Optional[float] = None) -> Any:
-        """Copy stored chunks into blocks (``protocol.Retrieve``); all or nothing."""
-        p = self.submit(protocol.Retrieve(instance_id, keys, block_ids, chunk_blocks, lease), timeout_s)
+                 lease: bytes = b"", *, wait: bool = True, timeout_s: Optional[float] = None,
+                 event: bytes = b"") -> Any:
+        """Copy stored chunks into blocks (``protocol.Retrieve``); all or nothing. ``event``: for
+        a CUDA registration, an event recorded after the worker last used the blocks."""
+        p = self.submit(protocol.Retrieve(instance_id, keys, block_ids, chunk_blocks, lease, event), timeout_s)
         return p.result() if wait else p
 
     def lookup(self, keys: list[list[bytes]], ttl_s: float = 0.0,

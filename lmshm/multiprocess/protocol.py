@@ -196,6 +196,8 @@ Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 ChunkBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
 Lease = Annotated[bytes, msgspec.Meta(max_length=LEASE_BYTES)]
+#: A cudaIpcEventHandle (64 bytes), or empty: orders a copy on a CUDA registration (dataplane.md).
+Event = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 
 class Store(_Message, tag=int(MsgType.STORE)):
@@ -210,6 +212,7 @@ class Store(_Message, tag=int(MsgType.STORE)):
     keys: Keys
     block_ids: BlockIds
     chunk_blocks: ChunkBlocks
+    event: Event = b""       # CUDA: the worker's event recorded after the blocks were written
 
 
 class Lookup(_Message, tag=int(MsgType.LOOKUP)):
@@ -235,6 +238,7 @@ class Retrieve(_Message, tag=int(MsgType.RETRIEVE)):
     block_ids: BlockIds
     chunk_blocks: ChunkBlocks
     lease: Lease = b""
+    event: Event = b""       # CUDA: the worker's event recorded after it last used the blocks
 
 
 class Release(_Message, tag=int(MsgType.RELEASE)):
@@ -333,7 +337,8 @@ class StoreResult(IntEnum):
 
 class StoreReply(_Message, tag=int(MsgType.STORE_REPLY)):
     results: list[int]       # one StoreResult per key
-    nbytes: int              # bytes copied
+    nbytes: int              # bytes copied (CUDA: queued; done once ``event`` has completed)
+    event: bytes = b""       # CUDA: the server's event; wait on it before reusing the blocks
 
 
 class LookupReply(_Message, tag=int(MsgType.LOOKUP_REPLY)):
@@ -345,6 +350,7 @@ class LookupReply(_Message, tag=int(MsgType.LOOKUP_REPLY)):
 class RetrieveReply(_Message, tag=int(MsgType.RETRIEVE_REPLY)):
     chunks: int
     nbytes: int
+    event: bytes = b""       # CUDA: the server's event; wait on it before reading the blocks
 
 
 class ReleaseReply(_Message, tag=int(MsgType.RELEASE_REPLY)):

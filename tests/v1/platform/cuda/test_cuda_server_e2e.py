@@ -150,3 +150,43 @@ def test_gpu_worker_registers_through_the_server_and_a_kill_gives_the_memory_bac
             rc = server.wait()
         server.stdout.close()
         assert rc == 0, f"lmshm-server exited {rc}:\n{log.read_text()[-4000:]}"
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw"])
+def test_gpu_store_and_retrieve_are_ordered_by_events(scratch, kind):
+    """The data plane on a GPU: layers of one allocation (one group), blocks written on the
+    worker's stream and stored with its event, overwritten right after the server's event, then
+    retrieved into other blocks -- with no host-side synchronisation in the worker between."""
+    from lmshm.core.cuda_sync import WorkerCudaSync
+    from lmshm.multiprocess.client import MPClient, query_status
+    from lmshm.platform import ipc_policy
+
+    isolated = kind == "cuda-raw"
+    server, url, fd_socket, log = start_server(scratch, isolated)
+    ipc_policy.set_isolated_ipc(isolated)
+    try:
+        pool = torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0")   # layers x blocks x ...
+        kv = {f"model.layers.{i}.attn": pool[i] for i in range(2)}
+        with MPClient(url, fd_socket=fd_socket, heartbeat=False) as client:
+            iid = client.register_kv_caches(kv, "gpu-dp")
+            (reg,) = query_status(url).registrations
+            assert reg.kinds == [kind] and reg.num_layers == 2
+            sync = WorkerCudaSync(0)
+            pool[:, 3:5].fill_(1.25)
+            _ev, handle = sync.ready()
+            stored = client.store(iid, [b"k" * 16], [3, 4], 2, event=handle)
+            assert stored.results == [0] and len(stored.event) == 64
+            sync.wait(stored.event)
+            pool[:, 3:5].fill_(-7.0)                  # ordered after the server's read
+            _ev2, handle2 = sync.ready()
+            got = client.retrieve(iid, [b"k" * 16], [10, 11], 2, event=handle2)
+            sync.wait(got.event)
+            assert bool((pool[:, 10:12] == 1.25).all()), "RETRIEVE did not bring back what STORE read"
+            assert bool((pool[:, 3:5] == -7.0).all())
+            info = query_status(url).pool
+            assert (info.stored, info.retrieved, info.pinned, info.failed) == (1, 1, 0, 0)
+            client.unregister_kv_caches(iid)
+    finally:
+        ipc_policy.set_isolated_ipc(None)
+        server.terminate()
+        assert server.wait(30) == 0, log.read_text()[-4000:]
