@@ -228,7 +228,8 @@ class Link:
         if client is None or not lease:
             return
         try:
-            client.submit(protocol.Release(lease), self.config.lookup_timeout_s)  # reply not awaited
+            # Not awaited: cancel() makes the client drop the reply when it comes.
+            client.submit(protocol.Release(lease), self.config.lookup_timeout_s).cancel()
         except Exception as exc:  # noqa: BLE001
             self._failed("release", exc)
 

@@ -365,7 +365,7 @@ class PoolInfo(msgspec.Struct, frozen=True):
     pinned: int              # objects pinned by leases or copies
     leases: int
     hits: int                # chunks LOOKUP found
-    misses: int              # chunks LOOKUP asked for and did not find (first miss per rank list)
+    misses: int              # LOOKUPs that found fewer chunks than they asked for
     stored: int              # chunks stored
     store_skipped: int       # chunks skipped for lack of space
     evictions: int

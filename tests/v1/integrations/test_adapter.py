@@ -182,3 +182,25 @@ def test_a_preempted_request_waits_for_its_stores_and_starts_over(server):
     finally:
         a.close()
         gc.collect()
+
+
+def test_unawaited_releases_leave_nothing_behind_in_the_client(server):
+    a = Engine(server.url, "A")
+    try:
+        tokens = list(range(32))
+        plan = a.sched.plan()
+        a.sched.scheduled("r", block_ids=[0, 1], replace_blocks=True, computed_after_step=32, tokens=tokens,
+                          plan=plan)
+        a.worker.save(plan)
+        a.worker.wait_for_stores()
+        for _ in range(200):
+            hits, lease = a.slink.lookup([chunk_keys(a.sched.namespaces[0], tokens, BLOCK)])
+            assert hits == 2
+            a.slink.release(lease)
+        dealer = a.slink.client()._dealer
+        a.slink.lookup([[b"x" * 32]])          # one more round trip: the releases' replies have come
+        assert not dealer._replies and not dealer._pending
+        wait_for(lambda: query_status(server.url).pool.leases == 0, 5, what="the leases to end")
+    finally:
+        a.close()
+        gc.collect()
