@@ -145,21 +145,33 @@ class DataPlane:
 
     # ---- requests -----------------------------------------------------------------------
     def store(self, session: Any, req: protocol.Store) -> Deferred:
-        reg = self._owned(session, req.instance_id, "STORE")
+        return self._copy_job(session, req, "STORE", self._store, self._store_cuda)
+
+    def retrieve(self, session: Any, req: protocol.Retrieve) -> Deferred:
+        return self._copy_job(session, req, "RETRIEVE", self._retrieve, self._retrieve_cuda)
+
+    def _copy_job(self, session: Any, req: Any, what: str, on_cpu: Callable[..., Any],
+                  on_cuda: Callable[..., Any]) -> Deferred:
+        """Validate on the loop, hold the registration, and return the copier job."""
+        reg = self._owned(session, req.instance_id, what)
         layout = self._layout(reg)
-        self._check_blocks("STORE", layout, req.keys, req.block_ids, req.chunk_blocks)
+        self._check_blocks(what, layout, req.keys, req.block_ids, req.chunk_blocks)
         reg = self.registry.acquire(req.instance_id)
         uid = session.peer.uid
-
-        store = self._store_cuda if layout.cuda_device >= 0 else self._store
+        copy = on_cuda if layout.cuda_device >= 0 else on_cpu
 
         def job(identity: bytes, rid: bytes) -> None:
             try:
-                self._run(identity, rid, store(session, reg, layout, uid, req))
+                self._run(identity, rid, copy(session, reg, layout, uid, req))
             finally:
                 self.registry.let_go(reg)
 
-        return Deferred(session.id, job, self._cancelled(reg))
+        def cancel(identity: bytes, rid: bytes) -> None:
+            if getattr(req, "lease", b""):
+                self.pool.release_lease(req.lease, uid)
+            self._cancelled(reg)(identity, rid)
+
+        return Deferred(session.id, job, cancel)
 
     def _store(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
         if session.ended:
@@ -187,28 +199,6 @@ class DataPlane:
             self.pool.commit([obj])
             copied += size
         return protocol.StoreReply(results, copied)
-
-    def retrieve(self, session: Any, req: protocol.Retrieve) -> Deferred:
-        reg = self._owned(session, req.instance_id, "RETRIEVE")
-        layout = self._layout(reg)
-        self._check_blocks("RETRIEVE", layout, req.keys, req.block_ids, req.chunk_blocks)
-        reg = self.registry.acquire(req.instance_id)
-        uid = session.peer.uid
-
-        retrieve = self._retrieve_cuda if layout.cuda_device >= 0 else self._retrieve
-
-        def job(identity: bytes, rid: bytes) -> None:
-            try:
-                self._run(identity, rid, retrieve(session, reg, layout, uid, req))
-            finally:
-                self.registry.let_go(reg)
-
-        def cancel(identity: bytes, rid: bytes) -> None:
-            if req.lease:
-                self.pool.release_lease(req.lease, uid)
-            self._cancelled(reg)(identity, rid)
-
-        return Deferred(session.id, job, cancel)
 
     def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
         objs, missing = self.pool.pin_for_copy(uid, req.keys, req.lease)

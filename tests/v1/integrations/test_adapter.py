@@ -64,6 +64,14 @@ class Engine:
         self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK)
         self.worker = WorkerSide(self.wlink)
 
+    def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> None:
+        """The request's whole prompt is computed in one step, and its STOREs are sent."""
+        self.sched.matched_tokens(req_id, tokens, 0)
+        plan = self.sched.plan()
+        self.sched.scheduled(req_id, block_ids=block_ids, replace_blocks=True, computed_after_step=len(tokens),
+                             tokens=tokens, plan=plan)
+        self.worker.save(plan)
+
     def blocks(self, ids):
         return torch.stack([t[ids] for t in self.kv.values()])
 
@@ -115,11 +123,7 @@ def test_a_failed_load_reports_its_blocks(server):
     a = Engine(server.url, "A")
     try:
         tokens = list(range(64))
-        a.sched.matched_tokens("r", tokens, 0)
-        plan = a.sched.plan()
-        a.sched.scheduled("r", block_ids=[0, 1, 2, 3], replace_blocks=True, computed_after_step=64,
-                          tokens=tokens, plan=plan)
-        a.worker.save(plan)
+        a.prefill("r", tokens, [0, 1, 2, 3])
         a.worker.wait_for_stores()
         assert a.sched.matched_tokens("again", tokens, 0) == 63
         a.sched.allocated("again", [8, 9, 10, 11], 63)
@@ -165,11 +169,7 @@ def test_a_preempted_request_waits_for_its_stores_and_starts_over(server):
     a = Engine(server.url, "A")
     try:
         tokens = list(range(64))
-        a.sched.matched_tokens("r", tokens, 0)
-        plan = a.sched.plan()
-        a.sched.scheduled("r", block_ids=[0, 1, 2, 3], replace_blocks=True, computed_after_step=64,
-                          tokens=tokens, plan=plan)
-        a.worker.save(plan)
+        a.prefill("r", tokens, [0, 1, 2, 3])
         plan = a.sched.plan()
         a.sched.preempted("r", plan)
         assert plan.preempted == ["r"]
@@ -188,10 +188,7 @@ def test_unawaited_releases_leave_nothing_behind_in_the_client(server):
     a = Engine(server.url, "A")
     try:
         tokens = list(range(32))
-        plan = a.sched.plan()
-        a.sched.scheduled("r", block_ids=[0, 1], replace_blocks=True, computed_after_step=32, tokens=tokens,
-                          plan=plan)
-        a.worker.save(plan)
+        a.prefill("r", tokens, [0, 1])
         a.worker.wait_for_stores()
         for _ in range(200):
             hits, lease = a.slink.lookup([chunk_keys(a.sched.namespaces[0], tokens, BLOCK)])
