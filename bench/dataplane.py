@@ -62,22 +62,10 @@ def memcpy_times(nbytes: int, reps: int) -> tuple[list[float], list[float]]:
     return warm, cold
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--request-mib", type=int, default=256)
-    ap.add_argument("--reps", type=int, default=12)
-    ap.add_argument("--lookups", type=int, default=2000)
-    ap.add_argument("--capacity", default="1GiB")
-    ap.add_argument("--copy-threads", type=int, default=2)
-    ap.add_argument("--shuffled", action="store_true",
-                    help="block ids in random order (every block its own run), as a long-running engine has them")
-    args = ap.parse_args()
-
-    request_bytes = args.request_mib << 20
-    blocks_per_request = request_bytes // (LAYERS * BLOCK_LAYER_BYTES)
-    chunks = blocks_per_request // CHUNK_BLOCKS
+def run_mode(args: argparse.Namespace, mode: str, request_bytes: int, blocks_per_request: int, chunks: int) -> dict:
     num_blocks = 2 * blocks_per_request
-    with BenchServer("--capacity", args.capacity, "--copy-threads", str(args.copy_threads)) as server:
+    extra = ["--copy-through-mapping"] if mode == "mapping" else []
+    with BenchServer("--capacity", args.capacity, "--copy-threads", str(args.copy_threads), *extra) as server:
         pool = empty_shared((LAYERS, num_blocks, HEADS, TOKENS, DIM), torch.float16)
         pool.normal_()
         kv = {f"layer.{i}": pool[i] for i in range(LAYERS)}
@@ -116,29 +104,48 @@ def main() -> int:
             info = client.status().pool
             client.unregister_kv_caches(iid)
         del kv, pool
+    return dict(stores=stores, retrieves=retrieves, lookups=lookups, pings=pings, evictions=info.evictions,
+                rc=server.returncode)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--request-mib", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--lookups", type=int, default=2000)
+    ap.add_argument("--capacity", default="1GiB")
+    ap.add_argument("--copy-threads", type=int, default=2)
+    ap.add_argument("--modes", default="file,mapping",
+                    help="server copy modes to run side by side: file (the default, preadv/pwritev through the "
+                         "segment's file) and mapping (--copy-through-mapping, memmove)")
+    ap.add_argument("--shuffled", action="store_true",
+                    help="block ids in random order (every block its own run), as a long-running engine has them")
+    args = ap.parse_args()
+
+    request_bytes = args.request_mib << 20
+    blocks_per_request = request_bytes // (LAYERS * BLOCK_LAYER_BYTES)
+    chunks = blocks_per_request // CHUNK_BLOCKS
+    results = {mode: run_mode(args, mode, request_bytes, blocks_per_request, chunks) for mode in args.modes.split(",")}
     warm_cp, cold_cp = memcpy_times(request_bytes, args.reps)
 
     fill = max(1, min(args.reps - 1, parse_capacity(args.capacity) // request_bytes))
-    cold_st, warm_st = stores[:fill], stores[fill:]
     gbs = lambda s: request_bytes / statistics.median(s) / 1e9  # noqa: E731
-    rows = [
-        ("memcpy, touched pages", warm_cp, None),
-        ("memcpy, fresh pages", cold_cp, None),
-        ("STORE, cold pool pages", cold_st, cold_cp),
-        ("STORE, warm pool pages", warm_st, warm_cp),
-        ("RETRIEVE", retrieves, warm_cp),
-    ]
     print(f"{args.request_mib} MiB per request ({chunks} chunks of {CHUNK_BLOCKS} blocks x {LAYERS} layers), "
           f"{args.copy_threads} copy threads, {os.cpu_count()} CPUs, block ids "
-          f"{'shuffled' if args.shuffled else 'consecutive'}; evictions {info.evictions}")
-    print(f"{'operation':<26} {'median ms':>10} {'GB/s':>7} {'x memcpy':>9}  n")
+          f"{'shuffled' if args.shuffled else 'consecutive'}")
+    print(f"{'operation':<34} {'median ms':>10} {'GB/s':>7} {'x memcpy':>9}  n")
+    rows = [("memcpy, touched pages", warm_cp, None), ("memcpy, fresh pages", cold_cp, None)]
+    for mode, r in results.items():
+        rows += [(f"[{mode}] STORE, cold pool pages", r["stores"][:fill], cold_cp),
+                 (f"[{mode}] STORE, warm pool pages", r["stores"][fill:], warm_cp),
+                 (f"[{mode}] RETRIEVE", r["retrieves"], warm_cp)]
     for name, xs, base in rows:
         ratio = f"{statistics.median(base) / statistics.median(xs):.2f}" if base else "-"
-        print(f"{name:<26} {median_ms(xs):>10.1f} {gbs(xs):>7.2f} {ratio:>9}  {len(xs)}")
-    print(f"\nLOOKUP of 64 keys: median {median_ms(lookups) * 1e3:.0f} us; empty PING: median "
-          f"{median_ms(pings) * 1e3:.0f} us; ratio {statistics.median(lookups) / statistics.median(pings):.2f} "
-          f"(n={args.lookups} each, alternating)")
-    print(f"server exit status {server.returncode}")
+        print(f"{name:<34} {median_ms(xs):>10.1f} {gbs(xs):>7.2f} {ratio:>9}  {len(xs)}")
+    for mode, r in results.items():
+        print(f"[{mode}] LOOKUP of 64 keys: median {median_ms(r['lookups']) * 1e3:.0f} us; empty PING: median "
+              f"{median_ms(r['pings']) * 1e3:.0f} us; ratio {statistics.median(r['lookups']) / statistics.median(r['pings']):.2f} "
+              f"(n={args.lookups} each, alternating); evictions {r['evictions']}; server exit status {r['rc']}")
     return 0
 
 

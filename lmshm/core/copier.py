@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
 import hashlib
 import logging
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +40,15 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class FileSide:
+    """Where a layer's bytes lie in its named shared-memory file, for copies through the file."""
+
+    path: str
+    inode: tuple[int, int]    # (st_dev, st_ino) the server mapped: a replaced name is refused
+    offset0: int              # file offset of block 0
+
+
+@dataclass(frozen=True)
 class LayerPlan:
     name: str
     view: torch.Tensor        # uint8 [num_blocks, *grid, run_bytes] over the server's mapping
@@ -45,6 +56,7 @@ class LayerPlan:
     dense: bool               # one block is one byte run (no grid)
     base: int                 # address of block 0 (CPU)
     block_stride: int         # bytes from one block to the next
+    file: FileSide | None = None  # set for dense layers of named shm: copied with preadv/pwritev
 
 
 @dataclass(frozen=True)
@@ -145,8 +157,54 @@ TORCH_COPY_BYTES = 1 << 20
 _memmove = ctypes.memmove
 
 
-def _copy_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], *, store: bool) -> None:
+class PoolBytes:
+    """The pool as a memoryview, for ``preadv``/``pwritev`` into and out of it."""
+
+    def __init__(self, view: memoryview, addr: int) -> None:
+        self.view, self.addr = view, addr
+
+    def at(self, addr: int, n: int) -> memoryview:
+        return self.view[addr - self.addr:addr - self.addr + n]
+
+
+def open_checked(side: FileSide) -> int:
+    """An fd for a layer's file, if it is still the file the server mapped; else OSError."""
+    fd = os.open(side.path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != side.inode:
+        os.close(fd)
+        raise OSError(errno.ESTALE, f"{side.path} is no longer the segment that was registered")
+    return fd
+
+
+def _file_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], store: bool,
+               pool: PoolBytes) -> None:
+    """Copy through the file, not the mapping: a segment its owner truncates or punches holes in
+    makes ``preadv`` return short (refused below) instead of killing the server with SIGBUS,
+    and ``pwritev`` only writes the file again."""
+    side, bb, stride = plan.file, plan.block_bytes, plan.block_stride
+    pieces = [(p, f, n) for p, f, n in runs] if stride == bb else \
+        [(p + j, f + j, 1) for p, f, n in runs for j in range(n)]
+    obj = obj_layer.data_ptr()
+    fd = open_checked(side)
+    try:
+        for pos, first, n in pieces:
+            mv = pool.at(obj + pos * bb, n * bb)
+            off = side.offset0 + first * stride
+            done = os.preadv(fd, [mv], off) if store else os.pwritev(fd, [mv], off)
+            if done != n * bb:
+                raise OSError(errno.EIO, f"{side.path} was truncated during the copy ({done} of {n * bb} bytes "
+                                         f"at offset {off})")
+    finally:
+        os.close(fd)
+
+
+def _copy_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], *, store: bool,
+               pool: PoolBytes | None = None) -> None:
     bb = plan.block_bytes
+    if plan.file is not None and pool is not None:
+        _file_runs(plan, obj_layer, runs, store, pool)
+        return
     if plan.dense and plan.view.device.type == "cpu":
         obj_base = obj_layer.data_ptr()
         for pos, first, n in runs:
@@ -174,23 +232,27 @@ _splitter_lock = threading.Lock()
 
 
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
-                store: bool) -> None:
+                store: bool, pool: PoolBytes | None) -> None:
     global _splitter
     runs = _runs(block_ids)
     pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
-    short = len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].block_bytes < TORCH_COPY_BYTES
+    # Split what no torch copy parallelises: short runs (memmove) and copies through files
+    # (preadv/pwritev; the kernel's copy runs on the calling thread).
+    short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].block_bytes < TORCH_COPY_BYTES
+             or (store and pool is not None and layout.layers[0].file is not None))
+    # (Not pwritev: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
     if short and len(pairs) > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
         with _splitter_lock:
             if _splitter is None:
                 _splitter = ThreadPoolExecutor(_SPLIT_THREADS, thread_name_prefix="lmshm-copy-split")
         half = len(pairs) // 2
-        other = _splitter.submit(lambda: [_copy_runs(p, o, runs, store=store) for p, o in pairs[half:]])
+        other = _splitter.submit(lambda: [_copy_runs(p, o, runs, store=store, pool=pool) for p, o in pairs[half:]])
         for p, o in pairs[:half]:
-            _copy_runs(p, o, runs, store=store)
+            _copy_runs(p, o, runs, store=store, pool=pool)
         other.result()
         return
     for p, o in pairs:
-        _copy_runs(p, o, runs, store=store)
+        _copy_runs(p, o, runs, store=store, pool=pool)
 
 
 def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
@@ -204,17 +266,20 @@ def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
             copy(pool_side, kv_side, stream) if store else copy(kv_side, pool_side, stream)
 
 
-def gather(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:
-    """STORE: copy blocks ``block_ids`` of every layer into ``obj`` (a pool object's bytes)."""
-    _each_layer(layout, block_ids, obj, chunk_blocks, store=True)
+def gather(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
+           pool: PoolBytes | None = None) -> None:
+    """STORE: copy blocks ``block_ids`` of every layer into ``obj`` (a pool object's bytes).
+    With ``pool``, layers that have a ``file`` are read through it."""
+    _each_layer(layout, block_ids, obj, chunk_blocks, store=True, pool=pool)
 
 
-def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int) -> None:
+def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
+            pool: PoolBytes | None = None) -> None:
     """RETRIEVE: copy ``obj`` into blocks ``block_ids`` of every layer.
 
     Per run of consecutive block ids, not torch's ``index_copy_``/``index_put_``, which reach
     only 2-3 GB/s here (bench/dataplane.py)."""
-    _each_layer(layout, block_ids, obj, chunk_blocks, store=False)
+    _each_layer(layout, block_ids, obj, chunk_blocks, store=False, pool=pool)
 
 
 class OrderedExecutor:

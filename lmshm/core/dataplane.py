@@ -19,7 +19,7 @@ import dataclasses
 import logging
 from typing import Any, Callable, Hashable
 
-from lmshm.core.copier import BlockLayout, LayoutError, OrderedExecutor, cuda_copies, gather, scatter
+from lmshm.core.copier import BlockLayout, FileSide, LayoutError, OrderedExecutor, cuda_copies, gather, scatter
 from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.pool import Pool, Reservation
 from lmshm.multiprocess import protocol
@@ -64,7 +64,7 @@ class _Then:
 class DataPlane:
     def __init__(self, *, registry: Any, capacity: int, copy_threads: int, lease_ttl_s: float,
                  max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
-                 cuda_sync: Any = None) -> None:
+                 cuda_sync: Any = None, through_files: bool = True) -> None:
         self.registry = registry
         self.pool = Pool(capacity)
         self.copier = OrderedExecutor(copy_threads)
@@ -74,6 +74,7 @@ class DataPlane:
         self._reply = reply
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
+        self.through_files = through_files  # named shm: preadv/pwritev (SIGBUS-safe), else memmove
 
     # ---- validation, on the loop --------------------------------------------------------
     def _owned(self, session: Any, instance_id: str, what: str) -> Any:
@@ -105,6 +106,8 @@ class DataPlane:
                                      "data plane moves registrations of one device")
             try:
                 layout = BlockLayout.of(reg.layer_names, tensors)
+                if kinds == {"cpu"} and self.through_files:
+                    layout = self._with_files(reg, layout)
                 if kinds == {"cuda"}:
                     from lmshm.platform.cuda.driver import get_driver
 
@@ -115,6 +118,21 @@ class DataPlane:
         if isinstance(reg.block_layout, LayoutError):
             raise DataPlaneError(ErrorCode.LAYOUT, f"instance {quote(reg.instance_id, 60)}: {reg.block_layout}")
         return reg.block_layout
+
+    @staticmethod
+    def _with_files(reg: Any, layout: BlockLayout) -> BlockLayout:
+        """Dense layers of named shm are copied through their file (no SIGBUS if the owner
+        truncates it mid-copy); memfds are sealed against shrinking and copied by memmove."""
+        plans = []
+        for plan in layout.layers:
+            found = reg.layer(plan.name)
+            backing = getattr(found[1], "backing_file", None) if found else None
+            where = backing() if backing is not None and plan.dense else None
+            if where is not None:
+                path, inode, start = where
+                plan = dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start))
+            plans.append(plan)
+        return dataclasses.replace(layout, layers=tuple(plans))
 
     def _sync(self) -> Any:
         if self._cuda_sync is None:
@@ -188,7 +206,7 @@ class DataPlane:
             try:
                 for w in reg.wrappers:
                     w.verify_mapped()
-                gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
+                gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
             except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
                 self.pool.abort([obj])
                 self.pool.count_failure()
@@ -220,7 +238,7 @@ class DataPlane:
                 for w in reg.wrappers:
                     w.verify_mapped()
                 for i, obj in enumerate(objs):
-                    scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb)
+                    scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
             except Exception as exc:  # noqa: BLE001
                 self.pool.count_failure()
                 logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), exc)

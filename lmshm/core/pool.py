@@ -35,6 +35,8 @@ from typing import Any, Hashable, Iterable, Optional
 
 import torch
 
+from lmshm.core.copier import PoolBytes
+
 ALIGN = 64  # bytes; every object starts on a cache line
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -119,6 +121,7 @@ class Pool:
             self._buf = (ctypes.c_uint8 * capacity).from_address(addr)
             self._unmap = weakref.finalize(self._buf, _libc.munmap, addr, capacity)
             self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8)
+        self.bytes = PoolBytes(memoryview(self._buf).cast("B") if capacity else memoryview(b""), self._addr)
 
     # ---- bytes --------------------------------------------------------------------------
     def view(self, obj: PoolObject) -> torch.Tensor:
@@ -162,6 +165,7 @@ class Pool:
             self._free = []
             self.used = self.in_flight = 0
             self.tensor = torch.empty(0, dtype=torch.uint8)
+            self.bytes.view.release()
             self._buf = None
 
     # ---- store --------------------------------------------------------------------------

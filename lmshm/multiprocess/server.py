@@ -144,7 +144,8 @@ class Server:
             self.dataplane = DataPlane(
                 registry=self.registry, capacity=config.capacity, copy_threads=config.copy_threads,
                 lease_ttl_s=config.lease_ttl_s, max_inflight_per_session=config.max_inflight_per_session,
-                max_leases_per_session=config.max_leases_per_session, reply=self._complete)
+                max_leases_per_session=config.max_leases_per_session, reply=self._complete,
+                through_files=not config.copy_through_mapping)
         except BaseException:
             self.fdchannel.close()
             self.router.close()

@@ -332,6 +332,15 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
                 "(use isolated mode, LMSHM_ISOLATED_IPC=1, there)"
             ) from None
 
+    def backing_file(self) -> tuple[str, tuple[int, int], int] | None:
+        """Consumer side, once mapped: ``(path, (st_dev, st_ino), address of the mapping)``, so the
+        data plane can copy through the file (``preadv``/``pwritev``) instead of the mapping."""
+        lease = self._lease
+        if lease is None or lease.released:
+            return None
+        mapping: _Mapping = lease.value
+        return os.path.join(segments.shm_dir(), self.segment), mapping.inode, mapping.start
+
     def release_orphaned(self) -> None:
         """The producer died without unlinking: remove the name so /dev/shm does not fill up --
         only if the name still stands for the very object this wrapper mapped."""

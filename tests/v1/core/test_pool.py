@@ -86,3 +86,36 @@ def test_layouts_the_data_plane_cannot_move_are_named():
         BlockLayout.of(["a", "b"], [torch.zeros(8, 4), torch.zeros(9, 4)])
     ok = BlockLayout.of(["a"], [torch.zeros(8, 2, 4).transpose(0, 1).contiguous().transpose(0, 1)])
     assert ok.block_bytes == 2 * 4 * 4 and len(ok.digest) == 16
+
+
+def test_a_copy_through_a_file_truncated_under_it_fails_instead_of_killing_the_process():
+    """The SIGBUS race: the owner truncates its segment after the server's check. Copies of named
+    shm go through the file (preadv/pwritev), so this process gets an error, not a signal."""
+    import dataclasses
+    import os
+
+    import torch
+
+    from lmshm.core.copier import FileSide, gather, scatter
+    from lmshm.platform.cpu import empty_shared, segment_of
+
+    t = empty_shared((8, 4096), torch.uint8)
+    t.fill_(7)
+    seg = segment_of(t)
+    layout = BlockLayout.of(["l"], [t])
+    st = os.stat(seg.path)
+    start = t.untyped_storage().data_ptr()
+    plan = dataclasses.replace(layout.layers[0], file=FileSide(seg.path, (st.st_dev, st.st_ino),
+                                                                layout.layers[0].base - start))
+    layout = dataclasses.replace(layout, layers=(plan,))
+    pool = Pool(1 << 20)
+    _, obj = pool.reserve(0, b"k", layout.chunk_bytes(2), layout.digest, 2)
+    gather(layout, [3, 4], pool.view(obj), 2, pool.bytes)
+    assert bool((pool.view(obj) == 7).all())
+    os.truncate(seg.path, 4096)                      # from here on, touching t's pages would SIGBUS
+    with pytest.raises(OSError, match="truncated during the copy"):
+        gather(layout, [3, 4], pool.view(obj), 2, pool.bytes)
+    scatter(layout, [5, 6], pool.view(obj), 2, pool.bytes)   # writes the file again: no signal either
+    assert os.stat(seg.path).st_size == 7 * 4096
+    pool.abort([obj])
+    del t

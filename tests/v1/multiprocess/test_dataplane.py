@@ -31,7 +31,9 @@ def pool(w) -> dict:
     return w.ok("pool")["pool"]
 
 
-def test_blocks_stored_by_one_worker_are_retrieved_by_another(start_worker, server):
+@pytest.mark.parametrize("mode", ["through-files", "through-mapping"])
+def test_blocks_stored_by_one_worker_are_retrieved_by_another(start_worker, start_server, mode):
+    server = start_server(*(["--copy-through-mapping"] if mode == "through-mapping" else []))
     a, ia = kv_worker(start_worker, server)
     b, ib = kv_worker(start_worker, server)
     a.ok("fill_blocks", instance_id=ia, blocks=[2, 3, 4, 5], seed=1)
@@ -66,6 +68,20 @@ def test_blocks_of_several_byte_runs_round_trip(start_worker, server):
     a.ok("retrieve", instance_id=ia, keys=[key(0), key(1)], blocks=[10, 12, 11, 15], chunk_blocks=2)
     assert a.ok("digest_blocks", instance_id=ia, blocks=[10, 12, 11, 15])["digests"] == before
     assert a.ok("digest_blocks", instance_id=ia, blocks=[0, 2, 5, 6, 7, 8])["digests"] == others
+
+
+@pytest.mark.parametrize("what", ["truncated", "punched"])
+def test_a_worker_that_shrinks_its_segment_cannot_stop_the_server(start_worker, server, what):
+    a, ia = kv_worker(start_worker, server)
+    a.ok("store", instance_id=ia, keys=[key(0)], blocks=[0], chunk_blocks=1)
+    a.ok("damage_segment", instance_id=ia, how=what)
+    for op, kw in (("store", dict(keys=[key(1)], blocks=[1])), ("retrieve", dict(keys=[key(0)], blocks=[2]))):
+        r = a.call(op, instance_id=ia, chunk_blocks=1, **kw)
+        assert not r["ok"] and r["code"] in (ErrorCode.DATA_LOSS, ErrorCode.UNAVAILABLE), r
+        assert ("truncated" if what == "truncated" else "holes") in r["message"], r
+    assert server.alive
+    b, ib = kv_worker(start_worker, server)
+    assert b.ok("store", instance_id=ib, keys=[key(7)], blocks=[0], chunk_blocks=1)["results"] == [0]
 
 
 def test_a_stored_key_is_skipped_and_reported(start_worker, server):

@@ -136,6 +136,22 @@ def main() -> int:
             return {"chunks": r.chunks, "nbytes": r.nbytes}
         if op == "release":
             return {"released": client.release(bytes.fromhex(cmd["lease"]))}
+        if op == "damage_segment":  # what a hostile worker may do to its own registered segment
+            seg = segment_of(next(iter(caches[cmd["instance_id"]].values())))
+            fd = os.open(seg.path, os.O_RDWR)
+            try:
+                if cmd["how"] == "truncated":
+                    os.ftruncate(fd, 4096)
+                else:
+                    import ctypes
+
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE over everything after the first page
+                    assert libc.fallocate(fd, 3, ctypes.c_long(4096), ctypes.c_long(os.fstat(fd).st_size - 4096)) == 0
+            finally:
+                os.close(fd)
+            caches.pop(cmd["instance_id"])  # this process must not touch those pages again either
+            return {}
         if op == "pool":
             import msgspec
 
