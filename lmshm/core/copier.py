@@ -177,23 +177,35 @@ def open_checked(side: FileSide) -> int:
     return fd
 
 
+def _grid_offsets(plan: LayerPlan) -> tuple[list[int], int]:
+    """Byte offsets of a block's runs inside the block, in packed order, and the run's bytes."""
+    sizes, strides, run = plan.view.shape[1:-1], plan.view.stride()[1:-1], plan.view.shape[-1]
+    offsets = [0]
+    for size, stride in zip(sizes, strides):
+        offsets = [o + i * stride for o in offsets for i in range(size)]
+    return offsets, run
+
+
 def _file_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], store: bool,
                pool: PoolBytes) -> None:
     """Copy through the file, not the mapping: a segment its owner truncates or punches holes in
     makes ``preadv`` return short (refused below) instead of killing the server with SIGBUS,
     and ``pwritev`` only writes the file again."""
     side, bb, stride = plan.file, plan.block_bytes, plan.block_stride
-    pieces = [(p, f, n) for p, f, n in runs] if stride == bb else \
-        [(p + j, f + j, 1) for p, f, n in runs for j in range(n)]
     obj = obj_layer.data_ptr()
+    if plan.dense and stride == bb:       # a run of consecutive blocks is one range of the file
+        pieces = [(obj + pos * bb, side.offset0 + first * bb, n * bb) for pos, first, n in runs]
+    else:                                 # block by block, run by run
+        offsets, run = _grid_offsets(plan)
+        pieces = [(obj + (pos + j) * bb + k * run, side.offset0 + (first + j) * stride + off, run)
+                  for pos, first, n in runs for j in range(n) for k, off in enumerate(offsets)]
     fd = open_checked(side)
     try:
-        for pos, first, n in pieces:
-            mv = pool.at(obj + pos * bb, n * bb)
-            off = side.offset0 + first * stride
+        for addr, off, n in pieces:
+            mv = pool.at(addr, n)
             done = os.preadv(fd, [mv], off) if store else os.pwritev(fd, [mv], off)
-            if done != n * bb:
-                raise OSError(errno.EIO, f"{side.path} was truncated during the copy ({done} of {n * bb} bytes "
+            if done != n:
+                raise OSError(errno.EIO, f"{side.path} was truncated during the copy ({done} of {n} bytes "
                                          f"at offset {off})")
     finally:
         os.close(fd)

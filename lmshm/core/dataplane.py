@@ -121,13 +121,13 @@ class DataPlane:
 
     @staticmethod
     def _with_files(reg: Any, layout: BlockLayout) -> BlockLayout:
-        """Dense layers of named shm are copied through their file (no SIGBUS if the owner
-        truncates it mid-copy); memfds are sealed against shrinking and copied by memmove."""
+        """Layers of named shm are copied through their file (no SIGBUS if the owner truncates
+        it mid-copy); memfds are sealed against shrinking and copied by memmove."""
         plans = []
         for plan in layout.layers:
             found = reg.layer(plan.name)
             backing = getattr(found[1], "backing_file", None) if found else None
-            where = backing() if backing is not None and plan.dense else None
+            where = backing() if backing is not None else None
             if where is not None:
                 path, inode, start = where
                 plan = dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start))
