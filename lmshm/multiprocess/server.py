@@ -35,6 +35,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import DataPlane, DataPlaneError, Deferred
 from lmshm.multiprocess import codec, mq, protocol
 from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
@@ -454,7 +455,23 @@ class Server:
             except OSError as exc:
                 raise _Refusal(ErrorCode.UNAVAILABLE, str(exc)) from None
             n = min(req.length, span - req.offset)
-            return protocol.PeekReply(_read_bytes(tensor, req.offset, n))
+            backing = getattr(wrapper, "backing_file", None)
+            where = backing() if backing is not None else None
+            if where is None:
+                return protocol.PeekReply(_read_bytes(tensor, req.offset, n))
+            # Named shm: read through the file, so a segment truncated right now cannot SIGBUS us.
+            path, inode, start = where
+            try:
+                fd = open_checked(FileSide(path, inode, 0))
+                try:
+                    data = os.pread(fd, n, tensor.data_ptr() - start + req.offset)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise _Refusal(ErrorCode.UNAVAILABLE, f"cannot read segment {quote(path, 80)}: {exc}") from None
+            if len(data) != n:
+                raise _Refusal(ErrorCode.UNAVAILABLE, f"segment {quote(path, 80)} was truncated; refusing to read it")
+            return protocol.PeekReply(data)
 
     # ---- the data plane (lmshm.core.dataplane) -----------------------------------------
     def _store(self, identity: bytes, req: protocol.Store) -> Any:
