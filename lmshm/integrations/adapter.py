@@ -460,7 +460,7 @@ class WorkerSide:
         for spec in plan.loads:
             if self._fail_loads:
                 self.link.release(spec.lease)
-                pending.append((spec, None))
+                pending.append((spec, None, None))
                 continue
             ev, handle = self.cuda.ready() if self.cuda is not None else (None, b"")
             p = self.link.retrieve(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, spec.lease, handle)
