@@ -125,7 +125,7 @@ SETTINGS: tuple[Setting, ...] = (
             "threads that run STORE and RETRIEVE copies (default 2)", "N"),
     Setting("copy_through_mapping", "--copy-through-mapping", "LMSHM_COPY_THROUGH_MAPPING", "copy_through_mapping",
             "copy named-shm blocks with memmove through the server's mapping instead of preadv/pwritev through the "
-            "file: about 1.5x faster, but a worker that truncates its own segment during a copy can then crash "
+            "file: RETRIEVE up to 2x faster, but a worker that truncates its own segment during a copy can then crash "
             "the server (SIGBUS). Only for workers you trust (default off)", kind="bool"),
     Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
             "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
