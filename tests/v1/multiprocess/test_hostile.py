@@ -26,6 +26,7 @@ from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
 from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
 
 from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
+    assert_an_honest_worker_registers,
     assert_back_to,
     counters_come_back,
     local_start_worker as start_worker,
@@ -485,3 +486,95 @@ def test_unauthenticated_fd_channel_connections_are_closed_after_the_auth_timeou
             s.close()
     wait_for(lambda: proc_fd_count(server.proc.pid) <= fds_before, 3, 0.02, "the server's fds to be closed")
     assert_back_to(server.url, before, fd_slack=1)
+
+
+# ---- 11. the data plane ---------------------------------------------------------------------
+
+
+def _registered(session: RawSession, own_segment, iid: str, size: int = 8192) -> None:
+    assert isinstance(session.register(iid, shm_wrapper(own_segment(size).name, size)), protocol.RegisterReply)
+
+
+def _pool(url: str) -> protocol.PoolInfo:
+    from lmshm.multiprocess.client import query_status
+
+    return query_status(url).pool
+
+
+def test_data_plane_requests_need_a_verified_owner(srv, baseline, own_segment):
+    key = b"k" * 32
+    with RawSession(srv.url) as owner, RawSession(srv.url) as other, RawSession(srv.url, verify=False) as anon:
+        _registered(owner, own_segment, "dp-owned")
+        assert isinstance(owner.request(protocol.Store("dp-owned", [key], [0], 1)), protocol.StoreReply)
+        for msg in (protocol.Store("dp-owned", [key], [1], 1), protocol.Retrieve("dp-owned", [key], [1], 1),
+                    protocol.Lookup([[key]]), protocol.Release(b"x" * 16)):
+            _error(anon.request(msg), ErrorCode.PERMISSION_DENIED, "verified identity")
+        for msg in (protocol.Store("dp-owned", [b"m" * 32], [1], 1), protocol.Retrieve("dp-owned", [key], [1], 1)):
+            _error(other.request(msg), ErrorCode.PERMISSION_DENIED, "belongs to another session")
+        hit = owner.request(protocol.Lookup([[key]]))
+        assert hit.hits == 1
+        assert other.request(protocol.Release(b"\x00" * 16)).released is False     # a guessed lease: nothing
+        assert owner.request(protocol.Release(hit.lease)).released is True
+        owner.unregister("dp-owned")
+    assert _pool(srv.url).leases == 0 and _pool(srv.url).pinned == 0
+    assert_an_honest_worker_registers(srv.url)
+
+
+def test_forged_but_valid_data_plane_messages_are_answered_and_copy_nothing(srv, baseline, own_segment):
+    with RawSession(srv.url) as s:
+        _registered(s, own_segment, "dp-forged")
+        blocks = 8192 // 2
+        cases = [
+            (protocol.Store("dp-forged", [b"k"], [0] * protocol.MAX_BLOCK_IDS, 1), ErrorCode.INVALID_ARG, "need 1 block ids"),
+            (protocol.Store("dp-forged", [b"k"], [1 << 48], 1), ErrorCode.INVALID_ARG, "out of range"),
+            (protocol.Retrieve("dp-forged", [b"k"], [blocks], 1), ErrorCode.INVALID_ARG, "out of range"),
+            (protocol.Store("dp-forged", [b"k"] * 2, [0] * (1 << 16), 1 << 16), ErrorCode.INVALID_ARG, "need 131072"),
+            (protocol.Retrieve("dp-forged", [b"never"], [0], 1, b"\xff" * 16), ErrorCode.NOT_FOUND, "not stored"),
+            (protocol.Lookup([[b"k"]] * 3 + [[]]), ErrorCode.INVALID_ARG, "same number of keys"),
+            (protocol.Store("dp-forged", [b"k"], [0], 1, event=b"e" * 64), None, ""),   # CPU: an event is ignored
+        ]
+        for msg, code, needle in cases:
+            reply = s.request(msg, timeout_s=30)
+            if code is None:
+                assert isinstance(reply, protocol.StoreReply), reply
+            else:
+                _error(reply, code, needle)
+        many = s.request(protocol.Lookup([[bytes([i % 256, i // 256]) * 32 for i in range(protocol.MAX_KEYS)]]),
+                         timeout_s=30)
+        assert many.hits == 0 and many.lease == b""
+        too_many = codec.encode(protocol.Lookup([[b"k"] * (protocol.MAX_KEYS + 1)]))
+        _error(s.request_raw(too_many, timeout_s=30), ErrorCode.INVALID_ARG)
+        s.unregister("dp-forged")
+    assert _pool(srv.url).pinned == 0
+    assert_an_honest_worker_registers(srv.url)
+
+
+def test_a_flood_of_copies_and_leases_is_bounded_and_every_request_answered(start_server, own_segment):
+    server = start_server("--max-inflight-per-session", "8", "--max-leases-per-session", "50")
+    before = server_counts(server.url)
+    n = 2000
+    with RawSession(server.url, timeout_s=60) as s:
+        _registered(s, own_segment, "dp-flood")
+        s.request(protocol.Store("dp-flood", [b"hot"], [0], 1))
+        for i in range(n):  # everything sent before a single reply is read
+            s.sock.send_multipart([i.to_bytes(8, "big"), codec.encode(
+                protocol.Store("dp-flood", [i.to_bytes(4, "big")], [i % 4096], 1) if i % 2 else
+                protocol.Lookup([[b"hot"]]))])
+        replies = []
+        for _ in range(n):
+            assert s.sock.poll(60_000), f"only {len(replies)} of {n} requests were answered"
+            replies.append(codec.decode_reply(s.sock.recv_multipart()[1]))
+        stored = sum(isinstance(r, protocol.StoreReply) for r in replies)
+        leased = sum(isinstance(r, protocol.LookupReply) and r.hits == 1 for r in replies)
+        refused = [r for r in replies if isinstance(r, protocol.ErrorReply)]
+        assert stored + leased + len(refused) == n
+        assert leased == 50 and stored >= 8                     # the lease cap holds; copies go on
+        assert all(r.code == ErrorCode.UNAVAILABLE for r in refused)
+        assert {m for r in refused for m in ("--max-inflight-per-session", "--max-leases-per-session")
+                if m in r.message} == {"--max-inflight-per-session", "--max-leases-per-session"}
+        assert isinstance(s.request(protocol.Ping()), protocol.Pong)
+        s.unregister("dp-flood")
+    wait_for(lambda: _pool(server.url).leases == 0 and _pool(server.url).pinned == 0, 10, 0.05,
+             "the flooder's leases to end with its session")
+    assert_back_to(server.url, before, fd_slack=1)
+    assert_an_honest_worker_registers(server.url)
