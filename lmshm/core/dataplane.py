@@ -218,38 +218,46 @@ class DataPlane:
             copied += size
         return protocol.StoreReply(results, copied)
 
-    def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+    def _pin_sources(self, session: Any, reg: Any, layout: BlockLayout, uid: int,
+                     req: protocol.Retrieve) -> tuple[list, Any]:
+        """Pin a RETRIEVE's chunks: ``(objects, None)``, or ``([], error reply)`` with nothing
+        left pinned: a chunk missing, of another layout or chunk size, or the session gone."""
         objs, missing = self.pool.pin_for_copy(uid, req.keys, req.lease)
         if missing is not None:
             self.pool.count_failure()
-            return _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
-        try:
-            if session.ended:
-                return _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
-            cb = req.chunk_blocks
-            for i, obj in enumerate(objs):
-                if obj.layout != layout.digest or obj.blocks != cb:
-                    self.pool.count_failure()
-                    return _error(ErrorCode.LAYOUT,
+            return [], _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
+        cb = req.chunk_blocks
+        for i, obj in enumerate(objs):
+            if obj.layout != layout.digest or obj.blocks != cb:
+                self.pool.unpin(objs, retrieved=False)
+                self.pool.count_failure()
+                return [], _error(ErrorCode.LAYOUT,
                                   f"RETRIEVE: chunk {i} was stored from another layout ({obj.blocks} blocks per chunk, "
                                   f"layout {obj.layout.hex()}) than instance {quote(reg.instance_id, 60)} has "
                                   f"({cb} blocks, layout {layout.digest.hex()}); no block was written")
-            try:
-                for w in reg.wrappers:
-                    w.verify_mapped()
-                for i, obj in enumerate(objs):
-                    scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
-            except Exception as exc:  # noqa: BLE001
-                self.pool.count_failure()
-                logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), exc)
-                return _error(ErrorCode.DATA_LOSS, f"RETRIEVE: the copy failed ({clip(str(exc), 300)}); the "
-                                                   "blocks' contents are undefined, recompute them")
-            self.pool.unpin(objs, retrieved=True)
-            objs = []
-            return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
-        finally:
-            if objs:
-                self.pool.unpin(objs, retrieved=False)
+        if session.ended:
+            self.pool.unpin(objs, retrieved=False)
+            return [], _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
+        return objs, None
+
+    def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+        objs, refused = self._pin_sources(session, reg, layout, uid, req)
+        if refused is not None:
+            return refused
+        cb = req.chunk_blocks
+        try:
+            for w in reg.wrappers:
+                w.verify_mapped()
+            for i, obj in enumerate(objs):
+                scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
+        except Exception as exc:  # noqa: BLE001
+            self.pool.unpin(objs, retrieved=False)
+            self.pool.count_failure()
+            logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), exc)
+            return _error(ErrorCode.DATA_LOSS, f"RETRIEVE: the copy failed ({clip(str(exc), 300)}); the "
+                                               "blocks' contents are undefined, recompute them")
+        self.pool.unpin(objs, retrieved=True)
+        return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
 
     # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
     def _store_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
@@ -297,20 +305,10 @@ class DataPlane:
         return _Then(protocol.StoreReply(results, size * len(objs), handle), after)
 
     def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
-        objs, missing = self.pool.pin_for_copy(uid, req.keys, req.lease)
-        if missing is not None:
-            self.pool.count_failure()
-            return _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
+        objs, refused = self._pin_sources(session, reg, layout, uid, req)
+        if refused is not None:
+            return refused
         cb = req.chunk_blocks
-        for i, obj in enumerate(objs):
-            if obj.layout != layout.digest or obj.blocks != cb:
-                self.pool.unpin(objs, retrieved=False)
-                self.pool.count_failure()
-                return _error(ErrorCode.LAYOUT, f"RETRIEVE: chunk {i} was stored from another layout than instance "
-                                                f"{quote(reg.instance_id, 60)} has; no block was written")
-        if session.ended:
-            self.pool.unpin(objs, retrieved=False)
-            return _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
         sync, dev = self._sync(), layout.cuda_device
         try:
             stream = sync.stream(dev)

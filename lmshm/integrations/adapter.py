@@ -437,6 +437,15 @@ class SchedulerSide:
         return StepPlan(chunk_blocks=self.chunk_blocks)
 
 
+@dataclass
+class _InFlight:
+    """A STORE sent by the worker: its reply, and (CUDA) the event it must keep alive until then."""
+
+    pending: Any
+    event: Any = None
+    settled: bool = False
+
+
 class WorkerSide:
     """The worker's half: runs a step's copies, tracks stores in flight per request."""
 
@@ -447,7 +456,7 @@ class WorkerSide:
         #: For a CUDA KV cache: a ``WorkerCudaSync``. Each request carries an event recorded on
         #: the worker's stream, and the stream waits on the server's event from the reply.
         self.cuda = cuda
-        self._stores: dict[str, list[Any]] = {}     # req id -> Pending STOREs
+        self._stores: dict[str, list[_InFlight]] = {}   # req id -> its STOREs
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
         self._corrupt_loads = corrupt_loads        # the control experiment of the real-engine tests
@@ -486,35 +495,34 @@ class WorkerSide:
             if p is None:
                 self.dropped_stores += 1
             else:
-                p._lmshm_event = ev  # alive until the reply
-                self._stores[spec.req_id].append(p)
+                self._stores[spec.req_id].append(_InFlight(p, ev))
 
     def wait_for_stores(self, req_ids: Optional[Iterable[str]] = None) -> None:
         """Block until the given requests' (default: all) stores are done."""
         ids = list(self._stores) if req_ids is None else [r for r in req_ids if r in self._stores]
         for req_id in ids:
-            for p in self._stores.get(req_id, []):
-                self._settle(p)
+            for store in self._stores.get(req_id, []):
+                self._settle(store)
 
-    def _settle(self, p: Any) -> None:
-        if not getattr(p, "_lmshm_settled", False):
-            reply = self.link.outcome("store", p)
-            if reply is not None:
-                self.stored_chunks += sum(1 for r in reply.results if r == 0)
-                if self.cuda is not None:
-                    self.cuda.wait(reply.event)  # the blocks are reused only after the server read them
-            p._lmshm_settled = True
-            p._lmshm_event = None
+    def _settle(self, store: _InFlight) -> None:
+        if store.settled:
+            return
+        reply = self.link.outcome("store", store.pending)
+        if reply is not None:
+            self.stored_chunks += sum(1 for r in reply.results if r == 0)
+            if self.cuda is not None:
+                self.cuda.wait(reply.event)  # the blocks are reused only after the server read them
+        store.settled, store.event = True, None
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks may be freed now: finished, and no store in flight."""
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
         done = set()
         for req_id in list(self._finishing):
-            pendings = self._stores.get(req_id, [])
-            if all(p.done() for p in pendings):
-                for p in pendings:
-                    self._settle(p)
+            stores = self._stores.get(req_id, [])
+            if all(st.pending.done() for st in stores):
+                for st in stores:
+                    self._settle(st)
                 del self._stores[req_id]
                 self._finishing.discard(req_id)
                 done.add(req_id)

@@ -175,7 +175,7 @@ def test_a_preempted_request_waits_for_its_stores_and_starts_over(server):
         assert plan.preempted == ["r"]
         a.worker.wait_for_stores(plan.preempted)          # what handle_preemptions does
         assert a.worker.stored_chunks == 4
-        assert all(p.done() for p in a.worker._stores["r"])
+        assert all(st.pending.done() and st.settled for st in a.worker._stores["r"])
         plan = a.sched.plan()                              # resumed: new blocks, stored again (PRESENT)
         a.sched.scheduled("r", block_ids=[8, 9, 10, 11], replace_blocks=True, computed_after_step=64, plan=plan)
         assert plan.stores[0].block_ids == [8, 9, 10, 11]
