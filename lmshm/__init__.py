@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "MPClient": "lmshm.multiprocess.client",
-    "LmshmError": "lmshm.multiprocess.client",
-    "ServerError": "lmshm.multiprocess.client",
+    "LmshmError": "lmshm.core.errors",
+    "ServerError": "lmshm.core.errors",
     "ServerTimeout": "lmshm.multiprocess.client",
     "wrap_kv_caches": "lmshm.platform.kv_wrap",
     "wrap_one_kv_cache": "lmshm.platform.kv_wrap",
@@ -24,6 +24,12 @@ _EXPORTS = {
     "set_use_vmm_api": "lmshm.platform.ipc_policy",
     "is_use_vmm_api": "lmshm.platform.ipc_policy",
     "empty_shared": "lmshm.platform.cpu",
+    "Server": "lmshm.core.server",
+    "View": "lmshm.core.server",
+    "API_VERSION": "lmshm.core.server",
+    "check_api_version": "lmshm.core.server",
+    "ServerConfig": "lmshm.multiprocess.config",
+    "ErrorCode": "lmshm.core.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -19,11 +19,19 @@ import dataclasses
 import logging
 from typing import Any, Callable, Hashable
 
-from lmshm.core.copier import BlockLayout, FileSide, LayoutError, OrderedExecutor, cuda_copies, gather, scatter
+from lmshm.core.copier import (
+    BlockLayout,
+    FileSide,
+    LayoutError,
+    OrderedExecutor,
+    cuda_copies,
+    gather,
+    scatter,
+)
 from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
+from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import Pool, Reservation
 from lmshm.multiprocess import protocol
-from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.dataplane")
@@ -31,10 +39,8 @@ logger = logging.getLogger("lmshm.dataplane")
 Reply = Callable[[bytes, bytes, Any], None]
 
 
-class DataPlaneError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+class DataPlaneError(ServerError):
+    """A refused data-plane request (a ``ServerError``: its code is the reply's)."""
 
 
 class Deferred:

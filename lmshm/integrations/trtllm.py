@@ -26,7 +26,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from lmshm.integrations.adapter import Link, LinkConfig, Namespace, chunk_block_ids, chunk_keys
+from lmshm.integrations.adapter import (
+    Link,
+    LinkConfig,
+    Namespace,
+    chunk_block_ids,
+    chunk_keys,
+)
 
 
 class UnsupportedPoolMemory(ValueError):

@@ -41,7 +41,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from lmshm.integrations.adapter import Link, LinkConfig, Namespace, SchedulerSide, StepPlan, WorkerSide
+from lmshm.integrations.adapter import (
+    Link,
+    LinkConfig,
+    Namespace,
+    SchedulerSide,
+    StepPlan,
+    WorkerSide,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -92,7 +99,9 @@ def _layout_fingerprint(vllm_config: "VllmConfig", kv_cache_config: Any) -> str:
                   if hasattr(spec, k)}
         parts.append(f"{type(spec).__name__}{sorted(fields.items())}x{len(group.layer_names)}")
     try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+        from vllm.distributed.kv_transfer.kv_connector.utils import (
+            get_kv_connector_cache_layout,
+        )
 
         parts.append(f"cache_layout={get_kv_connector_cache_layout(vllm_config)}")
     except Exception:  # noqa: BLE001 - older or newer vLLM: the spec above still separates layouts

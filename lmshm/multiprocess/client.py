@@ -28,9 +28,23 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import msgspec
 
+from lmshm.core.errors import (  # noqa: F401 - re-exported: lmshm.MPClient raises these
+    AlreadyExists,
+    DataLoss,
+    ErrorCode,
+    InternalServerError,
+    InvalidArgument,
+    LayoutMismatch,
+    LmshmError,
+    NotFound,
+    PermissionDenied,
+    ServerError,
+    Unavailable,
+    Unsupported,
+    error,
+)
 from lmshm.multiprocess import codec, mq, protocol
 from lmshm.multiprocess.fdchannel import ExpectedServer, FdChannelClient, FdChannelError
-from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform import ipc_policy
 
 if TYPE_CHECKING:  # torch and the wrappers load when something is registered, not for status
@@ -47,78 +61,8 @@ FD_SOCKET_ENV = "LMSHM_FD_SOCKET"
 # ---- errors -----------------------------------------------------------------------------
 
 
-class LmshmError(Exception):
-    """Base of every error lmshm's client raises."""
-
-
-class ServerError(LmshmError):
-    """The server answered with an error reply; ``code`` and ``message`` are the server's."""
-
-    code: ErrorCode = ErrorCode.INTERNAL
-
-    def __init__(self, code: int, message: str) -> None:
-        try:
-            self.code = ErrorCode(code)
-        except ValueError:
-            self.code = code  # type: ignore[assignment]
-        self.message = message
-        name = self.code.name if isinstance(self.code, ErrorCode) else str(code)
-        super().__init__(f"{name}: {message}")
-
-
-class InvalidArgument(ServerError):
-    pass
-
-
-class AlreadyExists(ServerError):
-    pass
-
-
-class NotFound(ServerError):
-    pass
-
-
-class Unavailable(ServerError):
-    pass
-
-
-class Unsupported(ServerError):
-    pass
-
-
-class PermissionDenied(ServerError):
-    pass
-
-
-class InternalServerError(ServerError):
-    pass
-
-
-_ERRORS: dict[int, type[ServerError]] = {
-    ErrorCode.INVALID_ARG: InvalidArgument,
-    ErrorCode.ALREADY_EXISTS: AlreadyExists,
-    ErrorCode.NOT_FOUND: NotFound,
-    ErrorCode.UNAVAILABLE: Unavailable,
-    ErrorCode.UNSUPPORTED: Unsupported,
-    ErrorCode.PERMISSION_DENIED: PermissionDenied,
-    ErrorCode.INTERNAL: InternalServerError,
-}
-
-
-class LayoutMismatch(ServerError):
-    """The registration's layout cannot be moved block by block, or differs from the stored chunk's."""
-
-
-class DataLoss(ServerError):
-    """A copy failed in the server; nothing of it was made visible (RETRIEVE: recompute the blocks)."""
-
-
-_ERRORS[ErrorCode.LAYOUT] = LayoutMismatch
-_ERRORS[ErrorCode.DATA_LOSS] = DataLoss
-
-
 def server_error(reply: protocol.ErrorReply) -> ServerError:
-    return _ERRORS.get(reply.code, ServerError)(reply.code, reply.message)
+    return error(reply.code, reply.message)
 
 
 class ServerTimeout(LmshmError, TimeoutError):
@@ -301,7 +245,8 @@ class MPClient:
     def _say_hello(self) -> protocol.HelloReply:
         resume = self._hello.session_token if self._hello is not None else ""
         reply = _exchange(self._dealer, protocol.Hello(
-            protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=ipc_policy.is_isolated_ipc(),
+            protocol_version=protocol.PROTOCOL_VERSION, protocol_minor=protocol.PROTOCOL_MINOR,
+            isolated_ipc=ipc_policy.is_isolated_ipc(),
             client_name=self.client_name, resume_token=resume))
         if not (reply.resumed and self._link is not None and not self._link.broken()):
             self._open_link(reply)

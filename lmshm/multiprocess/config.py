@@ -56,6 +56,16 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096
+    # Triton-compatible endpoints (lmshm.endpoints): off unless a port is given; 0 = a free port
+    http_port: Optional[Annotated[int, msgspec.Meta(ge=0, le=65535)]] = None
+    http_host: str = "127.0.0.1"
+    grpc_port: Optional[Annotated[int, msgspec.Meta(ge=0, le=65535)]] = None
+    grpc_host: str = "127.0.0.1"
+    http_max_body_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 30)] = 64 << 10
+    grpc_max_message_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 30)] = 64 << 10
+    http_restricted_api: str = ""          # "HEADER=VALUE": required on the shared-memory routes
+    grpc_restricted_api: str = ""
+    endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -133,6 +143,30 @@ SETTINGS: tuple[Setting, ...] = (
             "max_inflight_per_session", "STORE/RETRIEVE requests one session may have queued (default 256)", "N"),
     Setting("max_leases_per_session", "--max-leases-per-session", "LMSHM_MAX_LEASES", "max_leases_per_session",
             "LOOKUP leases one session may hold at once (default 4096)", "N"),
+    Setting("http_port", "--http-port", "LMSHM_HTTP_PORT", "http_port",
+            "serve Triton's HTTP/REST health, metadata and shared-memory routes and Prometheus /metrics on this "
+            "port (default off; 0 picks a free port)", "N"),
+    Setting("http_host", "--http-host", "LMSHM_HTTP_HOST", "http_host",
+            "address the HTTP endpoint binds (default 127.0.0.1; anyone who reaches it can register regions "
+            "of the server's uid, see --http-restricted-api)", "HOST"),
+    Setting("grpc_port", "--grpc-port", "LMSHM_GRPC_PORT", "grpc_port",
+            "serve Triton's gRPC health, metadata and shared-memory RPCs on this port (default off; 0 picks a "
+            "free port)", "N"),
+    Setting("grpc_host", "--grpc-host", "LMSHM_GRPC_HOST", "grpc_host", "address the gRPC endpoint binds (default "
+            "127.0.0.1)", "HOST"),
+    Setting("http_max_body_bytes", "--http-max-body-bytes", "LMSHM_HTTP_MAX_BODY_BYTES", "http_max_body_bytes",
+            "largest HTTP request body accepted; a larger one is answered 400 (default 65536)", "N"),
+    Setting("grpc_max_message_bytes", "--grpc-max-message-bytes", "LMSHM_GRPC_MAX_MESSAGE_BYTES",
+            "grpc_max_message_bytes", "largest gRPC request accepted (default 65536)", "N"),
+    Setting("http_restricted_api", "--http-restricted-api", "LMSHM_HTTP_RESTRICTED_API", "http_restricted_api",
+            "HEADER=VALUE (also shared-memory:HEADER=VALUE, Triton's spelling): the HTTP shared-memory routes "
+            "answer 403 unless the request carries that header with that value (default: unrestricted)",
+            "HEADER=VALUE"),
+    Setting("grpc_restricted_api", "--grpc-restricted-api", "LMSHM_GRPC_RESTRICTED_API", "grpc_restricted_api",
+            "HEADER=VALUE: the gRPC shared-memory RPCs need that metadata key and value (default: unrestricted)",
+            "HEADER=VALUE"),
+    Setting("endpoint_threads", "--endpoint-threads", "LMSHM_ENDPOINT_THREADS", "endpoint_threads",
+            "threads serving gRPC requests (default 4)", "N"),
 )
 _BY_TOML = {s.toml: s for s in SETTINGS}
 _BY_FIELD = {s.field: s for s in SETTINGS if s.field}
@@ -232,7 +266,28 @@ def resolve_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]
         field = text.rsplit("at `$.", 1)[-1].split("`", 1)[0].split("[", 1)[0] if "at `$." in text else ""
         where = _describe(_BY_FIELD[field]) if field in _BY_FIELD else "a setting"
         raise ConfigError(f"bad setting {where}: {text.split(' - at ', 1)[0]}, got {fields.get(field)!r}") from None
+    for s in (_BY_FIELD["http_restricted_api"], _BY_FIELD["grpc_restricted_api"]):
+        value = getattr(config, s.field)
+        if value:
+            try:
+                parse_restriction(value)
+            except ValueError as exc:
+                raise ConfigError(f"bad setting {_describe(s)}: {exc}") from None
     if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ConfigError(f"--log-level {config.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
     mq.check_url(config.url)
     return config
+
+
+def parse_restriction(value: str) -> tuple[str, str]:
+    """``HEADER=VALUE`` (or ``shared-memory:HEADER=VALUE``) as (lower-case header, value)."""
+    spec = value.strip()
+    if ":" in spec.split("=", 1)[0]:
+        api, spec = spec.split(":", 1)
+        if api.strip() != "shared-memory":
+            raise ValueError(f"{value!r}: lmshm restricts only the 'shared-memory' API, got {api.strip()!r}")
+    header, sep, expected = spec.partition("=")
+    header = header.strip().lower()
+    if not sep or not header or not expected or not all(c.isalnum() or c in "-_" for c in header):
+        raise ValueError(f"{value!r}: expected HEADER=VALUE, e.g. admin-key=s3cret (header: letters, digits, - and _)")
+    return header, expected

@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 2: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.1: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Annotated, Union
 
 import msgspec
 
+from lmshm.core.errors import ErrorCode  # noqa: F401 - part of the protocol's vocabulary
+
 if TYPE_CHECKING:
     from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper as WireWrapper
 else:
@@ -60,8 +62,11 @@ else:
 
         __slots__ = ()
 
-#: Bumped whenever a message changes incompatibly. HELLO refuses a different version.
+#: ``(PROTOCOL_VERSION, PROTOCOL_MINOR)``. The major is bumped whenever a message changes
+#: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
+#: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
+PROTOCOL_MINOR = 1
 
 #: Hard caps of the wire (the server's settings may be tighter).
 MAX_TEXT = 4096          # characters of any name or free-text field
@@ -104,20 +109,6 @@ class MsgType(IntEnum):
     ERROR = 199
 
 
-class ErrorCode(IntEnum):
-    """Why a request failed. Explicit and stable: never renumber."""
-
-    INVALID_ARG = 1        # malformed frame, undecodable body, bad field, unmappable layer
-    ALREADY_EXISTS = 2     # a different registration already lives under this instance id
-    NOT_FOUND = 3          # no such instance id (or layer)
-    UNAVAILABLE = 4        # no session (send HELLO), a limit reached, or shutting down
-    UNSUPPORTED = 5        # protocol version or isolated_ipc disagreement, unknown request
-    PERMISSION_DENIED = 6  # identity not verified, not the owner, memory the worker does not own
-    INTERNAL = 7           # a server bug: the handler raised
-    LAYOUT = 8             # the registration's layout cannot be moved, or differs from the stored object's
-    DATA_LOSS = 9          # a copy failed (memory truncated under the server); nothing was made visible
-
-
 class _Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
     pass
 
@@ -128,13 +119,24 @@ class _Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fie
 class Hello(_Message, tag=int(MsgType.HELLO)):
     """Open (or resume) a session. Must precede REGISTER, UNREGISTER and PEEK.
 
-    Carries no identity: the worker proves its pid and uid afterwards on the fd channel.
+    Carries no identity: the worker proves its pid and uid afterwards on the fd channel. A HELLO
+    that does not decode (a field this version does not know) is read once more as
+    ``HelloVersion``, so a newer client is told its version is the problem.
     """
 
-    protocol_version: int
+    protocol_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
     isolated_ipc: bool       # the worker's policy; must equal the server's
     client_name: Text = ""   # free text for status tables and logs
     resume_token: Annotated[str, msgspec.Meta(max_length=128)] = ""  # a session_token held before
+    protocol_minor: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0   # 3.0 clients send none
+
+
+class HelloVersion(msgspec.Struct):
+    """Only the version fields of a HELLO, whatever else it carries (see ``Hello``)."""
+
+    type: int
+    protocol_version: int = 0
+    protocol_minor: int = 0
 
 
 class LayerGroup(msgspec.Struct, frozen=True, array_like=True):
@@ -272,6 +274,7 @@ class HelloReply(_Message, tag=int(MsgType.HELLO_REPLY)):
     reap_timeout_s: float        # silence after which an unwatched session is reclaimed
     auth_timeout_s: float        # the session must prove its identity within this
     max_message_bytes: int       # the largest request body the server accepts
+    protocol_minor: int = 0
 
 
 class RegisterReply(_Message, tag=int(MsgType.REGISTER_REPLY)):
@@ -300,6 +303,11 @@ class RegistrationInfo(msgspec.Struct, frozen=True):
     kinds: list[str]         # wrapper kinds, e.g. ["cpu-shm"]
     devices: list[str]       # device identities, e.g. ["cpu"] or GPU UUIDs
     age_s: float             # seconds since registration
+    # 3.1: regions registered through the HTTP/gRPC endpoints or the in-process API
+    kind: str = "kv"         # "kv" (a worker's KV cache), "system" or "cuda" (a region)
+    key: str = ""            # a system region's shm key
+    offset: int = 0          # a system region's offset in its object
+    device_id: int = -1      # a CUDA region's device
 
 
 class StatusReply(_Message, tag=int(MsgType.STATUS_REPLY)):
@@ -316,6 +324,7 @@ class StatusReply(_Message, tag=int(MsgType.STATUS_REPLY)):
     inbox_fds: int           # received fds not mapped yet
     registrations: list[RegistrationInfo]
     pool: PoolInfo
+    protocol_minor: int = 0
 
 
 class Pong(_Message, tag=int(MsgType.PONG)):

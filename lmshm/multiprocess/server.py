@@ -1,8 +1,13 @@
-"""``lmshm-server``: the cache-server process that maps workers' KV caches.
+"""``lmshm-server``'s ZeroMQ endpoint: lmshm's own protocol, over ``lmshm.Server``.
 
-One thread runs everything: the ROUTER loop (``mq.RouterServer``) polls the ZeroMQ socket,
-the fd channel's Unix sockets, one pidfd per watched worker and the signal wake-up pipe, and
-calls the handlers below. Handlers are short (decoding, mapping, bookkeeping).
+``ZmqEndpoint`` is one of the thin adapters over the in-process server (``lmshm.core.server``):
+the registry, the data plane and the metrics are the server's; this file owns only what is
+ZeroMQ's -- the ROUTER socket, the sessions and their kernel-verified identities (the fd
+channel), and the loop. One thread runs the loop: ``mq.RouterServer`` polls the ZeroMQ socket,
+the fd channel's Unix sockets, one pidfd per watched worker and a wake-up pipe (signals, copier
+replies, ``stop()``), and calls the handlers below. Handlers are short (decoding, mapping,
+bookkeeping). The loop's tick is also the server's clock: lease expiry, reclaim of silent
+sessions, the orphan sweep.
 
 The trust boundary is this file's ``_on_request``: every byte a peer sends becomes either the
 reply it asked for or an ``ErrorReply`` with a code -- never an exception that reaches the
@@ -29,19 +34,30 @@ import collections
 import logging
 import os
 import resource
-import secrets
 import signal
 import sys
 import time
 from typing import Any, Callable, Optional
 
+import msgspec
+
 from lmshm.core.copier import FileSide, open_checked
-from lmshm.core.dataplane import DataPlane, DataPlaneError, Deferred
+from lmshm.core.dataplane import Deferred
+from lmshm.core.errors import ServerError
 from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
-from lmshm.multiprocess.fdchannel import Credentials, FdChannelError, FdChannelServer, default_path
+from lmshm.multiprocess.config import (
+    ConfigError,
+    ServerConfig,
+    build_arg_parser,
+    resolve_config,
+)
+from lmshm.multiprocess.fdchannel import (
+    Credentials,
+    FdChannelError,
+    FdChannelServer,
+    default_path,
+)
 from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.multiprocess.registry import Registry, RegistryError
 from lmshm.multiprocess.sessions import Session, SessionLimitError, Sessions
 from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
@@ -61,7 +77,7 @@ MAX_REPLY_MESSAGE = 1024
 #: A ZeroMQ connection without a session is closed after this long (or --auth-timeout, if longer).
 IDLE_CONNECTION_S = 5.0
 
-__all__ = ["ConfigError", "Server", "ServerConfig", "build_arg_parser", "main", "resolve_config"]
+__all__ = ["ConfigError", "ServerConfig", "ZmqEndpoint", "build_arg_parser", "main", "resolve_config"]
 
 
 def raise_fd_limit() -> int:
@@ -92,14 +108,25 @@ class _Refusal(Exception):
         self.code, self.message = code, message
 
 
-class Server:
-    def __init__(self, config: ServerConfig) -> None:
+class ZmqEndpoint:
+    """The ZeroMQ endpoint of ``core`` (an ``lmshm.Server``). ``on_stopping`` runs once, when
+    shutdown begins, before anything is released (the server stops its other endpoints)."""
+
+    protocol_name = "zmq"
+
+    def __init__(self, core: Any, *, on_stopping: Optional[Callable[[], None]] = None) -> None:
+        config = core.config
+        self.core = core
         self.config = config
-        self.server_id = secrets.token_hex(8)
-        self.started = time.monotonic()
+        self.server_id = core.server_id
+        self.started = core.started
         self.fd_limit = raise_fd_limit()
-        self.registry = Registry()
+        self.registry = core.registry
+        self.metrics = core.metrics
+        self.dataplane: Any = None      # the server's, set once it exists
+        self._on_stopping = on_stopping
         self._stopping = False
+        self._deferred_t0: dict[tuple[bytes, bytes], tuple[str, float]] = {}
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
             protocol.Hello: self._hello,
             protocol.RegisterKVCache: self._register,
@@ -141,20 +168,17 @@ class Server:
             raise
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
-        try:
-            self.dataplane = DataPlane(
-                registry=self.registry, capacity=config.capacity, copy_threads=config.copy_threads,
-                lease_ttl_s=config.lease_ttl_s, max_inflight_per_session=config.max_inflight_per_session,
-                max_leases_per_session=config.max_leases_per_session, reply=self._complete,
-                through_files=not config.copy_through_mapping)
-        except BaseException:
-            self.fdchannel.close()
-            self.router.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-            raise
         self._next_sweep = 0.0
         self._sweep()
+
+    def close_transport(self) -> None:
+        """Undo ``__init__`` when the server cannot be built after all."""
+        self.fdchannel.close()
+        self.router.unwatch_fd(self._wake_r)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self.router.close()
+        self.router = None  # type: ignore[assignment]
 
     def _sweep(self) -> None:
         """Remove /dev/shm names of dead workers of this uid (``lmshm gc`` does the same)."""
@@ -174,8 +198,17 @@ class Server:
     def url(self) -> str:
         return self.router.url
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopping or self.router is None
+
     def request_stop(self, *_: Any) -> None:
+        """Ask the loop to stop (any thread, or a signal handler); it wakes up at once."""
         self._stopping = True
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):  # full (the loop is awake anyway), or already closed
+            pass
 
     def _drain_wakeups(self) -> None:
         try:
@@ -185,9 +218,12 @@ class Server:
             pass
         self._send_completions()
 
-    def _complete(self, identity: bytes, request_id: bytes, reply: Any) -> None:
+    def complete(self, identity: bytes, request_id: bytes, reply: Any) -> None:
         """A copier thread's answer: queued here, sent by the loop (ZeroMQ sockets are not
         thread-safe)."""
+        started = self._deferred_t0.pop((identity, request_id), None)
+        if started is not None:
+            self.metrics.observe("zmq", started[0], _code_of(reply), time.monotonic() - started[1])
         self._completions.append((identity, request_id, reply))
         try:
             os.write(self._wake_w, b"!")
@@ -203,6 +239,13 @@ class Server:
                 logger.exception("lmshm: could not encode a copy's reply")
                 data = codec.encode(protocol.ErrorReply(ErrorCode.INTERNAL, clip(str(exc), 300)))
             self.router.reply(identity, request_id, data)
+
+    def run(self) -> None:
+        """Serve until ``request_stop()``, then shut down (``lmshm.Server.start()``'s thread)."""
+        try:
+            self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping)
+        finally:
+            self.shutdown()
 
     def serve_forever(self, *, restore_signals: bool = True) -> None:
         """Serve until SIGINT/SIGTERM, then shut down. From the first signal on, further ones
@@ -228,6 +271,8 @@ class Server:
         if self.router is None:
             return
         self._stopping = True
+        if self._on_stopping is not None:
+            self._on_stopping()  # the HTTP and gRPC endpoints: no new regions from here on
         self.router.drain(self._on_request)
         self.dataplane.shutdown()  # queued copies are answered UNAVAILABLE, running ones finish
         self._send_completions()
@@ -267,12 +312,16 @@ class Server:
 
     # ---- dispatch: the trust boundary ---------------------------------------------------
     def _on_request(self, identity: bytes, request_id: bytes, body: Optional[bytes], problem: Optional[str]) -> None:
+        started = time.monotonic()
+        self._request_name = "invalid"
         try:
             reply = self._dispatch(identity, body, problem)
             if isinstance(reply, Deferred):
+                self._deferred_t0[(identity, request_id)] = (self._request_name, started)
                 self.dataplane.copier.submit(reply.session, lambda: reply.job(identity, request_id),
                                              lambda: reply.cancel(identity, request_id))
                 return
+            self.metrics.observe("zmq", self._request_name, _code_of(reply), time.monotonic() - started)
             data = codec.encode(reply)
         except Exception as exc:  # noqa: BLE001 - a reply that cannot be encoded is still answered
             logger.exception("lmshm: could not build a reply")
@@ -289,8 +338,12 @@ class Server:
             request = codec.decode_request(body)
         except Exception as exc:  # noqa: BLE001 - CodecError, or anything a hostile payload triggers
             logger.warning("lmshm: refused a message: %s", clip(str(exc), 300))
+            newer = _newer_hello(body)
+            if newer is not None:
+                return protocol.ErrorReply(ErrorCode.UNSUPPORTED, newer)
             return protocol.ErrorReply(ErrorCode.INVALID_ARG, clip(str(exc), MAX_REPLY_MESSAGE))
         name = type(request).__name__
+        self._request_name = name
         try:
             if self._stopping:
                 raise _Refusal(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down")
@@ -304,7 +357,7 @@ class Server:
             return self._handlers[type(request)](identity, request)
         except _Refusal as exc:
             return protocol.ErrorReply(exc.code, clip(exc.message, MAX_REPLY_MESSAGE))
-        except (RegistryError, DataPlaneError) as exc:
+        except ServerError as exc:  # the registry's, the data plane's, the regions'
             return protocol.ErrorReply(exc.code, clip(exc.message, MAX_REPLY_MESSAGE))
         except Exception as exc:  # noqa: BLE001 - every request gets a reply
             logger.exception("lmshm: %s handler failed", name)
@@ -313,11 +366,16 @@ class Server:
 
     # ---- handlers -----------------------------------------------------------------------
     def _hello(self, identity: bytes, req: protocol.Hello) -> Any:
+        ours = f"{protocol.PROTOCOL_VERSION}.{protocol.PROTOCOL_MINOR}"
+        theirs = f"{quote(req.protocol_version)}.{quote(req.protocol_minor)}"
         if req.protocol_version != protocol.PROTOCOL_VERSION:
             raise _Refusal(ErrorCode.UNSUPPORTED,
-                           f"protocol version mismatch: the client speaks version {quote(req.protocol_version)}, "
-                           f"this lmshm-server speaks version {protocol.PROTOCOL_VERSION}; run the same lmshm "
-                           "release on both sides")
+                           f"protocol version mismatch: the client speaks version {theirs}, this lmshm-server "
+                           f"speaks version {ours}, another major version; run the same lmshm release on both sides")
+        if req.protocol_minor > protocol.PROTOCOL_MINOR:
+            raise _Refusal(ErrorCode.UNSUPPORTED,
+                           f"protocol version mismatch: the client speaks version {theirs}, newer than this "
+                           f"lmshm-server's {ours}; upgrade lmshm-server (or use a client of version {ours})")
         if req.isolated_ipc != self.config.isolated_ipc:
             onoff = {True: "on", False: "off"}
             raise _Refusal(ErrorCode.UNSUPPORTED,
@@ -341,7 +399,8 @@ class Server:
                 raise _Refusal(ErrorCode.UNAVAILABLE, str(exc)) from None
         session.last_seen = time.monotonic()
         return protocol.HelloReply(
-            protocol_version=protocol.PROTOCOL_VERSION, server_id=self.server_id, server_pid=os.getpid(),
+            protocol_version=protocol.PROTOCOL_VERSION, protocol_minor=protocol.PROTOCOL_MINOR,
+            server_id=self.server_id, server_pid=os.getpid(),
             server_uid=os.geteuid(), server_pid_ns=own_pid_namespace(),
             session_id=session.id, session_token=session.token, resumed=resumed, verified=session.verified,
             fd_socket=self.fdchannel.path, isolated_ipc=self.config.isolated_ipc,
@@ -415,22 +474,30 @@ class Server:
         return protocol.UnregisterReply(req.instance_id, deferred)
 
     def _status(self, identity: bytes, req: protocol.Status) -> Any:
+        return self.status_reply()
+
+    def status_reply(self) -> protocol.StatusReply:
         now = time.time()
-        regs = [
-            protocol.RegistrationInfo(
-                instance_id=r.instance_id, owner_session=r.owner, owner_pid=r.owner_pid, owner_uid=r.owner_uid,
-                client_name=r.client_name, model_name=r.model_name, world_size=r.world_size,
-                worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
-                kinds=sorted({w.kind for w in r.wrappers}), devices=sorted({w.device for w in r.wrappers}),
-                age_s=round(now - r.created, 3))
-            for r in sorted(self.registry.registrations(), key=lambda r: r.created)
-        ]
+        regs = []
+        for r in sorted(self.registry.registrations(), key=lambda r: r.created):
+            region = r.region
+            if region is None:
+                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
+            else:
+                kinds, devices = [f"{r.kind}-region"], [region.device]
+            regs.append(protocol.RegistrationInfo(
+                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
+                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
+                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
+                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
+                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
+                device_id=getattr(region, "device_id", -1)))
         return protocol.StatusReply(
             server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
             isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
             sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
             open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
-            pool=self.dataplane.info())
+            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)
@@ -488,13 +555,39 @@ class Server:
 
     # ---- session ends -------------------------------------------------------------------
     def _session_ended(self, session: Session, reason: str, orphaned: bool) -> None:
+        started = time.monotonic()
         self.dataplane.session_ended(session.id)
         released = self.registry.release_owner(session.id, orphaned=orphaned)
         self.fdchannel.close_session(session.id)
+        if reason != "server shutdown":
+            self.metrics.reclaims.labels("worker exited" if orphaned else "session ended").inc()
+            self.metrics.reclaim_latency.observe(time.monotonic() - started)
         log = logger.info if released or reason != "server shutdown" else logger.debug
         log("lmshm: %s ended: %s; reclaimed %s", session.describe(), reason,
             ", ".join(quote(i, 40) for i in released[:8]) + (f" and {len(released) - 8} more" if len(released) > 8 else "")
             if released else "nothing")
+
+
+def _newer_hello(body: Optional[bytes]) -> Optional[str]:
+    """Why a HELLO that did not decode is refused, if it comes from a newer protocol version."""
+    try:
+        v = msgspec.msgpack.decode(body or b"", type=protocol.HelloVersion)
+    except Exception:  # noqa: BLE001 - not even that: the decode error stands
+        return None
+    if v.type != protocol.MsgType.HELLO or (v.protocol_version, v.protocol_minor) <= (
+            protocol.PROTOCOL_VERSION, protocol.PROTOCOL_MINOR):
+        return None
+    return (f"protocol version mismatch: the client speaks version {v.protocol_version}.{v.protocol_minor}, newer "
+            f"than this lmshm-server's {protocol.PROTOCOL_VERSION}.{protocol.PROTOCOL_MINOR}; upgrade lmshm-server")
+
+
+def _code_of(reply: Any) -> str:
+    if isinstance(reply, protocol.ErrorReply):
+        try:
+            return ErrorCode(reply.code).name
+        except ValueError:
+            return str(reply.code)
+    return "OK"
 
 
 def _read_bytes(tensor: Any, offset: int, n: int) -> bytes:
@@ -531,12 +624,22 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s lmshm-server %(levelname)s %(message)s")
     ipc_policy.set_isolated_ipc(config.isolated_ipc)
+    from lmshm.core.server import Server
+
     try:
         server = Server(config)
     except (mq.TransportError, FdChannelError) as exc:
         print(f"lmshm-server: {exc}", file=sys.stderr)
         return 1
-    print(f"lmshm-server listening on {server.url} (fd socket {server.fdchannel.path}, "
+    try:
+        server.start_side_endpoints()
+    except Exception as exc:  # noqa: BLE001 - a busy HTTP/gRPC port, a bad host
+        server.stop()
+        print(f"lmshm-server: {exc}", file=sys.stderr)
+        return 1
+    extra = "".join(f", {name} on {host}:{port}" for name, host, port in (
+        ("HTTP", config.http_host, server.http_port), ("gRPC", config.grpc_host, server.grpc_port)) if port is not None)
+    print(f"lmshm-server listening on {server.url} (fd socket {server.fd_socket}{extra}, "
           f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
     server.serve_forever(restore_signals=False)
     return 0

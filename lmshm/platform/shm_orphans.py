@@ -24,7 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmshm.platform import shm_names
-from lmshm.platform.shm_names import SEGMENT_PREFIX, own_pid_namespace, parse_segment_name
+from lmshm.platform.shm_names import (
+    SEGMENT_PREFIX,
+    own_pid_namespace,
+    parse_segment_name,
+)
 
 logger = logging.getLogger(__name__)
 

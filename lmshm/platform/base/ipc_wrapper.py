@@ -22,8 +22,8 @@ because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process
 
 from __future__ import annotations
 
-import pickle
 import math
+import pickle
 from typing import Any, ClassVar
 
 import torch

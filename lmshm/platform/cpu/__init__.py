@@ -13,8 +13,19 @@ import torch
 
 from lmshm.platform import ipc_policy
 from lmshm.platform.base.ipc_wrapper import dtype_name
-from lmshm.platform.cpu.segments import SEGMENT_PREFIX, Segment, live_segments, segment_of, shm_dir
-from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuSegmentWrapper, CpuShmIPCWrapper, migration_scope
+from lmshm.platform.cpu.segments import (
+    SEGMENT_PREFIX,
+    Segment,
+    live_segments,
+    segment_of,
+    shm_dir,
+)
+from lmshm.platform.cpu.wrappers import (
+    CpuFdIPCWrapper,
+    CpuSegmentWrapper,
+    CpuShmIPCWrapper,
+    migration_scope,
+)
 
 
 def empty_shared(

@@ -37,13 +37,17 @@ import torch
 
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.files import file_id, unlink_if_same
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_name
+from lmshm.platform.base.ipc_wrapper import (
+    DeviceIPCWrapper,
+    WrapperDecodeError,
+    dtype_name,
+)
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import Peer
-from lmshm.quoting import quote
 from lmshm.platform.contiguity import is_dense, require_dense
 from lmshm.platform.cpu import segments
 from lmshm.platform.cpu.segments import Segment
+from lmshm.quoting import quote
 
 # Within one batch: data_ptr of a migrated private storage -> (old storage, new segment,
 # uint8 tensor over it). Holding the old storage keeps its address from being reused.
@@ -258,8 +262,9 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-def _map_shared(fd: int, size: int, name: str) -> tuple[Any, int]:
-    """Map ``size`` bytes of ``fd`` shared and read-write; return (buffer, address).
+def _map_shared(fd: int, size: int, name: str, offset: int = 0) -> tuple[Any, int]:
+    """Map ``size`` bytes of ``fd`` from ``offset`` (a multiple of the page size) shared and
+    read-write; return (buffer, address).
 
     Not ``mmap.mmap``: Python's mmap keeps a dup of the fd for its whole life, so a server
     mapping 1,000 segments would hold 1,000 fds. This mapping holds none. The buffer unmaps
@@ -267,10 +272,10 @@ def _map_shared(fd: int, size: int, name: str) -> tuple[Any, int]:
     """
     if size <= 0:
         raise ValueError(f"segment {name!r} is empty; there is nothing to map")
-    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
+    addr = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, offset)
     if addr is None or addr == _MAP_FAILED:
         err = ctypes.get_errno()
-        raise OSError(err, f"cannot map segment {name!r} ({size} bytes): {os.strerror(err)}")
+        raise OSError(err, f"cannot map {name!r} ({size} bytes at offset {offset}): {os.strerror(err)}")
     buf = (ctypes.c_uint8 * size).from_address(addr)
     weakref.finalize(buf, _libc.munmap, addr, size)
     return buf, addr
@@ -395,3 +400,7 @@ class CpuFdIPCWrapper(CpuSegmentWrapper):
 
 
 __all__ = ["CpuFdIPCWrapper", "CpuSegmentWrapper", "CpuShmIPCWrapper", "migration_scope"]
+
+
+#: The mapper regions use (lmshm.core.regions): no fd kept, unmapped with its last tensor.
+map_shared = _map_shared

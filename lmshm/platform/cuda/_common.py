@@ -23,13 +23,18 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from lmshm.quoting import quote
-from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError, dtype_from_name, dtype_name
+from lmshm.platform.base.ipc_wrapper import (
+    DeviceIPCWrapper,
+    WrapperDecodeError,
+    dtype_from_name,
+    dtype_name,
+)
 from lmshm.platform.base.mappings import MAPPINGS, Lease
 from lmshm.platform.contiguity import is_dense, require_dense
 from lmshm.platform.cuda import devices
 from lmshm.platform.cuda.driver import get_driver, hexptr
 from lmshm.platform.cuda.rebuild import view_as
+from lmshm.quoting import quote
 
 logger = logging.getLogger(__name__)
 

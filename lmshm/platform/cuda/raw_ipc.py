@@ -24,9 +24,23 @@ from __future__ import annotations
 import logging
 from typing import Any, Hashable
 
-from lmshm.platform.cuda._common import DeviceMapping, FlatCudaWrapper, check_bytes, producer_id
-from lmshm.platform.cuda.driver import IPC_HANDLE_BYTES, CudaDriverError, get_driver, hexptr
-from lmshm.platform.cuda.errors import NOT_CUDA_MALLOC_HINT, CudaExportError, NotCudaMallocMemoryError
+from lmshm.platform.cuda._common import (
+    DeviceMapping,
+    FlatCudaWrapper,
+    check_bytes,
+    producer_id,
+)
+from lmshm.platform.cuda.driver import (
+    IPC_HANDLE_BYTES,
+    CudaDriverError,
+    get_driver,
+    hexptr,
+)
+from lmshm.platform.cuda.errors import (
+    NOT_CUDA_MALLOC_HINT,
+    CudaExportError,
+    NotCudaMallocMemoryError,
+)
 
 logger = logging.getLogger(__name__)
 

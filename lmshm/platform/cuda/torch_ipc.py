@@ -36,7 +36,13 @@ from typing import Any, Hashable
 import torch
 
 from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, dtype_name
-from lmshm.platform.cuda._common import CudaWrapperBase, check_bytes, check_int, producer_id, producer_ordinal
+from lmshm.platform.cuda._common import (
+    CudaWrapperBase,
+    check_bytes,
+    check_int,
+    producer_id,
+    producer_ordinal,
+)
 from lmshm.platform.cuda.driver import get_driver
 from lmshm.quoting import quote
 

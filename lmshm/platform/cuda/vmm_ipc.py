@@ -29,7 +29,6 @@ import secrets
 from typing import Any, Hashable
 
 from lmshm.platform.base.fds import FD_INBOX
-from lmshm.quoting import quote
 from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
 from lmshm.platform.cuda import devices
 from lmshm.platform.cuda._common import (
@@ -58,6 +57,7 @@ from lmshm.platform.cuda.errors import (
     VmmSpansChunksError,
     not_exportable_hint,
 )
+from lmshm.quoting import quote
 
 HANDLE_TYPES = ("posix-fd", "fabric")
 _TOKEN_RE = re.compile(r"^cuda-vmm-[0-9]{1,10}-[0-9a-f]{16}$")

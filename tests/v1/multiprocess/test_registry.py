@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
-from lmshm.multiprocess.registry import (
+from lmshm.core.registry import (
     InstanceExists,
     InstanceNotFound,
     InvalidRegistration,

@@ -23,7 +23,8 @@ from lmshm.multiprocess.client import (
     query_status,
 )
 from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.multiprocess.server import Server, ServerConfig, build_arg_parser, resolve_config
+from lmshm.core.server import Server
+from lmshm.multiprocess.server import ServerConfig, build_arg_parser, resolve_config
 from lmshm.platform import ipc_policy
 from lmshm.platform.cpu import empty_shared
 
@@ -208,8 +209,8 @@ def test_a_handler_exception_becomes_an_internal_error_reply(tmp, monkeypatch):
     try:
         def broken(identity, request):
             raise RuntimeError("boom")
-        monkeypatch.setitem(server._handlers, protocol.Status, broken)
-        reply = server._dispatch(b"peer", codec.encode(protocol.Status()), None)
+        monkeypatch.setitem(server.zmq._handlers, protocol.Status, broken)
+        reply = server.zmq._dispatch(b"peer", codec.encode(protocol.Status()), None)
         assert reply.code == ErrorCode.INTERNAL and "RuntimeError: boom" in reply.message
     finally:
         server.shutdown()

@@ -16,7 +16,7 @@ from fake_sync import FakeCudaSync
 from lmshm.core.dataplane import DataPlane
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
-from lmshm.multiprocess.registry import Registry
+from lmshm.core.registry import Registry
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cuda import RawCudaIPCWrapper

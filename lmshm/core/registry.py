@@ -36,11 +36,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
-from lmshm.multiprocess.protocol import MAX_LAYERS, ErrorCode, LayerGroup
+from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.multiprocess.protocol import MAX_LAYERS, LayerGroup
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import Peer
@@ -52,14 +53,13 @@ logger = logging.getLogger(__name__)
 RESERVED_ID_PREFIX = "__lmshm"
 
 
-class RegistryError(Exception):
-    """A refused registry operation; ``code`` is the ErrorCode the server replies with."""
+class RegistryError(ServerError):
+    """A refused registry operation; ``code`` is the ErrorCode every endpoint answers with."""
 
     code: ErrorCode = ErrorCode.INVALID_ARG
 
     def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
+        super().__init__(self.code, message)
 
 
 class InvalidRegistration(RegistryError):
@@ -78,6 +78,14 @@ class NotPermitted(RegistryError):
     """The peer may not register that memory (another uid's segment, another pid's name, ...)."""
 
     code = ErrorCode.PERMISSION_DENIED
+
+
+#: What a registration is: a worker's KV cache (``kv``) or a Triton-style region.
+KINDS = ("kv", "system", "cuda")
+KIND_WORDS = {"kv": "KV-cache registration", "system": "system shared memory region",
+              "cuda": "CUDA shared memory region"}
+#: The owner of every region: regions belong to no session and outlive every connection.
+REGION_OWNER = "regions"
 
 
 def _discard_fds(wrappers: Sequence[DeviceIPCWrapper], session: Hashable) -> None:
@@ -109,6 +117,8 @@ class Registration:
     released: bool = False
     views: dict[str, torch.Tensor] = field(default_factory=dict)
     block_layout: Any = None        # the data plane's BlockLayout, built on first use
+    kind: str = "kv"                # one of KINDS
+    region: Any = None              # a region's mapping (lmshm.core.regions); None for "kv"
 
     @property
     def wrappers(self) -> tuple[DeviceIPCWrapper, ...]:
@@ -121,7 +131,12 @@ class Registration:
 
     @property
     def nbytes(self) -> int:
+        if self.region is not None:
+            return self.region.byte_size
         return sum(g.wrapper.nbytes * len(g.names) for g in self.groups)
+
+    def describe_kind(self) -> str:
+        return KIND_WORDS[self.kind]
 
     def tensor(self, layer_name: str) -> torch.Tensor | None:
         """The server-side tensor of one layer (aliasing the worker's memory), or None.
@@ -172,14 +187,29 @@ def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False)
                 logger.exception("lmshm: release_orphaned on %r failed", w)
 
 
+def _exists_message(name: str, existing: Registration) -> str:
+    if existing.kind == "kv":
+        what = (f"a {existing.describe_kind()} (model {quote(existing.model_name)}, {existing.num_layers} layers, "
+                f"owner pid {existing.owner_pid})")
+    else:
+        what = f"a {existing.describe_kind()}"
+    return (f"{quote(name, 80)} is already registered, as {what}: system, CUDA and KV-cache registrations share "
+            "one namespace; unregister it first or choose another name")
+
+
+def check_name(what: str, name: str) -> None:
+    """A registration's or region's name: printable, not empty, not the server's own prefix."""
+    if not name or not name.isprintable():  # its length is the server's setting
+        raise InvalidRegistration(f"{what} {quote(name)} must be printable characters, at least one")
+    if name.startswith(RESERVED_ID_PREFIX):
+        raise InvalidRegistration(
+            f"{what} {quote(name)} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
+
+
 def _check_request(instance_id: str, world_size: int, worker_rank: int,
                    groups: Sequence[LayerGroup]) -> dict[str, tuple[int, int]]:
     """Validate a request; return layer name -> (group index, storage offset)."""
-    if not instance_id or not instance_id.isprintable():  # its length is the server's setting
-        raise InvalidRegistration(f"instance id {quote(instance_id)} must be printable characters, at least one")
-    if instance_id.startswith(RESERVED_ID_PREFIX):
-        raise InvalidRegistration(
-            f"instance id {quote(instance_id)} starts with {RESERVED_ID_PREFIX!r}, which is reserved for the server")
+    check_name("instance id", instance_id)
     if world_size < 1 or not 0 <= worker_rank < world_size:
         raise InvalidRegistration(
             f"instance {instance_id!r}: worker_rank {worker_rank} is not in [0, world_size={world_size})")
@@ -243,10 +273,7 @@ class Registry:
                     if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, groups):
                         self.refuse(groups, owner)
                         return existing, True
-                    raise InstanceExists(
-                        f"instance {instance_id!r} is already registered (model {quote(existing.model_name)}, "
-                        f"{existing.num_layers} layers, owner pid {existing.owner_pid}); unregister it first "
-                        "or choose another instance id")
+                    raise InstanceExists(_exists_message(instance_id, existing))
                 if instance_id in self._mapping:
                     raise InstanceExists(f"instance {instance_id!r} is being registered right now")
                 self._mapping.add(instance_id)  # reserve the id; map outside the lock
@@ -317,6 +344,68 @@ class Registry:
             first += len(g.names)
         return bases
 
+    # ---- regions (Triton's shared-memory extension) --------------------------------------
+    def add_region(self, name: str, kind: str, open_region: Callable[[], Any], *, client_name: str = "") -> Registration:
+        """Register a region: reserve ``name`` (one namespace with KV registrations), then run
+        ``open_region()`` outside the lock. It returns the region's mapping (``byte_size``,
+        ``tensor``, ``close()``); if it raises, the name is free again and nothing is kept."""
+        check_name(f"{KIND_WORDS[kind]} name", name)
+        with self._lock:
+            existing = self._live.get(name)
+            if existing is not None:
+                raise InstanceExists(_exists_message(name, existing))
+            if name in self._mapping:
+                raise InstanceExists(f"{quote(name, 80)} is being registered right now")
+            self._mapping.add(name)
+        try:
+            region = open_region()
+        except BaseException:
+            with self._lock:
+                self._mapping.discard(name)
+            raise
+        reg = Registration(name, REGION_OWNER, 0, -1, client_name, "", 1, 0, (), (), [region.tensor], {},
+                           kind=kind, region=region)
+        with self._lock:
+            self._mapping.discard(name)
+            self._live[name] = reg
+        return reg
+
+    def region(self, name: str, kind: str) -> Registration:
+        """The live region ``name`` of ``kind``; NOT_FOUND, naming its kind, for anything else."""
+        with self._lock:
+            reg = self._live.get(name)
+        if reg is None:
+            raise InstanceNotFound(f"no {KIND_WORDS[kind]} named {quote(name, 80)} is registered")
+        if reg.kind != kind:
+            raise InstanceNotFound(f"{quote(name, 80)} is a {reg.describe_kind()}, not a {KIND_WORDS[kind]}")
+        return reg
+
+    def regions(self, kind: str) -> list[Registration]:
+        with self._lock:
+            return [r for r in self._live.values() if r.kind == kind]
+
+    def unregister_region(self, name: str, kind: str) -> bool:
+        """Unregister region ``name`` if it is one of ``kind``; an unknown name, or a name of
+        another kind, is left alone and is not an error (Triton's rule). Returns True if a
+        region was taken out of the namespace."""
+        with self._lock:
+            reg = self._live.get(name)
+            if reg is None or reg.kind != kind:
+                return False
+            deferred = self._unlink_locked(reg)
+        if not deferred:
+            self._release(reg)
+        return True
+
+    def unregister_regions(self, kind: str) -> int:
+        """Unregister every region of ``kind`` (and nothing else). Returns how many."""
+        with self._lock:
+            regs = [r for r in self._live.values() if r.kind == kind]
+            now = [r for r in regs if not self._unlink_locked(r)]
+        for r in now:
+            self._release(r)
+        return len(regs)
+
     # ---- unregister and reclaim ---------------------------------------------------------
     def unregister(self, instance_id: str) -> bool:
         """Take ``instance_id`` out of the namespace (the caller checked who may). Returns True
@@ -332,6 +421,8 @@ class Registry:
 
     def release_owner(self, owner: Hashable, *, orphaned: bool) -> list[str]:
         """Unregister everything ``owner`` holds (its session ended). Returns the instance ids."""
+        if owner == REGION_OWNER:
+            return []
         with self._lock:
             regs = [r for r in self._live.values() if r.owner == owner]
             now = [r for r in regs if not self._unlink_locked(r, orphaned=orphaned)]
@@ -370,6 +461,13 @@ class Registry:
             if reg in self._draining:
                 self._draining.remove(reg)
         reg.drop_tensors()  # tensors hold child leases: drop them before closing
+        if reg.region is not None:  # never unlinked: the client created its object and owns it
+            try:
+                reg.region.close()
+            except Exception:  # noqa: BLE001
+                logger.exception("lmshm: closing region %r failed", reg.instance_id)
+            logger.debug("lmshm: released %s %r", reg.describe_kind(), reg.instance_id)
+            return
         _close_quietly(reg.wrappers, orphaned=reg.orphaned)
         logger.info("lmshm: released instance %r (%d layers%s)", reg.instance_id, reg.num_layers,
                     ", owner gone" if reg.orphaned else "")

@@ -1,0 +1,98 @@
+"""Prometheus metrics of one ``lmshm.Server`` (``GET /metrics`` on the HTTP endpoint).
+
+Each server has its own ``CollectorRegistry``, so several servers in one process (tests, an
+application with two) never mix their figures. Two kinds of series:
+- events, counted as they happen: requests by endpoint, type and code with a latency
+  histogram, and session reclaims with theirs;
+- state, read from the registry, the mapping table and the data plane at scrape time (a
+  collector, so a scrape costs one pass over the registrations and nothing in between).
+
+Label values are bounded: endpoints, request types and codes are fixed sets; no series is
+keyed by a name a peer chose.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import generate_latest
+
+if TYPE_CHECKING:
+    from lmshm.core.server import Server
+
+_LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0)
+# PoolInfo fields: which are running totals (counters) and which are levels (gauges).
+_POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evicted_bytes", "retrieved", "failed")
+_POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases")
+
+
+class Metrics:
+    def __init__(self, server: "Server") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("lmshm_requests", "Requests answered, by endpoint, request type and result code",
+                                ("endpoint", "request", "code"), registry=self.registry)
+        self.latency = Histogram("lmshm_request_seconds", "Time from a request's arrival to its answer",
+                                 ("endpoint", "request"), buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.reclaims = Counter("lmshm_reclaims", "Sessions whose registrations were reclaimed, by reason",
+                                ("reason",), registry=self.registry)
+        self.reclaim_latency = Histogram("lmshm_reclaim_seconds", "Time to release what an ended session held",
+                                         buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_StateCollector(server))
+
+    def observe(self, endpoint: str, request: str, code: str, seconds: float) -> None:
+        self.requests.labels(endpoint, request, code).inc()
+        self.latency.labels(endpoint, request).observe(seconds)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Gauges (and the data plane's running totals) read when Prometheus scrapes."""
+
+    def __init__(self, server: "Server") -> None:
+        self._server = server
+
+    def describe(self) -> list[Any]:
+        return []  # collected lazily: the registry must not call collect() at registration
+
+    def collect(self) -> Iterator[Any]:
+        from lmshm.platform.base.mappings import MAPPINGS
+
+        server = self._server
+        regs = GaugeMetricFamily("lmshm_registrations", "Live registrations, by kind (kv, system, cuda)",
+                                 labels=("kind",))
+        nbytes = GaugeMetricFamily("lmshm_registered_bytes", "Bytes the live registrations map, by kind",
+                                   labels=("kind",))
+        counts = {"kv": 0, "system": 0, "cuda": 0}
+        sizes = dict.fromkeys(counts, 0)
+        for r in server.registry.registrations():
+            counts[r.kind] = counts.get(r.kind, 0) + 1
+            sizes[r.kind] = sizes.get(r.kind, 0) + r.nbytes
+        for kind in counts:
+            regs.add_metric((kind,), counts[kind])
+            nbytes.add_metric((kind,), sizes[kind])
+        yield regs
+        yield nbytes
+        maps = GaugeMetricFamily("lmshm_mappings", "Live entries of the server's mapping table, by kind",
+                                 labels=("kind",))
+        by_kind: dict[str, int] = {}
+        for key in MAPPINGS.keys():
+            kind = key[0] if isinstance(key, tuple) and key and isinstance(key[0], str) else "other"
+            by_kind[kind] = by_kind.get(kind, 0) + 1
+        for kind, n in sorted(by_kind.items()):
+            maps.add_metric((kind,), n)
+        yield maps
+        yield GaugeMetricFamily("lmshm_draining", "Unregistered registrations still held by a view or a copy",
+                                value=server.registry.draining)
+        yield GaugeMetricFamily("lmshm_sessions", "ZeroMQ sessions (verified or not)", value=server.session_count())
+        pool = server.pool_info()
+        for name in _POOL_GAUGES:
+            yield GaugeMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')}",
+                                    value=getattr(pool, name))
+        for name in _POOL_COUNTERS:
+            yield CounterMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')} so far",
+                                      value=getattr(pool, name))

@@ -1,0 +1,84 @@
+"""What the HTTP and gRPC endpoints share: Triton's status codes, the restricted API, rows.
+
+Both endpoints are thin: they decode a request, call one ``lmshm.Server`` method, and encode
+the answer or the ``ServerError``. The code -> status tables follow Triton's own mapping of its
+error codes (``INVALID_ARG`` and ``ALREADY_EXISTS`` are HTTP 400, ``NOT_FOUND`` 404,
+``UNAVAILABLE`` 503, ``UNSUPPORTED`` 501, ``INTERNAL`` 500), extended to lmshm's codes that
+Triton lacks (``PERMISSION_DENIED``, ``LAYOUT``, ``DATA_LOSS``).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Callable, Mapping, Optional
+
+import grpc
+
+from lmshm.core.errors import ErrorCode
+from lmshm.multiprocess.config import parse_restriction
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARG: 400,
+    ErrorCode.ALREADY_EXISTS: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.UNSUPPORTED: 501,
+    ErrorCode.PERMISSION_DENIED: 403,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.LAYOUT: 400,
+    ErrorCode.DATA_LOSS: 500,
+}
+
+GRPC_STATUS = {
+    ErrorCode.INVALID_ARG: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorCode.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: grpc.StatusCode.UNIMPLEMENTED,
+    ErrorCode.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorCode.LAYOUT: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.DATA_LOSS: grpc.StatusCode.DATA_LOSS,
+}
+
+
+def http_status(code: Any) -> int:
+    return HTTP_STATUS.get(code, 500)
+
+
+def grpc_status(code: Any) -> grpc.StatusCode:
+    return GRPC_STATUS.get(code, grpc.StatusCode.UNKNOWN)
+
+
+class Restriction:
+    """``--http-restricted-api`` / ``--grpc-restricted-api``: a header the shared-memory
+    operations require. ``problem(headers)`` is None when the request may go on."""
+
+    def __init__(self, setting: str, what: str) -> None:
+        self.header, self._value = parse_restriction(setting) if setting else ("", "")
+        self.what = what
+
+    def problem(self, get: Callable[[str], Optional[str]]) -> Optional[str]:
+        if not self.header:
+            return None
+        got = get(self.header)
+        if got is not None and hmac.compare_digest(got.encode("utf-8", "surrogatepass"), self._value.encode()):
+            return None
+        return f"This API is restricted, expecting header '{self.header}'"
+
+
+def header_lookup(headers: Mapping[str, str]) -> Callable[[str], Optional[str]]:
+    return lambda name: headers.get(name)
+
+
+def system_row(reg: Any) -> dict[str, Any]:
+    r = reg.region
+    return {"name": reg.instance_id, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+
+
+def cuda_row(reg: Any) -> dict[str, Any]:
+    r = reg.region
+    return {"name": reg.instance_id, "device_id": r.device_id, "byte_size": r.byte_size}
+
+
+ROWS = {"system": system_row, "cuda": cuda_row}
