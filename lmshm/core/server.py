@@ -349,7 +349,7 @@ class Server:
         self._check_kind(kind)
         if name:
             return [self.registry.region(self._check_region_name(name), kind)]
-        return sorted(self.registry.regions(kind), key=lambda r: r.created)
+        return sorted(self.registry.regions(kind), key=lambda r: r.instance_id)  # Triton lists by name
 
     def unregister_region(self, kind: str, name: str = "") -> int:
         """Unregister region ``name`` of ``kind``, or every region of ``kind`` if ``name`` is

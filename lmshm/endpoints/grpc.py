@@ -19,7 +19,7 @@ import grpc
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints import triton_proto as pb
-from lmshm.endpoints.triton import Restriction, grpc_status
+from lmshm.endpoints.triton import GRPC_HEADER_PREFIX, Restriction, grpc_status
 from lmshm.quoting import clip
 
 logger = logging.getLogger("lmshm.grpc")
@@ -36,7 +36,7 @@ class GrpcEndpoint:
         self.server = server
         config = server.config
         self.host, self.port = config.grpc_host, config.grpc_port
-        self.restriction = Restriction(config.grpc_restricted_api, "gRPC")
+        self.restriction = Restriction(config.grpc_restricted_api, prefix=GRPC_HEADER_PREFIX, word="protocol")
         self._threads = config.endpoint_threads
         self._max = config.grpc_max_message_bytes
         self._grpc: Any = None

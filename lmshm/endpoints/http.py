@@ -67,7 +67,7 @@ class HttpEndpoint:
         config = server.config
         self.host, self.port = config.http_host, config.http_port
         self.max_body = config.http_max_body_bytes
-        self.restriction = Restriction(config.http_restricted_api, "HTTP")
+        self.restriction = Restriction(config.http_restricted_api)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None

@@ -10,7 +10,7 @@ Triton lacks (``PERMISSION_DENIED``, ``LAYOUT``, ``DATA_LOSS``).
 from __future__ import annotations
 
 import hmac
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 
@@ -50,25 +50,27 @@ def grpc_status(code: Any) -> grpc.StatusCode:
     return GRPC_STATUS.get(code, grpc.StatusCode.UNKNOWN)
 
 
+#: Triton's gRPC endpoint looks for the restricted key under this metadata prefix.
+GRPC_HEADER_PREFIX = "triton-grpc-protocol-"
+
+
 class Restriction:
     """``--http-restricted-api`` / ``--grpc-restricted-api``: a header the shared-memory
-    operations require. ``problem(headers)`` is None when the request may go on."""
+    operations require (gRPC: metadata ``triton-grpc-protocol-<header>``, as Triton names it).
+    ``problem(get)`` is None when the request may go on; the value is compared in constant time."""
 
-    def __init__(self, setting: str, what: str) -> None:
-        self.header, self._value = parse_restriction(setting) if setting else ("", "")
-        self.what = what
+    def __init__(self, setting: str, *, prefix: str = "", word: str = "API") -> None:
+        header, self._value = parse_restriction(setting) if setting else ("", "")
+        self.header = prefix + header if header else ""
+        self._word = word
 
     def problem(self, get: Callable[[str], Optional[str]]) -> Optional[str]:
         if not self.header:
             return None
         got = get(self.header)
-        if got is not None and hmac.compare_digest(got.encode("utf-8", "surrogatepass"), self._value.encode()):
+        if isinstance(got, str) and hmac.compare_digest(got.encode("utf-8", "surrogatepass"), self._value.encode()):
             return None
-        return f"This API is restricted, expecting header '{self.header}'"
-
-
-def header_lookup(headers: Mapping[str, str]) -> Callable[[str], Optional[str]]:
-    return lambda name: headers.get(name)
+        return f"This {self._word} is restricted, expecting header '{self.header}'"
 
 
 def system_row(reg: Any) -> dict[str, Any]:

@@ -163,7 +163,8 @@ SETTINGS: tuple[Setting, ...] = (
             "answer 403 unless the request carries that header with that value (default: unrestricted)",
             "HEADER=VALUE"),
     Setting("grpc_restricted_api", "--grpc-restricted-api", "LMSHM_GRPC_RESTRICTED_API", "grpc_restricted_api",
-            "HEADER=VALUE: the gRPC shared-memory RPCs need that metadata key and value (default: unrestricted)",
+            "HEADER=VALUE: the gRPC shared-memory RPCs need metadata triton-grpc-protocol-HEADER with that value, as "
+            "Triton's --grpc-restricted-protocol does; without it they answer UNAVAILABLE (default: unrestricted)",
             "HEADER=VALUE"),
     Setting("endpoint_threads", "--endpoint-threads", "LMSHM_ENDPOINT_THREADS", "endpoint_threads",
             "threads serving gRPC requests (default 4)", "N"),
