@@ -34,14 +34,20 @@ def _human_age(seconds: float) -> str:
     return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
 
 
+def _status_row(r) -> tuple[str, ...]:
+    kind = getattr(r, "kind", "kv")  # servers before protocol 3.1 send no kind: all are KV caches
+    if kind == "kv":
+        return (r.instance_id, str(r.owner_pid), r.model_name or "-", f"{r.worker_rank}/{r.world_size}",
+                str(r.num_layers), _human_bytes(r.nbytes), ",".join(r.kinds), ",".join(r.devices), _human_age(r.age_s))
+    where = f"{r.key} +{r.offset}" if kind == "system" else f"device {r.device_id}"
+    return (r.instance_id, "-", where, "-", "-", _human_bytes(r.nbytes), f"{kind} region ({r.client_name or '-'})",
+            ",".join(r.devices), _human_age(r.age_s))
+
+
 def format_status_table(status) -> str:
     """A plain-text table of a ``StatusReply``: one row per registration."""
-    header = ("INSTANCE", "OWNER PID", "MODEL", "RANK", "LAYERS", "BYTES", "KIND", "DEVICE", "AGE")
-    rows = [
-        (r.instance_id, str(r.owner_pid), r.model_name or "-", f"{r.worker_rank}/{r.world_size}",
-         str(r.num_layers), _human_bytes(r.nbytes), ",".join(r.kinds), ",".join(r.devices), _human_age(r.age_s))
-        for r in status.registrations
-    ]
+    header = ("NAME", "OWNER PID", "MODEL / KEY", "RANK", "LAYERS", "BYTES", "KIND", "DEVICE", "AGE")
+    rows = [_status_row(r) for r in status.registrations]
     widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [
         f"lmshm-server pid {status.server_pid}, up {_human_age(status.uptime_s)}, "

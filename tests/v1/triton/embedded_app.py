@@ -34,12 +34,15 @@ def main() -> int:
                 next_view += 1
             elif op == "write":
                 data = bytes.fromhex(cmd["hex"])
-                views[cmd["view"]].tensor[cmd.get("at", 0):cmd.get("at", 0) + len(data)] = torch.frombuffer(
-                    bytearray(data), dtype=torch.uint8)
+                t = views[cmd["view"]].tensor
+                t[cmd.get("at", 0):cmd.get("at", 0) + len(data)] = torch.frombuffer(
+                    bytearray(data), dtype=torch.uint8).to(t.device)
+                if t.is_cuda:
+                    torch.cuda.synchronize(t.device)
                 out = {}
             elif op == "read":
                 t = views[cmd["view"]].tensor
-                out = {"hex": t[:cmd.get("n", t.numel())].numpy().tobytes().hex()}
+                out = {"hex": t[:cmd.get("n", t.numel())].cpu().numpy().tobytes().hex()}
             elif op == "close":
                 views.pop(cmd["view"]).close()
                 out = {}
