@@ -10,7 +10,7 @@ plane, and the metrics. The endpoints are thin adapters over it and keep no regi
 
 Use it in a process of your own::
 
-    with lmshm.Server(lmshm.ServerConfig(port=0, http_port=0)) as server:
+    with lmshm.Server(lmshm.ServerConfig(url="tcp://127.0.0.1:0", http_port=0)) as server:
         server.register_system_region("input0", key="/my_shm", offset=0, byte_size=1 << 20)
         with server.region_view("input0", offset=0, byte_size=4096) as view:
             view.tensor[:4] = 7          # the client's shm sees it at once
