@@ -172,7 +172,8 @@ class ZmqEndpoint:
         self._sweep()
 
     def close_transport(self) -> None:
-        """Undo ``__init__`` when the server cannot be built after all."""
+        """Close the fd channel, the wake-up pipe and the socket (the end of ``shutdown``; also
+        undoes ``__init__`` when the server cannot be built after all)."""
         self.fdchannel.close()
         self.router.unwatch_fd(self._wake_r)
         os.close(self._wake_r)
@@ -279,12 +280,7 @@ class ZmqEndpoint:
         released = self.registry.release_all()
         for session in self.sessions:
             self.sessions.end(session, "server shutdown", orphaned=False)
-        self.fdchannel.close()
-        self.router.unwatch_fd(self._wake_r)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-        self.router.close()
-        self.router = None  # type: ignore[assignment]
+        self.close_transport()
         logger.info("lmshm-server stopped; released %d registration(s)", released)
 
     def _tick(self) -> None:

@@ -32,6 +32,13 @@ def main() -> int:
                 views[next_view] = server.region_view(cmd["name"], cmd.get("offset", 0), cmd.get("byte_size"))
                 out = {"view": next_view, "bytes": views[next_view].tensor.numel()}
                 next_view += 1
+            elif op == "layer_view":
+                views[next_view] = server.layer_view(cmd["instance_id"], cmd["layer"])
+                views[next_view].tensor = views[next_view].tensor.view(torch.uint8).flatten()
+                out = {"view": next_view, "bytes": views[next_view].tensor.numel()}
+                next_view += 1
+            elif op == "unregister":
+                out = {"deferred": server.unregister(cmd["instance_id"])}
             elif op == "write":
                 data = bytes.fromhex(cmd["hex"])
                 t = views[cmd["view"]].tensor

@@ -315,3 +315,25 @@ def test_grpc_status_codes_follow_tritons_mapping():
     assert HTTP_STATUS[lmshm.ErrorCode.ALREADY_EXISTS] == 400 and HTTP_STATUS[lmshm.ErrorCode.UNSUPPORTED] == 501
     assert GRPC_STATUS[lmshm.ErrorCode.UNSUPPORTED] == grpc.StatusCode.UNIMPLEMENTED
     assert set(HTTP_STATUS) == set(GRPC_STATUS) == set(lmshm.ErrorCode)
+
+
+def test_the_in_process_api_views_a_workers_kv_layer_and_defers_its_unregister(app):
+    import torch
+
+    pool = lmshm.empty_shared((2, 64), torch.float16)
+    pool[1].fill_(1.5)
+    with lmshm.MPClient(app.url, heartbeat=False) as worker:
+        worker.register_kv_caches({"l0": pool[0], "l1": pool[1]}, model_name="m", world_size=1, rank=0,
+                                  instance_id="kv-viewed")
+        view = app.ok("layer_view", instance_id="kv-viewed", layer="l1")
+        assert view["bytes"] == 128
+        assert bytes.fromhex(app.ok("read", view=view["view"], n=4)["hex"]) == pool[1][:2].numpy().tobytes()
+        app.ok("write", view=view["view"], hex="0040", at=0)        # 2.0 in float16, written by the app
+        assert pool[1][0].item() == 2.0
+        assert app.call("layer_view", instance_id="kv-viewed", layer="nope")["code"] == "NOT_FOUND"
+        assert app.ok("unregister", instance_id="kv-viewed")["deferred"] is True
+        assert app.ok("status")["draining"] == 1
+        app.ok("close", view=view["view"])
+        assert app.ok("status")["draining"] == 0
+        assert app.call("unregister", instance_id="kv-viewed")["code"] == "NOT_FOUND"
+    del pool
