@@ -80,6 +80,10 @@ class NotPermitted(RegistryError):
     code = ErrorCode.PERMISSION_DENIED
 
 
+class RegionLimit(RegistryError):
+    code = ErrorCode.UNAVAILABLE
+
+
 #: What a registration is: a worker's KV cache (``kv``) or a Triton-style region.
 KINDS = ("kv", "system", "cuda")
 KIND_WORDS = {"kv": "KV-cache registration", "system": "system shared memory region",
@@ -244,6 +248,7 @@ class Registry:
         self._live: dict[str, Registration] = {}
         self._mapping: set[str] = set()  # ids reserved while their layers are being mapped
         self._draining: list[Registration] = []
+        self._regions_opening = 0
 
     # ---- register -----------------------------------------------------------------------
     def register(
@@ -345,10 +350,12 @@ class Registry:
         return bases
 
     # ---- regions (Triton's shared-memory extension) --------------------------------------
-    def add_region(self, name: str, kind: str, open_region: Callable[[], Any], *, client_name: str = "") -> Registration:
+    def add_region(self, name: str, kind: str, open_region: Callable[[], Any], *, client_name: str = "",
+                   max_regions: int = 1 << 30) -> Registration:
         """Register a region: reserve ``name`` (one namespace with KV registrations), then run
         ``open_region()`` outside the lock. It returns the region's mapping (``byte_size``,
-        ``tensor``, ``close()``); if it raises, the name is free again and nothing is kept."""
+        ``tensor``, ``close()``); if it raises, the name is free again and nothing is kept.
+        At most ``max_regions`` regions (both kinds, being opened included) live at once."""
         check_name(f"{KIND_WORDS[kind]} name", name)
         with self._lock:
             existing = self._live.get(name)
@@ -356,17 +363,24 @@ class Registry:
                 raise InstanceExists(_exists_message(name, existing))
             if name in self._mapping:
                 raise InstanceExists(f"{quote(name, 80)} is being registered right now")
+            held = sum(1 for r in self._live.values() if r.region is not None) + self._regions_opening
+            if held >= max_regions:
+                raise RegionLimit(f"the server holds {held} regions, its limit (lmshm-server --max-regions); "
+                                  "unregister some first")
             self._mapping.add(name)
+            self._regions_opening += 1
         try:
             region = open_region()
         except BaseException:
             with self._lock:
                 self._mapping.discard(name)
+                self._regions_opening -= 1
             raise
         reg = Registration(name, REGION_OWNER, 0, -1, client_name, "", 1, 0, (), (), [region.tensor], {},
                            kind=kind, region=region)
         with self._lock:
             self._mapping.discard(name)
+            self._regions_opening -= 1
             self._live[name] = reg
         return reg
 

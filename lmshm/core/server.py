@@ -328,7 +328,8 @@ class Server:
         file_name = regions.validate_system(key, offset, byte_size)
         allowed = tuple(self.config.allowed_uids)
         reg = self.registry.add_region(
-            name, "system", lambda: regions.open_system(key, file_name, offset, byte_size, allowed), client_name=client)
+            name, "system", lambda: regions.open_system(key, file_name, offset, byte_size, allowed), client_name=client,
+            max_regions=self.config.max_regions)
         logger.debug("lmshm: registered system region %s (%s, %d bytes at %d)", quote(name, 60), quote(key, 60),
                      byte_size, offset)
         return reg
@@ -339,7 +340,8 @@ class Server:
         self._check_region_name(name)
         regions.validate_cuda(raw_handle, device_id, byte_size)
         reg = self.registry.add_region(
-            name, "cuda", lambda: regions.open_cuda(bytes(raw_handle), device_id, byte_size), client_name=client)
+            name, "cuda", lambda: regions.open_cuda(bytes(raw_handle), device_id, byte_size), client_name=client,
+            max_regions=self.config.max_regions)
         logger.debug("lmshm: registered CUDA region %s (device %d, %d bytes)", quote(name, 60), device_id, byte_size)
         return reg
 

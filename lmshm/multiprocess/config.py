@@ -66,6 +66,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_restricted_api: str = ""          # "HEADER=VALUE": required on the shared-memory routes
     grpc_restricted_api: str = ""
     endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
+    max_regions: Count = 4096
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -166,6 +167,9 @@ SETTINGS: tuple[Setting, ...] = (
             "HEADER=VALUE: the gRPC shared-memory RPCs need metadata triton-grpc-protocol-HEADER with that value, as "
             "Triton's --grpc-restricted-protocol does; without it they answer UNAVAILABLE (default: unrestricted)",
             "HEADER=VALUE"),
+    Setting("max_regions", "--max-regions", "LMSHM_MAX_REGIONS", "max_regions",
+            "system and CUDA shared-memory regions registered at once, over HTTP, gRPC and in-process (default "
+            "4096; each is one mapping)", "N"),
     Setting("endpoint_threads", "--endpoint-threads", "LMSHM_ENDPOINT_THREADS", "endpoint_threads",
             "threads serving gRPC requests (default 4)", "N"),
 )

@@ -337,3 +337,22 @@ def test_the_in_process_api_views_a_workers_kv_layer_and_defers_its_unregister(a
         assert app.ok("status")["draining"] == 0
         assert app.call("unregister", instance_id="kv-viewed")["code"] == "NOT_FOUND"
     del pool
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_regions_are_bounded_by_max_regions(shm, protocol):
+    app = EmbeddedApp(max_regions=3)
+    key, _ = shm()
+    c = Triton(protocol, app)
+    try:
+        for i in range(3):
+            c.register(f"r{i}", key, 16, offset=16 * i)
+        status, message = c.error(c.register, "r3", key, 16)
+        assert status == STATUS["UNAVAILABLE"][protocol] and "its limit (lmshm-server --max-regions)" in message
+        c.unregister("r0")
+        c.register("r3", key, 16)
+        assert [r["name"] for r in c.status()] == ["r1", "r2", "r3"]
+        c.unregister()
+    finally:
+        c.close()
+        assert app.stop() == 0
