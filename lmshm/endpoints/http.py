@@ -67,6 +67,7 @@ class HttpEndpoint:
         config = server.config
         self.host, self.port = config.http_host, config.http_port
         self.max_body = config.http_max_body_bytes
+        self.max_connections = config.http_max_connections
         self.restriction = Restriction(config.http_restricted_api)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
@@ -98,10 +99,11 @@ class HttpEndpoint:
             try:
                 runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
                 loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
-                loop.run_until_complete(site.start())
+                listener = loop.run_until_complete(loop.create_server(
+                    _Capped(runner.server, self.max_connections), self.host, self.port, reuse_address=True,
+                    backlog=128))
                 self._runner = runner
-                self.port = runner.addresses[0][1]
+                self.port = listener.sockets[0].getsockname()[1]
             except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
                 failure.append(exc)
                 ready.set()
@@ -111,6 +113,8 @@ class HttpEndpoint:
             try:
                 loop.run_forever()
             finally:
+                listener.close()
+                loop.run_until_complete(listener.wait_closed())
                 loop.run_until_complete(runner.cleanup())
                 loop.close()
 
@@ -153,8 +157,11 @@ class HttpEndpoint:
             code = exc.code.name if isinstance(exc.code, ErrorCode) else str(exc.code)
             return self._done(name, code, started, _json_error(http_status(exc.code), exc.message))
         except web.HTTPRequestEntityTooLarge:
-            return self._done(name, "INVALID_ARG", started, _json_error(
-                400, f"the request body is larger than {self.max_body} bytes (lmshm-server --http-max-body-bytes)"))
+            await _drain(request, 16 * self.max_body)
+            response = _json_error(
+                400, f"the request body is larger than {self.max_body} bytes (lmshm-server --http-max-body-bytes)")
+            response.force_close()
+            return self._done(name, "INVALID_ARG", started, response)
         except web.HTTPMethodNotAllowed as exc:
             return self._done(name, "INVALID_ARG", started, _json_error(
                 405, f"{request.method} is not allowed on {quote(request.path, 120)}; use "
@@ -232,6 +239,71 @@ class HttpEndpoint:
         await request.read()  # the body, if any, counts against the limit; it carries nothing
         self.server.unregister_region(_kind_of(request), request.match_info.get("name", ""))
         return web.Response(status=200)
+
+
+class _Capped:
+    """aiohttp's protocol factory, with at most ``limit`` connections open at once: one more is
+    closed as soon as it is accepted, so a flood of connections cannot take the server's fds
+    (every other endpoint and every mapping needs them too)."""
+
+    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int) -> None:
+        self._factory, self._limit, self.open = factory, limit, 0
+
+    def __call__(self) -> asyncio.Protocol:
+        if self.open >= self._limit:
+            return _Refuse()
+        proto = _Counted(self._factory(), self)
+        self.open += 1
+        return proto
+
+
+class _Counted(asyncio.Protocol):
+    """Passes every event to aiohttp's protocol; counts the connection out when it ends."""
+
+    def __init__(self, inner: asyncio.Protocol, cap: _Capped) -> None:
+        self._inner, self._cap = inner, cap
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self._inner.data_received(data)
+
+    def eof_received(self) -> Optional[bool]:
+        return self._inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def connection_lost(self, exc: Optional[BaseException]) -> None:
+        self._cap.open -= 1
+        self._inner.connection_lost(exc)
+
+
+class _Refuse(asyncio.Protocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.abort()  # type: ignore[attr-defined]
+
+
+async def _drain(request: web.Request, limit: int) -> None:
+    """Read and drop what is left of a refused body, up to ``limit`` bytes and one second, so
+    the client reads the 400 instead of a reset (closing with unread data sends an RST)."""
+
+    async def drop() -> None:
+        left = limit
+        while left > 0:
+            chunk = await request.content.readany()
+            if not chunk:
+                return
+            left -= len(chunk)
+
+    try:
+        await asyncio.wait_for(drop(), 1.0)
+    except (asyncio.TimeoutError, ConnectionError, web.HTTPException):
+        pass
 
 
 def _kind_of(request: web.Request) -> str:

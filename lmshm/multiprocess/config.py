@@ -67,6 +67,7 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     grpc_restricted_api: str = ""
     endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
     max_regions: Count = 4096
+    http_max_connections: Count = 256
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -167,6 +168,8 @@ SETTINGS: tuple[Setting, ...] = (
             "HEADER=VALUE: the gRPC shared-memory RPCs need metadata triton-grpc-protocol-HEADER with that value, as "
             "Triton's --grpc-restricted-protocol does; without it they answer UNAVAILABLE (default: unrestricted)",
             "HEADER=VALUE"),
+    Setting("http_max_connections", "--http-max-connections", "LMSHM_HTTP_MAX_CONNECTIONS", "http_max_connections",
+            "HTTP connections open at once; more are closed as soon as they are accepted (default 256)", "N"),
     Setting("max_regions", "--max-regions", "LMSHM_MAX_REGIONS", "max_regions",
             "system and CUDA shared-memory regions registered at once, over HTTP, gRPC and in-process (default "
             "4096; each is one mapping)", "N"),

@@ -356,3 +356,38 @@ def test_regions_are_bounded_by_max_regions(shm, protocol):
     finally:
         c.close()
         assert app.stop() == 0
+
+
+def test_a_flood_of_http_connections_is_capped_and_the_server_answers_after_it():
+    import socket
+    import time
+
+    app = EmbeddedApp(http_max_connections=8)
+    socks = []
+    try:
+        base = app.fd_count()
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", app.http_port), timeout=5)
+            socks.append(s)
+        time.sleep(0.5)
+        assert app.fd_count() <= base + 8 + 2, (base, app.fd_count())
+        refused = 0
+        for s in socks:
+            s.settimeout(0.2)
+            try:
+                refused += s.recv(1) == b""
+            except (ConnectionResetError, TimeoutError, socket.timeout):
+                refused += not isinstance(__import__("sys").exc_info()[1], (TimeoutError, socket.timeout))
+        assert refused >= 30, refused
+        for s in socks:
+            s.close()
+        socks.clear()
+        deadline = time.monotonic() + 10
+        while app.fd_count() > base and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert app.fd_count() <= base
+        assert _http(app, "GET", "/v2/health/ready") == (200, b"")
+    finally:
+        for s in socks:
+            s.close()
+        assert app.stop() == 0
