@@ -391,3 +391,39 @@ def test_a_flood_of_http_connections_is_capped_and_the_server_answers_after_it()
         for s in socks:
             s.close()
         assert app.stop() == 0
+
+
+def test_garbage_on_either_port_is_answered_and_the_server_goes_on(app, shm):
+    import socket
+
+    for junk in (b"\x00\xff\x10 not http at all\r\n\r\n", b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\n\r\n",
+                 b"POST /v2/systemsharedmemory/region/x/register HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+                 b"GET /v2 HTTP/1.1\r\n" + b"X-H: v\r\n" * 5000 + b"\r\n"):
+        with socket.create_connection(("127.0.0.1", app.http_port), timeout=5) as s:
+            s.sendall(junk)
+            try:
+                answer = s.recv(200)
+            except ConnectionResetError:
+                answer = b""
+        assert answer == b"" or re.match(rb"HTTP/1\.[01] 4\d\d ", answer), answer  # aiohttp refuses it
+    channel = grpc.insecure_channel(app.grpc_url)
+    try:
+        for rpc in ("SystemSharedMemoryRegister", "CudaSharedMemoryRegister", "SystemSharedMemoryStatus"):
+            call = channel.unary_unary(f"/inference.GRPCInferenceService/{rpc}")
+            for junk in (b"\xff" * 64, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\x80" * 20):
+                with pytest.raises(grpc.RpcError) as exc:
+                    call(junk, timeout=10)
+                assert exc.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT), exc.value
+    finally:
+        channel.close()
+    key, _ = shm()
+    for protocol in ("http", "grpc"):
+        c = Triton(protocol, app)
+        try:
+            for bad_name in ("a\x00b", "tab\there", "\u200bzero-width", "x" * 300):
+                assert c.error(c.register, bad_name, key, 16)[0] in (STATUS["INVALID_ARG"][protocol], "404")
+            c.register("honest", key, 16)
+            assert [r["name"] for r in c.status()] == ["honest"]
+            c.unregister()
+        finally:
+            c.close()
