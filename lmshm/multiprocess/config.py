@@ -188,7 +188,9 @@ class ConfigError(ValueError):
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="lmshm-server",
-        description="Map inference workers' KV caches with zero copies and keep a registry of them. "
+        description="Map inference workers' KV caches with zero copies and keep a registry of them; with "
+                    "--http-port/--grpc-port, also serve Triton's shared-memory extension (HTTP/REST and gRPC) and "
+                    "Prometheus /metrics. "
                     "Every option also reads an environment variable and a key of the --config TOML file "
                     "(shown in brackets); the command line wins over the environment, which wins over the file.")
     for s in SETTINGS:
