@@ -37,7 +37,9 @@ class ServerError(LmshmError):
 
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: "int | str", message: "str | None" = None) -> None:
+        if message is None:  # a subclass raised with just a message: its own code
+            code, message = self.code, str(code)
         try:
             self.code = ErrorCode(code)
         except ValueError:

@@ -29,7 +29,7 @@ import mmap
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.platform.shm_names import SEGMENT_PREFIX, shm_dir
@@ -181,5 +181,3 @@ def view_of(tensor: Any, region_bytes: int, offset: Any, byte_size: Any, what: s
                        f"({region_bytes} bytes)")
     return tensor[offset:offset + byte_size]
 
-
-Opener = Callable[[], Any]

@@ -40,7 +40,14 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 
-from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.core.errors import (
+    AlreadyExists,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ServerError,
+    Unavailable,
+)
 from lmshm.multiprocess.protocol import MAX_LAYERS, LayerGroup
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
@@ -53,35 +60,13 @@ logger = logging.getLogger(__name__)
 RESERVED_ID_PREFIX = "__lmshm"
 
 
-class RegistryError(ServerError):
-    """A refused registry operation; ``code`` is the ErrorCode every endpoint answers with."""
-
-    code: ErrorCode = ErrorCode.INVALID_ARG
-
-    def __init__(self, message: str) -> None:
-        super().__init__(self.code, message)
-
-
-class InvalidRegistration(RegistryError):
-    code = ErrorCode.INVALID_ARG
-
-
-class InstanceExists(RegistryError):
-    code = ErrorCode.ALREADY_EXISTS
-
-
-class InstanceNotFound(RegistryError):
-    code = ErrorCode.NOT_FOUND
-
-
-class NotPermitted(RegistryError):
-    """The peer may not register that memory (another uid's segment, another pid's name, ...)."""
-
-    code = ErrorCode.PERMISSION_DENIED
-
-
-class RegionLimit(RegistryError):
-    code = ErrorCode.UNAVAILABLE
+# The registry's refusals are the service's error types (lmshm.core.errors), by these names.
+RegistryError = ServerError
+InvalidRegistration = InvalidArgument
+InstanceExists = AlreadyExists
+InstanceNotFound = NotFound
+NotPermitted = PermissionDenied      # the peer may not register that memory
+RegionLimit = Unavailable
 
 
 #: What a registration is: a worker's KV cache (``kv``) or a Triton-style region.

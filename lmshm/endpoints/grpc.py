@@ -19,7 +19,7 @@ import grpc
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints import triton_proto as pb
-from lmshm.endpoints.triton import GRPC_HEADER_PREFIX, Restriction, grpc_status
+from lmshm.endpoints.triton import GRPC_HEADER_PREFIX, ROWS, Restriction, grpc_status
 from lmshm.quoting import clip
 
 logger = logging.getLogger("lmshm.grpc")
@@ -101,6 +101,14 @@ class GrpcEndpoint:
         return handle
 
     # ---- RPCs ---------------------------------------------------------------------------
+    def _status(self, kind: str, name: str, response: str) -> Any:
+        out = pb.message(response)()
+        for reg in self.server.region_status(kind, name):
+            row = out.regions[reg.instance_id]
+            for field, value in ROWS[kind](reg).items():  # the same rows as HTTP's JSON
+                setattr(row, field, value)
+        return out
+
     def _ServerLive(self, request: Any) -> Any:  # noqa: N802 - the RPC's name
         return pb.message("ServerLiveResponse")(live=self.server.live())
 
@@ -117,12 +125,7 @@ class GrpcEndpoint:
         return pb.message("SystemSharedMemoryRegisterResponse")()
 
     def _SystemSharedMemoryStatus(self, r: Any) -> Any:  # noqa: N802
-        out = pb.message("SystemSharedMemoryStatusResponse")()
-        for reg in self.server.region_status("system", r.name):
-            row = out.regions[reg.instance_id]
-            row.name, row.key = reg.instance_id, reg.region.key
-            row.offset, row.byte_size = reg.region.offset, reg.region.byte_size
-        return out
+        return self._status("system", r.name, "SystemSharedMemoryStatusResponse")
 
     def _SystemSharedMemoryUnregister(self, r: Any) -> Any:  # noqa: N802
         self.server.unregister_region("system", r.name)
@@ -134,11 +137,7 @@ class GrpcEndpoint:
         return pb.message("CudaSharedMemoryRegisterResponse")()
 
     def _CudaSharedMemoryStatus(self, r: Any) -> Any:  # noqa: N802
-        out = pb.message("CudaSharedMemoryStatusResponse")()
-        for reg in self.server.region_status("cuda", r.name):
-            row = out.regions[reg.instance_id]
-            row.name, row.device_id, row.byte_size = reg.instance_id, reg.region.device_id, reg.region.byte_size
-        return out
+        return self._status("cuda", r.name, "CudaSharedMemoryStatusResponse")
 
     def _CudaSharedMemoryUnregister(self, r: Any) -> Any:  # noqa: N802
         self.server.unregister_region("cuda", r.name)

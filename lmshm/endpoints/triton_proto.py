@@ -89,8 +89,7 @@ def _build() -> dict[str, Any]:
         for field in fields:
             _add_field(msg, *field, scope=scope)
     pool = descriptor_pool.DescriptorPool()
-    fd = pool.Add(file)
-    del fd
+    pool.Add(file)
     return {name: message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{PACKAGE}.{name}"))
             for name in MESSAGES}
 
