@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import STATUS, Triton
+from triton_harness import STATUS, Triton
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,

@@ -14,7 +14,7 @@ import sys
 
 import grpc
 import pytest
-from conftest import STATUS, EmbeddedApp, Triton
+from triton_harness import STATUS, EmbeddedApp, Triton
 
 import lmshm
 from lmshm.endpoints import triton_proto

@@ -7,7 +7,7 @@ import os
 import time
 
 import pytest
-from conftest import Triton
+from triton_harness import Triton
 
 CYCLES = int(os.environ.get("LMSHM_LEAK_CYCLES", "100000"))
 WARMUP = 5000
