@@ -19,6 +19,7 @@ objects into the calls below:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -46,27 +47,56 @@ class Namespace:
     rank: int = 0
     chunk_tokens: int = 0
     salt: str = ""
+    group: int = 0            # the engine's KV cache group (hybrid models have several)
 
-    def for_rank(self, rank: int) -> "Namespace":
-        return Namespace(self.model, self.dtype, self.layout, self.world_size, rank, self.chunk_tokens, self.salt)
+    def for_rank(self, rank: int, group: int = 0) -> "Namespace":
+        return dataclasses.replace(self, rank=rank, group=group)
 
     @property
     def digest(self) -> bytes:
-        text = "\x1f".join(["lmshm-ns-1", self.model, self.dtype, self.layout, str(self.world_size),
-                            str(self.rank), str(self.chunk_tokens), self.salt])
+        text = "\x1f".join(["lmshm-ns-2", self.model, self.dtype, self.layout, str(self.world_size),
+                            str(self.rank), str(self.chunk_tokens), self.salt, str(self.group)])
         return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=KEY_BYTES).digest()
 
 
-def chunk_keys(namespace: bytes, tokens: Sequence[int], chunk_tokens: int) -> list[bytes]:
-    """Keys of every *whole* chunk of ``tokens``, chained from the first."""
+def _salt_root(salt: bytes) -> bytes:
+    """Where a chain starts: nothing, or a digest of the request's salt (a tenant, an adapter)."""
+    if not salt:
+        return b""
+    return hashlib.blake2b(b"lmshm-salt\x1f" + salt, digest_size=KEY_BYTES).digest()
+
+
+def chunk_keys(namespace: bytes, tokens: Sequence[int], chunk_tokens: int, salt: bytes = b"") -> list[bytes]:
+    """Keys of every *whole* chunk of ``tokens``, chained from the first.
+
+    ``salt`` is the request's own identity (a tenant, a LoRA adapter, ...): two requests with
+    the same tokens and different salts share no key. Engines without block hashes of their
+    own (TRT-LLM) use this."""
     keys: list[bytes] = []
-    prev = b""
+    prev = _salt_root(salt)
     for c in range(len(tokens) // chunk_tokens):
         h = hashlib.blake2b(digest_size=KEY_BYTES)
         h.update(prev)
         h.update(namespace)
         chunk = tokens[c * chunk_tokens:(c + 1) * chunk_tokens]
         h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in chunk))
+        prev = h.digest()
+        keys.append(prev)
+    return keys
+
+
+def chunk_keys_from_hashes(namespace: bytes, block_hashes: Sequence[bytes], hashes_per_chunk: int) -> list[bytes]:
+    """Keys of every whole chunk from the engine's own chained block hashes (vLLM's
+    ``request.block_hashes``, which already cover the cache salt, LoRA, multimodal inputs and
+    prompt embeddings): ``k_i = H(k_{i-1}, namespace, hash of chunk i's last block)``."""
+    keys: list[bytes] = []
+    prev = b""
+    for c in range(len(block_hashes) // hashes_per_chunk):
+        h = hashlib.blake2b(digest_size=KEY_BYTES)
+        h.update(prev)
+        h.update(namespace)
+        h.update(b"engine-block-hash")
+        h.update(bytes(block_hashes[(c + 1) * hashes_per_chunk - 1]))
         prev = h.digest()
         keys.append(prev)
     return keys
@@ -117,8 +147,8 @@ class Link:
         self._down_until = 0.0
         self._connecting = False
         self._closed = False
-        self._registration: Optional[Callable[[Any], str]] = None
-        self.instance_id: Optional[str] = None
+        self._registration: Optional[Callable[[Any], Any]] = None
+        self.instance_ids: list[str] = []     # one per KV cache group
         self._warn = _RateLimited(config.warn_every_s)
         if connect_now:
             self._connect_in_background()
@@ -169,7 +199,7 @@ class Link:
     def wait_connected(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._client is not None and (self.instance_id or self._registration is None):
+            if self._client is not None and (self.instance_ids or self._registration is None):
                 return True
             time.sleep(0.02)
         return False
@@ -183,15 +213,38 @@ class Link:
 
     # ---- registration -------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, Any], *, model_name: str = "", world_size: int = 1,
-                 rank: int = 0, instance_id: Optional[str] = None) -> None:
+                 rank: int = 0, instance_id: Optional[str] = None, block_dim: int = 0) -> None:
         """Register the engine's KV caches now if the server is up, else as soon as it is."""
-        iid = instance_id or f"{self.config.client_name or 'lmshm'}-{uuid.uuid4().hex[:12]}"
-        self.register_with(lambda client: client.register_kv_caches(
-            kv_caches, iid, model_name=model_name, world_size=world_size, rank=rank))
+        self.register_groups([kv_caches], model_name=model_name, world_size=world_size, rank=rank,
+                             instance_id=instance_id, block_dim=block_dim)
 
-    def register_with(self, registrar: Callable[[Any], str]) -> None:
+    def register_groups(self, groups: Sequence[Mapping[str, Any]], *, model_name: str = "", world_size: int = 1,
+                        rank: int = 0, instance_id: Optional[str] = None, block_dim: int = 0) -> None:
+        """One registration per KV cache group (a hybrid model's groups have block tables of
+        their own); ``group=g`` in ``store``/``retrieve`` picks one."""
+        base = instance_id or f"{self.config.client_name or 'lmshm'}-{uuid.uuid4().hex[:12]}"
+        ids = [base if len(groups) == 1 else f"{base}-g{g}" for g in range(len(groups))]
+
+        def registrar(client: Any) -> list[str]:
+            done: list[str] = []
+            try:
+                for iid, kv in zip(ids, groups):
+                    done.append(client.register_kv_caches(kv, iid, model_name=model_name, world_size=world_size,
+                                                          rank=rank, block_dim=block_dim))
+            except Exception:
+                for iid in done:  # all groups or none
+                    try:
+                        client.unregister_kv_caches(iid)
+                    except Exception:  # noqa: BLE001
+                        logger.debug("lmshm: unregistering %s after a failed registration failed", iid)
+                raise
+            return done
+
+        self.register_with(registrar)
+
+    def register_with(self, registrar: Callable[[Any], Any]) -> None:
         """``register`` with the caller's own call: ``registrar(client)`` registers and returns
-        the instance id. It runs now if the server is up, else once it is."""
+        the instance id (or one per group). It runs now if the server is up, else once it is."""
         with self._lock:
             self._registration = registrar
             client = self._client
@@ -200,11 +253,16 @@ class Link:
         else:
             self._connect_in_background()
 
-    def _register_now(self, registrar: Callable[[Any], str]) -> None:
+    def _register_now(self, registrar: Callable[[Any], Any]) -> None:
         try:
-            self.instance_id = registrar(self._client)
+            ids = registrar(self._client)
+            self.instance_ids = [ids] if isinstance(ids, str) else list(ids)
         except Exception as exc:  # noqa: BLE001
             self._failed("register", exc)
+
+    @property
+    def instance_id(self) -> Optional[str]:
+        return self.instance_ids[0] if self.instance_ids else None
 
     # ---- requests -----------------------------------------------------------------------
     def lookup(self, keys: list[list[bytes]], ttl_s: float = 0.0) -> tuple[int, bytes]:
@@ -233,26 +291,33 @@ class Link:
         except Exception as exc:  # noqa: BLE001
             self._failed("release", exc)
 
-    def store(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, event: bytes = b"") -> Any:
+    def _instance(self, group: int) -> Optional[str]:
+        ids = self.instance_ids
+        return ids[group] if group < len(ids) else None
+
+    def store(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, event: bytes = b"",
+              group: int = 0) -> Any:
         """A ``Pending`` STORE, or None if it was dropped (no server, nothing registered)."""
         client = self.client()
-        if client is None or self.instance_id is None or not keys:
+        iid = self._instance(group)
+        if client is None or iid is None or not keys:
             return None
         try:
-            return client.store(self.instance_id, keys, block_ids, chunk_blocks, wait=False,
+            return client.store(iid, keys, block_ids, chunk_blocks, wait=False,
                                 timeout_s=self.config.timeout_s, event=event)
         except Exception as exc:  # noqa: BLE001
             self._failed("store", exc)
             return None
 
     def retrieve(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, lease: bytes = b"",
-                 event: bytes = b"") -> Any:
+                 event: bytes = b"", group: int = 0) -> Any:
         """A ``Pending`` RETRIEVE, or None if it cannot be sent (treat as a failure)."""
         client = self.client()
-        if client is None or self.instance_id is None:
+        iid = self._instance(group)
+        if client is None or iid is None:
             return None
         try:
-            return client.retrieve(self.instance_id, keys, block_ids, chunk_blocks, lease, wait=False,
+            return client.retrieve(iid, keys, block_ids, chunk_blocks, lease, wait=False,
                                    timeout_s=self.config.timeout_s, event=event)
         except Exception as exc:  # noqa: BLE001
             self._failed("retrieve", exc)
@@ -286,19 +351,31 @@ class Link:
 # ---- per-request bookkeeping ------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Group:
+    """One KV cache group of the engine: its layers share a block table.
+
+    ``window``: 0 for full attention; else a sliding window of that many tokens. The engine then
+    frees a request's blocks that fall out of the window (vLLM puts its null block in their
+    place), so a load skips chunks whose blocks are null, and a store must finish before the
+    engine's next step can free its blocks (``WorkerSide.save`` waits for those)."""
+
+    window: int = 0
+
+
 @dataclass
 class LoadSpec:
     req_id: str
-    keys: list[list[bytes]]   # per rank, the chunks to load
-    block_ids: list[int]
+    keys: list[list[list[bytes]]]   # [rank][group]: the chunks to load
+    block_ids: list[list[int]]      # [group]
     lease: bytes
 
 
 @dataclass
 class StoreSpec:
     req_id: str
-    keys: list[list[bytes]]   # per rank, the chunks to store
-    block_ids: list[int]
+    keys: list[list[list[bytes]]]   # [rank][group]: the chunks to store
+    block_ids: list[list[int]]      # [group]
 
 
 @dataclass
@@ -309,101 +386,154 @@ class StepPlan:
     stores: list[StoreSpec] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     chunk_blocks: int = 1
+    wait_stores: bool = False       # a window group: stores finish within the step
 
 
 @dataclass
 class _Request:
-    tokens: list[int]
-    keys: list[list[bytes]]   # per rank, every whole chunk of the prompt
-    block_ids: list[int] = field(default_factory=list)
+    prompt_len: int
+    keys: list[list[list[bytes]]]   # [rank][group]: every whole chunk of the prompt
+    block_ids: list[list[int]] = field(default_factory=list)   # [group]
     stored: int = 0           # chunks [0, stored) need no store
     lease: bytes = b""
     hit_chunks: int = 0
     load: Optional[tuple[int, int]] = None   # (first chunk, chunks) to load
     has_stores: bool = False
     num_computed: int = 0     # locally computed tokens when lmshm was last asked
+    do_load: bool = True
+    do_store: bool = True
+
+    @property
+    def chunks(self) -> int:
+        return len(self.keys[0][0])
 
 
 class SchedulerSide:
-    """The scheduler's half: lookups, load and store plans, which requests hold their blocks."""
+    """The scheduler's half: lookups, load and store plans, which requests hold their blocks.
+
+    A request's identity is either the engine's own chained block hashes (``hashes`` with
+    ``hashes_per_chunk``: vLLM), or its tokens plus a per-request ``salt`` (engines without
+    block hashes). Keys are per rank and per KV cache group; a chunk counts as a hit only when
+    every rank has it for every group."""
 
     def __init__(self, link: Link, namespace: Namespace, *, chunk_tokens: int, block_size: int,
-                 store: bool = True, load: bool = True) -> None:
-        if chunk_tokens % block_size:
-            raise ValueError(f"lmshm.chunk_tokens ({chunk_tokens}) must be a multiple of the block size ({block_size})")
+                 store: bool = True, load: bool = True, groups: Sequence[Group] = (Group(),),
+                 null_block: int = 0) -> None:
+        if chunk_tokens <= 0 or chunk_tokens % block_size:
+            raise ValueError(f"lmshm.chunk_tokens ({chunk_tokens}) must be a positive multiple of the block size "
+                             f"({block_size})")
+        if any(g.window for g in groups) and chunk_tokens != block_size:
+            raise ValueError(f"lmshm.chunk_tokens ({chunk_tokens}) must equal the block size ({block_size}) for a "
+                             "model with sliding-window layers: the engine frees blocks one at a time as they fall "
+                             "out of the window, and a chunk is loaded whole or not at all")
         self.link = link
-        self.namespaces = [namespace.for_rank(r).digest for r in range(namespace.world_size)]
+        self.groups = list(groups)
+        self.namespaces = [[namespace.for_rank(r, g).digest for g in range(len(self.groups))]
+                           for r in range(namespace.world_size)]
         self.chunk_tokens = chunk_tokens
         self.chunk_blocks = chunk_tokens // block_size
+        self.null_block = null_block
         self.do_store, self.do_load = store, load
         self._reqs: dict[str, _Request] = {}
         self._loads: list[str] = []
+        self._leases_after_step: list[bytes] = []
+        self.stats = SchedulerStats()
 
-    def _request(self, req_id: str, tokens: Sequence[int]) -> _Request:
+    def _request(self, req_id: str, tokens: Sequence[int], hashes: Optional[Sequence[bytes]] = None,
+                 hashes_per_chunk: int = 1, salt: bytes = b"") -> _Request:
         r = self._reqs.get(req_id)
         if r is None:
-            tokens = list(tokens)
-            keys = [chunk_keys(ns, tokens, self.chunk_tokens) for ns in self.namespaces]
-            r = self._reqs[req_id] = _Request(tokens, keys)
+            whole = len(tokens) // self.chunk_tokens
+            if hashes is not None:
+                keys = [[chunk_keys_from_hashes(ns, hashes[:whole * hashes_per_chunk], hashes_per_chunk)
+                         for ns in rank] for rank in self.namespaces]
+            else:
+                keys = [[chunk_keys(ns, tokens, self.chunk_tokens, salt) for ns in rank] for rank in self.namespaces]
+            r = self._reqs[req_id] = _Request(len(tokens), keys, [[] for _ in self.groups])
         return r
 
-    def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int) -> int:
+    def _lookup_keys(self, r: _Request) -> list[list[bytes]]:
+        return [keys for rank in r.keys for keys in rank]
+
+    def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int, *,
+                       hashes: Optional[Sequence[bytes]] = None, hashes_per_chunk: int = 1, salt: bytes = b"",
+                       load: bool = True, store: bool = True) -> int:
         """Tokens beyond ``num_computed`` that lmshm can supply (whole chunks; a full-prompt hit
-        leaves the last token to compute)."""
-        r = self._request(req_id, tokens)
+        leaves the last token to compute). ``load``/``store``: this request's own switches."""
+        r = self._request(req_id, tokens, hashes, hashes_per_chunk, salt)
+        r.do_load, r.do_store = load, store
         r.num_computed = num_computed
         if r.lease:
             self.link.release(r.lease)
             r.lease, r.hit_chunks = b"", 0
-        if not self.do_load or num_computed % self.chunk_tokens:
+        if not (self.do_load and r.do_load) or num_computed % self.chunk_tokens:
             return 0
         first = num_computed // self.chunk_tokens
-        if first >= len(r.keys[0]):
+        if first >= r.chunks:
             return 0
-        hits, lease = self.link.lookup(r.keys)
+        t0 = time.perf_counter()
+        hits, lease = self.link.lookup(self._lookup_keys(r))
+        self.stats.lookup(time.perf_counter() - t0)
         if hits <= first:
             self.link.release(lease)
             return 0
         r.lease, r.hit_chunks = lease, hits
-        matched = min(hits * self.chunk_tokens, len(r.tokens) - 1)
+        matched = min(hits * self.chunk_tokens, r.prompt_len - 1)
+        self.stats.hit_tokens += max(0, matched - num_computed)
         return max(0, matched - num_computed)
 
-    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        """Blocks were allocated for the request; load ``num_external`` tokens into them."""
+    def allocated(self, req_id: str, block_ids: Sequence[Sequence[int]], num_external: int) -> None:
+        """Blocks were allocated for the request (one list per group); load ``num_external``
+        tokens into them."""
         r = self._reqs.get(req_id)
         if r is None:
             return
         num_computed = r.num_computed
-        r.block_ids = list(block_ids)
         if num_external <= 0:
             if r.lease:
                 self.link.release(r.lease)
                 r.lease, r.hit_chunks = b"", 0
             return
+        r.block_ids = [list(b) for b in block_ids]
         first = num_computed // self.chunk_tokens
         chunks = -(-(num_computed + num_external) // self.chunk_tokens) - first
         r.load = (first, chunks)
         r.stored = max(r.stored, first + chunks)
         self._loads.append(req_id)
 
-    def scheduled(self, req_id: str, *, block_ids: Optional[Sequence[int]], replace_blocks: bool,
-                  computed_after_step: int, plan: StepPlan, tokens: Optional[Sequence[int]] = None) -> None:
-        """A request runs this step; ``computed_after_step`` tokens will be in its blocks."""
+    def scheduled(self, req_id: str, *, block_ids: Optional[Sequence[Sequence[int]]], replace_blocks: bool,
+                  computed_after_step: int, plan: StepPlan, tokens: Optional[Sequence[int]] = None,
+                  hashes: Optional[Sequence[bytes]] = None, hashes_per_chunk: int = 1) -> None:
+        """A request runs this step; ``computed_after_step`` tokens will be in its blocks.
+        ``block_ids``: per group, the request's blocks (``replace_blocks``) or its new ones."""
         r = self._reqs.get(req_id)
         if r is None:
             if tokens is None:
                 return
-            r = self._request(req_id, tokens)
+            r = self._request(req_id, tokens, hashes, hashes_per_chunk)
         if block_ids is not None:
-            r.block_ids = list(block_ids) if replace_blocks else r.block_ids + list(block_ids)
-        if not self.do_store or self.link.client() is None:
+            for g, ids in enumerate(block_ids):
+                r.block_ids[g] = list(ids) if replace_blocks else r.block_ids[g] + list(ids)
+        if not (self.do_store and r.do_store) or self.link.client() is None:
             return
-        done = min(len(r.keys[0]), computed_after_step // self.chunk_tokens)
-        if done > r.stored and len(r.block_ids) >= done * self.chunk_blocks:
-            plan.stores.append(StoreSpec(req_id, [k[r.stored:done] for k in r.keys],
-                                         chunk_block_ids(r.block_ids, r.stored, done - r.stored, self.chunk_blocks)))
-            r.stored = done
-            r.has_stores = True
+        done = min(r.chunks, computed_after_step // self.chunk_tokens)
+        if done <= r.stored or any(len(ids) < done * self.chunk_blocks for ids in r.block_ids):
+            return
+        keys, ids = [[[] for _ in self.groups] for _ in r.keys], []
+        for g, group in enumerate(self.groups):
+            chosen = range(r.stored, done)
+            if group.window:  # never read a null block: chunks that left the window are not stored
+                chosen = [c for c in chosen if not self._has_null(r.block_ids[g], c)]
+            for rank, rank_keys in zip(keys, r.keys):
+                rank[g] = [rank_keys[g][c] for c in chosen]
+            ids.append([b for c in chosen for b in chunk_block_ids(r.block_ids[g], c, 1, self.chunk_blocks)])
+        plan.stores.append(StoreSpec(req_id, keys, ids))
+        plan.wait_stores = plan.wait_stores or any(g.window for g in self.groups)
+        r.stored = done
+        r.has_stores = True
+
+    def _has_null(self, block_ids: Sequence[int], chunk: int) -> bool:
+        return self.null_block in chunk_block_ids(block_ids, chunk, 1, self.chunk_blocks)
 
     def take_loads(self, plan: StepPlan) -> None:
         for req_id in self._loads:
@@ -411,15 +541,32 @@ class SchedulerSide:
             if r is None or r.load is None:
                 continue
             first, chunks = r.load
-            plan.loads.append(LoadSpec(req_id, [k[first:first + chunks] for k in r.keys],
-                                       chunk_block_ids(r.block_ids, first, chunks, self.chunk_blocks), r.lease))
-            r.load, r.lease = None, b""  # the worker's RETRIEVE ends the lease
+            keys, ids = [[[] for _ in self.groups] for _ in r.keys], []
+            partial = False
+            for g, group in enumerate(self.groups):
+                chosen = range(first, first + chunks)
+                if group.window:  # the engine keeps only the window's blocks; the rest are null
+                    chosen = [c for c in chosen if not self._has_null(r.block_ids[g], c)]
+                    partial = partial or len(chosen) < chunks
+                for rank, rank_keys in zip(keys, r.keys):
+                    rank[g] = [rank_keys[g][c] for c in chosen]
+                ids.append([b for c in chosen for b in chunk_block_ids(r.block_ids[g], c, 1, self.chunk_blocks)])
+            plan.loads.append(LoadSpec(req_id, keys, ids, r.lease))
+            if partial:  # the RETRIEVEs end the lease's pins of what they load; release the rest
+                self._leases_after_step.append(r.lease)
+            r.load, r.lease = None, b""
         self._loads.clear()
+
+    def step_done(self) -> None:
+        """The engine finished a step: leases its loads did not use up end now."""
+        for lease in self._leases_after_step:
+            self.link.release(lease)
+        self._leases_after_step.clear()
 
     def preempted(self, req_id: str, plan: StepPlan) -> None:
         r = self._reqs.get(req_id)
         if r is not None:
-            r.block_ids, r.stored, r.load = [], 0, None
+            r.block_ids, r.stored, r.load = [[] for _ in self.groups], 0, None
             if r.has_stores:
                 plan.preempted.append(req_id)
 
@@ -437,6 +584,48 @@ class SchedulerSide:
         return StepPlan(chunk_blocks=self.chunk_blocks)
 
 
+# ---- statistics -------------------------------------------------------------------------
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's counters since they were last taken (``take``)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    lookup_s: list[float] = field(default_factory=list)
+
+    def lookup(self, seconds: float) -> None:
+        self.lookups += 1
+        if len(self.lookup_s) < 10_000:
+            self.lookup_s.append(seconds)
+
+    def take(self) -> dict[str, Any]:
+        out = {"lookups": self.lookups, "hit_tokens": self.hit_tokens, "lookup_s": self.lookup_s}
+        self.lookups, self.hit_tokens, self.lookup_s = 0, 0, []
+        return out
+
+
+@dataclass
+class WorkerStats:
+    """One worker's counters since they were last taken (``take``)."""
+
+    loaded_chunks: int = 0
+    loaded_bytes: int = 0
+    stored_chunks: int = 0
+    stored_bytes: int = 0
+    failed_loads: int = 0
+    dropped_stores: int = 0
+    load_s: list[float] = field(default_factory=list)
+    store_s: list[float] = field(default_factory=list)
+
+    def take(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, [] if f.name.endswith("_s") else 0)
+        return out
+
+
 @dataclass
 class _InFlight:
     """A STORE sent by the worker: its reply, and (CUDA) the event it must keep alive until then."""
@@ -444,10 +633,14 @@ class _InFlight:
     pending: Any
     event: Any = None
     settled: bool = False
+    sent: float = 0.0
 
 
 class WorkerSide:
-    """The worker's half: runs a step's copies, tracks stores in flight per request."""
+    """The worker's half: runs a step's copies, tracks stores in flight per request.
+
+    Every wait here is bounded: a reply that does not come within the link's timeout counts as a
+    failed load (recomputed) or a dropped store."""
 
     def __init__(self, link: Link, rank: int = 0, *, corrupt_loads: Optional[Callable[[list[int]], None]] = None,
                  fail_loads: bool = False, cuda: Any = None) -> None:
@@ -461,44 +654,65 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._corrupt_loads = corrupt_loads        # the control experiment of the real-engine tests
         self._fail_loads = fail_loads              # every load fails (the recompute path, tested for real)
+        self.stats = WorkerStats()
         self.loaded_chunks = self.stored_chunks = self.failed_loads = self.dropped_stores = 0
 
     def load(self, plan: StepPlan) -> None:
-        """RETRIEVE every load of this step and wait: the forward pass needs them."""
+        """RETRIEVE every load of this step and wait: the forward pass needs them. A load is
+        whole or failed: if any group's RETRIEVE fails, all its blocks are reported."""
+        t0 = time.perf_counter()
         pending = []
         for spec in plan.loads:
             if self._fail_loads:
                 self.link.release(spec.lease)
-                pending.append((spec, None, None))
+                pending.append((spec, [None], None))
                 continue
             ev, handle = self.cuda.ready() if self.cuda is not None else (None, b"")
-            p = self.link.retrieve(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, spec.lease, handle)
-            pending.append((spec, p, ev))
-        for spec, p, _ev in pending:  # _ev lives until the reply is here
-            reply = self.link.outcome("retrieve", p) if p is not None else None
-            if reply is not None and self.cuda is not None:
-                self.cuda.wait(reply.event)
-            if reply is None:
+            sent = [self.link.retrieve(keys, ids, plan.chunk_blocks, spec.lease, handle, group=g)
+                    for g, (keys, ids) in enumerate(zip(spec.keys[self.rank], spec.block_ids)) if keys]
+            pending.append((spec, sent, ev))
+        for spec, sent, _ev in pending:  # _ev lives until the replies are here
+            replies = [self.link.outcome("retrieve", p) if p is not None else None for p in sent]
+            if self.cuda is not None:
+                for reply in replies:
+                    if reply is not None:
+                        self.cuda.wait(reply.event)
+            if any(reply is None for reply in replies):
                 self.failed_loads += 1
-                self._load_errors.update(spec.block_ids)
+                self.stats.failed_loads += 1
+                self._load_errors.update(b for ids in spec.block_ids for b in ids)
             else:
-                self.loaded_chunks += reply.chunks
+                chunks = sum(reply.chunks for reply in replies)
+                self.loaded_chunks += chunks
+                self.stats.loaded_chunks += chunks
+                self.stats.loaded_bytes += sum(reply.nbytes for reply in replies)
                 if self._corrupt_loads is not None:
-                    self._corrupt_loads(spec.block_ids)
+                    self._corrupt_loads([b for ids in spec.block_ids for b in ids])
+        if plan.loads:
+            self.stats.load_s.append(time.perf_counter() - t0)
 
     def save(self, plan: StepPlan) -> None:
-        """Send this step's STOREs; they complete in the background."""
+        """Send this step's STOREs; they complete in the background, unless the plan says the
+        engine may free their blocks at its next step (``plan.wait_stores``)."""
         ev, handle = self.cuda.ready() if self.cuda is not None and plan.stores else (None, b"")
+        now = time.perf_counter()
         for spec in plan.stores:
-            p = self.link.store(spec.keys[self.rank], spec.block_ids, plan.chunk_blocks, handle)
-            self._stores.setdefault(spec.req_id, [])
-            if p is None:
-                self.dropped_stores += 1
-            else:
-                self._stores[spec.req_id].append(_InFlight(p, ev))
+            mine = self._stores.setdefault(spec.req_id, [])
+            for g, (keys, ids) in enumerate(zip(spec.keys[self.rank], spec.block_ids)):
+                if not keys:
+                    continue
+                p = self.link.store(keys, ids, plan.chunk_blocks, handle, group=g)
+                if p is None:
+                    self.dropped_stores += 1
+                    self.stats.dropped_stores += len(keys)
+                else:
+                    mine.append(_InFlight(p, ev, sent=now))
+        if plan.wait_stores:
+            self.wait_for_stores([s.req_id for s in plan.stores])
 
     def wait_for_stores(self, req_ids: Optional[Iterable[str]] = None) -> None:
-        """Block until the given requests' (default: all) stores are done."""
+        """Block until the given requests' (default: all) stores are done or have timed out
+        (each STORE's reply has its own deadline, so this is bounded by the link's timeout)."""
         ids = list(self._stores) if req_ids is None else [r for r in req_ids if r in self._stores]
         for req_id in ids:
             for store in self._stores.get(req_id, []):
@@ -509,9 +723,15 @@ class WorkerSide:
             return
         reply = self.link.outcome("store", store.pending)
         if reply is not None:
-            self.stored_chunks += sum(1 for r in reply.results if r == 0)
+            ok = sum(1 for r in reply.results if r == 0)
+            self.stored_chunks += ok
+            self.stats.stored_chunks += ok
+            self.stats.stored_bytes += reply.nbytes
+            self.stats.store_s.append(time.perf_counter() - store.sent)
             if self.cuda is not None:
                 self.cuda.wait(reply.event)  # the blocks are reused only after the server read them
+        else:
+            self.stats.dropped_stores += 1
         store.settled, store.event = True, None
 
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
@@ -520,13 +740,26 @@ class WorkerSide:
         done = set()
         for req_id in list(self._finishing):
             stores = self._stores.get(req_id, [])
-            if all(st.pending.done() for st in stores):
+            if all(st.settled or st.pending.done() for st in stores):
                 for st in stores:
                     self._settle(st)
                 del self._stores[req_id]
                 self._finishing.discard(req_id)
                 done.add(req_id)
         return done
+
+    def abandon(self) -> int:
+        """Forget every store still in flight (shutdown, past its bound); how many there were."""
+        n = sum(1 for stores in self._stores.values() for st in stores if not st.settled)
+        for stores in self._stores.values():
+            for st in stores:
+                if not st.settled:
+                    st.pending.cancel()
+                    st.settled, st.event = True, None
+        self.stats.dropped_stores += n
+        self._stores.clear()
+        self._finishing.clear()
+        return n
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -124,21 +124,26 @@ class TrtllmKVPool:
             ["kv_pool"], [wrap_device_pool(pool)], iid, model_name=self._model, world_size=self.world_size,
             rank=self.rank))
 
-    def keys(self, tokens: Sequence[int]) -> list[list[bytes]]:
-        return [chunk_keys(ns, tokens, self.chunk_tokens) for ns in self.namespaces]
+    def keys(self, tokens: Sequence[int], salt: bytes | str = b"") -> list[list[bytes]]:
+        """Per rank, the keys of every whole chunk of ``tokens``. ``salt``: the request's own
+        identity (a tenant, a LoRA adapter, an image digest): requests with different salts
+        share nothing, whatever their tokens."""
+        salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+        return [chunk_keys(ns, tokens, self.chunk_tokens, salt) for ns in self.namespaces]
 
-    def lookup(self, tokens: Sequence[int]) -> tuple[int, bytes]:
+    def lookup(self, tokens: Sequence[int], salt: bytes | str = b"") -> tuple[int, bytes]:
         """``(tokens lmshm can supply, lease)``: whole chunks every rank has; a full hit leaves
         the last token to compute. Release the lease (``release``) if you do not ``load``."""
-        hits, lease = self.link.lookup(self.keys(tokens))
+        hits, lease = self.link.lookup(self.keys(tokens, salt))
         return min(hits * self.chunk_tokens, max(0, len(tokens) - 1)) if hits else 0, lease
 
-    def load(self, tokens: Sequence[int], matched: int, block_ids: Sequence[int], lease: bytes = b"") -> bool:
+    def load(self, tokens: Sequence[int], matched: int, block_ids: Sequence[int], lease: bytes = b"",
+             salt: bytes | str = b"") -> bool:
         """Copy the chunks behind ``lookup``'s ``matched`` tokens of prompt ``tokens`` into the
         sequence's ``block_ids`` (from its first block). Waits. False: nothing usable arrived;
         compute those tokens."""
         chunks = -(-matched // self.chunk_tokens)
-        keys = self.keys(tokens)[self.rank][:chunks]
+        keys = self.keys(tokens, salt)[self.rank][:chunks]
         if not keys:
             self.release(lease)
             return False
@@ -151,10 +156,11 @@ class TrtllmKVPool:
         del ev
         return reply is not None
 
-    def store(self, tokens: Sequence[int], block_ids: Sequence[int], *, wait: bool = True) -> Any:
+    def store(self, tokens: Sequence[int], block_ids: Sequence[int], *, wait: bool = True,
+              salt: bytes | str = b"") -> Any:
         """Store every whole chunk of ``tokens`` from ``block_ids``. With ``wait``, returns the
         number of chunks newly stored (0 if the server is unreachable); else the ``Pending``."""
-        keys = self.keys(tokens)[self.rank]
+        keys = self.keys(tokens, salt)[self.rank]
         if not keys:
             return 0 if wait else None
         ev, handle = self._cuda.ready() if self._cuda is not None else (None, b"")

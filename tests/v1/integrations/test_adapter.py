@@ -11,7 +11,16 @@ import pytest
 import torch
 
 from harness import ServerProcess, scratch_dir, wait_for
-from lmshm.integrations.adapter import Link, LinkConfig, Namespace, SchedulerSide, WorkerSide, chunk_keys
+from lmshm.integrations.adapter import (
+    Group,
+    Link,
+    LinkConfig,
+    Namespace,
+    SchedulerSide,
+    WorkerSide,
+    chunk_keys,
+    chunk_keys_from_hashes,
+)
 from lmshm.integrations.trtllm import TrtllmKVPool
 from lmshm.multiprocess.client import query_status
 
@@ -68,7 +77,7 @@ class Engine:
         """The request's whole prompt is computed in one step, and its STOREs are sent."""
         self.sched.matched_tokens(req_id, tokens, 0)
         plan = self.sched.plan()
-        self.sched.scheduled(req_id, block_ids=block_ids, replace_blocks=True, computed_after_step=len(tokens),
+        self.sched.scheduled(req_id, block_ids=[block_ids], replace_blocks=True, computed_after_step=len(tokens),
                              tokens=tokens, plan=plan)
         self.worker.save(plan)
 
@@ -89,10 +98,10 @@ def test_one_engine_stores_and_another_loads_whole_chunks(server):
         for t in a.kv.values():
             t[a_blocks] = torch.randn(7, 2, BLOCK, 8)
         assert a.sched.matched_tokens("r1", tokens, 0) == 0
-        a.sched.allocated("r1", a_blocks, 0)
+        a.sched.allocated("r1", [a_blocks], 0)
         plan = a.sched.plan()
-        a.sched.scheduled("r1", block_ids=a_blocks, replace_blocks=True, computed_after_step=100, plan=plan)
-        assert [len(s.keys[0]) for s in plan.stores] == [6] and plan.stores[0].block_ids == a_blocks[:6]
+        a.sched.scheduled("r1", block_ids=[a_blocks], replace_blocks=True, computed_after_step=100, plan=plan)
+        assert [len(s.keys[0][0]) for s in plan.stores] == [6] and plan.stores[0].block_ids == [a_blocks[:6]]
         a.worker.save(plan)
         assert a.sched.finished("r1") is True              # blocks stay until the store is done
         wait_for(lambda: a.worker.finished({"r1"}) == {"r1"}, 10, what="the store to finish")
@@ -102,10 +111,10 @@ def test_one_engine_stores_and_another_loads_whole_chunks(server):
         assert b.sched.matched_tokens("full", tokens[:96], 0) == 95  # a full hit leaves one token
         b.sched.finished("full")
         b_blocks = list(range(20, 27))
-        b.sched.allocated("x", b_blocks, 96)
+        b.sched.allocated("x", [b_blocks], 96)
         plan = b.sched.plan()
         b.sched.take_loads(plan)
-        b.sched.scheduled("x", block_ids=b_blocks, replace_blocks=True, computed_after_step=100, plan=plan)
+        b.sched.scheduled("x", block_ids=[b_blocks], replace_blocks=True, computed_after_step=100, plan=plan)
         assert plan.stores == []                           # what was loaded is not stored again
         b.worker.load(plan)
         assert b.worker.take_load_errors() == set() and b.worker.loaded_chunks == 6
@@ -126,10 +135,10 @@ def test_a_failed_load_reports_its_blocks(server):
         a.prefill("r", tokens, [0, 1, 2, 3])
         a.worker.wait_for_stores()
         assert a.sched.matched_tokens("again", tokens, 0) == 63
-        a.sched.allocated("again", [8, 9, 10, 11], 63)
+        a.sched.allocated("again", [[8, 9, 10, 11]], 63)
         plan = a.sched.plan()
         a.sched.take_loads(plan)
-        plan.loads[0].block_ids[-1] = 32                   # out of range: the server refuses the RETRIEVE
+        plan.loads[0].block_ids[0][-1] = 32                   # out of range: the server refuses the RETRIEVE
         a.worker.load(plan)
         assert a.worker.take_load_errors() == {8, 9, 10, 32} and a.worker.failed_loads == 1
         assert a.worker.take_load_errors() == set()
@@ -177,8 +186,8 @@ def test_a_preempted_request_waits_for_its_stores_and_starts_over(server):
         assert a.worker.stored_chunks == 4
         assert all(st.pending.done() and st.settled for st in a.worker._stores["r"])
         plan = a.sched.plan()                              # resumed: new blocks, stored again (PRESENT)
-        a.sched.scheduled("r", block_ids=[8, 9, 10, 11], replace_blocks=True, computed_after_step=64, plan=plan)
-        assert plan.stores[0].block_ids == [8, 9, 10, 11]
+        a.sched.scheduled("r", block_ids=[[8, 9, 10, 11]], replace_blocks=True, computed_after_step=64, plan=plan)
+        assert plan.stores[0].block_ids == [[8, 9, 10, 11]]
     finally:
         a.close()
         gc.collect()
@@ -191,7 +200,7 @@ def test_unawaited_releases_leave_nothing_behind_in_the_client(server):
         a.prefill("r", tokens, [0, 1])
         a.worker.wait_for_stores()
         for _ in range(200):
-            hits, lease = a.slink.lookup([chunk_keys(a.sched.namespaces[0], tokens, BLOCK)])
+            hits, lease = a.slink.lookup([chunk_keys(a.sched.namespaces[0][0], tokens, BLOCK)])
             assert hits == 2
             a.slink.release(lease)
         dealer = a.slink.client()._dealer
@@ -201,3 +210,176 @@ def test_unawaited_releases_leave_nothing_behind_in_the_client(server):
     finally:
         a.close()
         gc.collect()
+
+
+# ---- request identity in keys -------------------------------------------------------------
+
+
+def test_a_salt_or_another_block_hash_shares_no_key():
+    ns = Namespace("m", "float16", "L", chunk_tokens=4).digest
+    toks = list(range(16))
+    plain = chunk_keys(ns, toks, 4)
+    alice, bob = chunk_keys(ns, toks, 4, b"alice"), chunk_keys(ns, toks, 4, b"bob")
+    assert chunk_keys(ns, toks, 4, b"") == plain
+    assert not set(plain) & set(alice) and not set(alice) & set(bob)          # nothing in common, any chunk
+    assert chunk_keys(ns, toks[:8], 4, b"alice") == alice[:2]
+
+    hashes = [bytes([i]) * 32 for i in range(8)]                                # an engine's chained block hashes
+    keys = chunk_keys_from_hashes(ns, hashes, 2)                                # 2 blocks per chunk
+    assert len(keys) == 4 and chunk_keys_from_hashes(ns, hashes[:5], 2) == keys[:2]
+    other_last = hashes[:3] + [b"\xff" * 32] + hashes[4:]                       # chunk 1's last block differs
+    assert chunk_keys_from_hashes(ns, other_last, 2)[0] == keys[0]
+    assert not set(chunk_keys_from_hashes(ns, other_last, 2)[1:]) & set(keys)
+    other_ns = Namespace("m", "float16", "L", chunk_tokens=4, group=1).digest   # another KV cache group
+    assert not set(chunk_keys_from_hashes(other_ns, hashes, 2)) & set(keys)
+
+
+def _hashes(tokens: list[int], salt: str, block: int = BLOCK) -> list[bytes]:
+    """Chained block hashes the way an engine makes them: the salt is in the first block."""
+    import hashlib
+
+    out, prev = [], salt.encode()
+    for b in range(len(tokens) // block):
+        prev = hashlib.sha256(prev + repr(tokens[b * block:(b + 1) * block]).encode()).digest()
+        out.append(prev)
+    return out
+
+
+def test_requests_with_other_block_hashes_get_nothing_and_switches_are_per_request(server):
+    a, b = Engine(server.url, "A"), Engine(server.url, "B")
+    try:
+        tokens = list(range(64))
+        for t in a.kv.values():
+            t[[0, 1, 2, 3]] = torch.randn(4, 2, BLOCK, 8)
+        a.sched.matched_tokens("alice-1", tokens, 0, hashes=_hashes(tokens, "alice"))
+        plan = a.sched.plan()
+        a.sched.scheduled("alice-1", block_ids=[[0, 1, 2, 3]], replace_blocks=True, computed_after_step=64, plan=plan)
+        a.worker.save(plan)
+        a.worker.wait_for_stores()
+        assert a.worker.stored_chunks == 4
+        lookups = query_status(server.url).pool.hits
+        assert b.sched.matched_tokens("bob", tokens, 0, hashes=_hashes(tokens, "bob")) == 0
+        assert b.sched.matched_tokens("nobody", tokens, 0, hashes=_hashes(tokens, "")) == 0
+        assert b.sched.matched_tokens("by-tokens", tokens, 0) == 0               # token-id keys differ too
+        assert b.sched.matched_tokens("alice-2", tokens, 0, hashes=_hashes(tokens, "alice")) == 63
+        b.sched.finished("alice-2")
+        # load=False: not even a LOOKUP is sent; store=False: nothing is planned
+        before = query_status(server.url).pool
+        assert b.sched.matched_tokens("no-load", tokens, 0, hashes=_hashes(tokens, "alice"), load=False) == 0
+        assert query_status(server.url).pool.misses == before.misses and query_status(server.url).pool.hits == \
+            before.hits
+        b.sched.matched_tokens("no-store", list(range(500, 564)), 0, hashes=_hashes(list(range(500, 564)), "x"),
+                               store=False)
+        plan = b.sched.plan()
+        b.sched.scheduled("no-store", block_ids=[[4, 5, 6, 7]], replace_blocks=True, computed_after_step=64,
+                          plan=plan)
+        assert plan.stores == [] and b.sched.finished("no-store") is False
+        assert lookups <= query_status(server.url).pool.hits
+        for req in ("alice-1", "bob", "nobody", "by-tokens", "no-load"):
+            a.sched.finished(req)
+            b.sched.finished(req)
+        wait_for(lambda: query_status(server.url).pool.leases == 0, 5, what="the leases to end")
+    finally:
+        a.close()
+        b.close()
+        gc.collect()
+
+
+def test_trtllm_requests_with_other_salts_share_nothing(server):
+    shape = (16, 2, 2, BLOCK, 2, 8)
+    pa, pb = torch.randn(shape), torch.zeros(shape)
+    a = TrtllmKVPool(pa, model="tiny", tokens_per_block=BLOCK, url=server.url)
+    b = TrtllmKVPool(pb, model="tiny", tokens_per_block=BLOCK, url=server.url)
+    try:
+        a.register("trt-a")
+        b.register("trt-b")
+        assert a.link.wait_connected(10) and b.link.wait_connected(10)
+        tokens = list(range(50))
+        assert a.store(tokens, [1, 2, 3], salt="alice") == 3
+        assert b.lookup(tokens, salt="bob") == (0, b"") and b.lookup(tokens) == (0, b"")
+        matched, lease = b.lookup(tokens, salt="alice")
+        assert matched == 48
+        assert b.load(tokens, matched, [9, 10, 11], lease, salt="alice")
+        assert torch.equal(pb[[9, 10, 11]], pa[[1, 2, 3]])
+    finally:
+        a.close()
+        b.close()
+        del pa, pb
+        gc.collect()
+
+
+# ---- hybrid models: a full-attention group and a sliding-window group ---------------------
+
+
+class HybridEngine:
+    """Two KV cache groups with their own block tables: layers 0-1 full attention, 2-3 a
+    sliding window of two blocks. Block 0 is the engine's null block."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.kv = {f"layer.{i}": torch.zeros(32, 2, BLOCK, 8) for i in range(4)}
+        ns = Namespace("tiny-hybrid", "float32", "2+2x[2,16,8]")
+        self.slink = Link(LinkConfig(url=url, client_name=f"{name}-sched"))
+        self.wlink = Link(LinkConfig(url=url, client_name=f"{name}-worker"))
+        names = list(self.kv)
+        self.wlink.register_groups([{n: self.kv[n] for n in names[:2]}, {n: self.kv[n] for n in names[2:]}],
+                                   instance_id=name)
+        assert self.slink.wait_connected(10) and self.wlink.wait_connected(10)
+        self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK,
+                                   groups=[Group(), Group(window=2 * BLOCK)], null_block=0)
+        self.worker = WorkerSide(self.wlink)
+
+    def close(self) -> None:
+        self.slink.close()
+        self.wlink.close()
+        self.kv.clear()
+
+
+def test_a_hybrid_model_loads_full_groups_whole_and_windows_only_where_blocks_are(server):
+    a, b = HybridEngine(server.url, "HA"), HybridEngine(server.url, "HB")
+    try:
+        assert len(a.wlink.instance_ids) == 2
+        tokens = list(range(100))                          # 6 whole chunks
+        full, window = list(range(1, 8)), list(range(10, 17))
+        for name, t in a.kv.items():
+            t[full if name in ("layer.0", "layer.1") else window] = torch.randn(7, 2, BLOCK, 8)
+        hashes = _hashes(tokens, "")
+        a.sched.matched_tokens("r", tokens, 0, hashes=hashes)
+        plan = a.sched.plan()
+        a.sched.scheduled("r", block_ids=[full, window], replace_blocks=True, computed_after_step=100, plan=plan)
+        assert plan.wait_stores                             # window blocks may be freed next step
+        a.worker.save(plan)
+        assert all(st.settled for st in a.worker._stores["r"])   # save() waited
+        assert a.worker.stored_chunks == 12                  # 6 chunks x 2 groups
+
+        assert b.sched.matched_tokens("x", tokens, 0, hashes=hashes) == 96
+        # the engine keeps only the window's blocks: the first four are its null block
+        b_full, b_window = list(range(20, 27)), [0, 0, 0, 0, 28, 29, 30]
+        b.sched.allocated("x", [b_full, b_window], 96)
+        plan = b.sched.plan()
+        b.sched.take_loads(plan)
+        (load,) = plan.loads
+        assert load.block_ids == [b_full[:6], [28, 29]] and [len(k) for k in load.keys[0]] == [6, 2]
+        b.worker.load(plan)
+        assert b.worker.take_load_errors() == set() and b.worker.loaded_chunks == 8
+        for name in ("layer.0", "layer.1"):
+            assert torch.equal(b.kv[name][b_full[:6]], a.kv[name][full[:6]])
+        for name in ("layer.2", "layer.3"):
+            assert torch.equal(b.kv[name][[28, 29]], a.kv[name][window[4:6]])
+            assert not b.kv[name][0].any()                 # the null block was never written
+        assert query_status(server.url).pool.leases == 1   # the window's unused chunks are still pinned...
+        b.sched.step_done()                                # ...until the step ends
+        wait_for(lambda: query_status(server.url).pool.leases == 0, 5, what="the lease to end")
+        assert query_status(server.url).pool.pinned == 0
+    finally:
+        a.close()
+        b.close()
+        gc.collect()
+
+
+def test_a_window_model_needs_one_block_per_chunk():
+    with pytest.raises(ValueError, match="must equal the block size"):
+        SchedulerSide(Link(LinkConfig(url="tcp://127.0.0.1:9"), connect_now=False), Namespace("m", "f", "L"),
+                      chunk_tokens=2 * BLOCK, block_size=BLOCK, groups=[Group(), Group(window=64)])
+    with pytest.raises(ValueError, match="positive multiple"):
+        SchedulerSide(Link(LinkConfig(url="tcp://127.0.0.1:9"), connect_now=False), Namespace("m", "f", "L"),
+                      chunk_tokens=24, block_size=BLOCK)
