@@ -37,8 +37,10 @@ def _human_age(seconds: float) -> str:
 def _status_row(r) -> tuple[str, ...]:
     kind = getattr(r, "kind", "kv")  # servers before protocol 3.1 send no kind: all are KV caches
     if kind == "kv":
+        block_dim = getattr(r, "block_dim", 0)  # 3.2; a block dim other than 0 is shown after the layers
+        layers = f"{r.num_layers} (block dim {block_dim})" if block_dim else str(r.num_layers)
         return (r.instance_id, str(r.owner_pid), r.model_name or "-", f"{r.worker_rank}/{r.world_size}",
-                str(r.num_layers), _human_bytes(r.nbytes), ",".join(r.kinds), ",".join(r.devices), _human_age(r.age_s))
+                layers, _human_bytes(r.nbytes), ",".join(r.kinds), ",".join(r.devices), _human_age(r.age_s))
     where = f"{r.key} +{r.offset}" if kind == "system" else f"device {r.device_id}"
     return (r.instance_id, "-", where, "-", "-", _human_bytes(r.nbytes), f"{kind} region ({r.client_name or '-'})",
             ",".join(r.devices), _human_age(r.age_s))

@@ -1,13 +1,24 @@
 """How the data plane moves blocks: layouts, the copies themselves, and ordered copier threads.
 
-A registration's layers are tensors whose dim 0 is the block index (vLLM's CPU layout
-``[num_blocks, kv_heads, block_size, 2 * head_size]``, a TRT-LLM pool ``[blocks, layers, 2, ...]``).
-``BlockLayout`` checks, once per registration, that one block of each layer is at most
-``MAX_RUNS`` dense byte runs at a fixed spacing, and builds per layer a uint8 view
-``[num_blocks, *run_grid, run_bytes]`` over the server's own mapping. A chunk object in the pool
-is, layer after layer, its blocks' runs packed densely. Copies go per layer and run of consecutive block ids:
-one ``memmove`` (or a torch ``copy_`` for long runs), straight between the worker's mapping
-and the pool: no staging buffer.
+A registration names its **block dimension** (``block_dim``, 0 unless it says otherwise): the
+dim of every layer tensor whose index is the block id. vLLM 0.32's per-layer ``[B, H, N, C]``
+views have it first; a whole ``[L, B, H, N, C]`` cache, or an older K/V-first layer
+``(2, num_blocks, ...)``, second. ``BlockLayout`` takes that dim as the block index (as
+``movedim(block_dim, 0)`` would) and orders the other dims by stride, largest first: the order
+their bytes lie in memory, whatever permuted view (NHD over HND) the engine hands out. The
+innermost dims that are dense form one *run*; the other dims inside a block make a grid of at
+most ``MAX_RUNS`` runs (K/V-first layouts: 2; vLLM's head-major layout: one per KV head). The
+plan is arithmetic on shape, stride and dtype (``geometry``), so a worker can run it without a
+server (``check_movable``). Each layer's part of a chunk object in the
+pool is ``[grid][block][run]``: runs of one grid position are packed block after block, so a run
+of consecutive block ids whose runs follow each other in memory (K of blocks 4..7 in a
+K/V-first layout) is one contiguous copy on both sides. Every copy -- ``memmove``, a torch
+``copy_`` for long pieces, ``preadv``/``pwritev`` through a named-shm file, a CUDA async copy --
+is such a contiguous piece: no staging buffer, no strided copy.
+
+The layout digest (stored with each object) covers names, dtypes, block_dim, each layer's block
+shape, the memory order of its dims and where its runs split, not ``num_blocks``: bytes packed
+from one layout are never copied into a registration of another.
 
 ``OrderedExecutor`` runs copies on worker threads, never on the request loop, and keeps each
 client's jobs in the order it sent them.
@@ -33,6 +44,8 @@ logger = logging.getLogger(__name__)
 
 #: Byte runs one block of one layer may take; more is refused with a LAYOUT error.
 MAX_RUNS = 8
+#: Bumped when the packing of chunk objects changes: part of every layout digest.
+_PACKING = 2
 
 
 class LayoutError(ValueError):
@@ -45,18 +58,49 @@ class FileSide:
 
     path: str
     inode: tuple[int, int]    # (st_dev, st_ino) the server mapped: a replaced name is refused
-    offset0: int              # file offset of block 0
+    offset0: int              # file offset of block 0's first byte
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one block of one layer lies in memory (pure arithmetic on shape, stride, dtype)."""
+
+    num_blocks: int
+    block_stride: int         # bytes from one block to the next
+    run: int                  # bytes of one dense run
+    offsets: tuple[int, ...]  # byte offset of each run from the block's first byte, packed order
+    desc: tuple               # what the digest covers for this layer
+
+    @property
+    def block_bytes(self) -> int:
+        return self.run * len(self.offsets)
 
 
 @dataclass(frozen=True)
 class LayerPlan:
     name: str
-    view: torch.Tensor        # uint8 [num_blocks, *grid, run_bytes] over the server's mapping
-    block_bytes: int
-    dense: bool               # one block is one byte run (no grid)
-    base: int                 # address of block 0 (CPU)
-    block_stride: int         # bytes from one block to the next
-    file: FileSide | None = None  # set for dense layers of named shm: copied with preadv/pwritev
+    flat: torch.Tensor        # uint8 over the layer's whole storage (the server's mapping)
+    start: int                # index in ``flat`` of block 0's first byte
+    geometry: Geometry
+    file: FileSide | None = None  # named shm: copied with preadv/pwritev through this file
+
+    @property
+    def block_bytes(self) -> int:
+        return self.geometry.block_bytes
+
+    @property
+    def block_stride(self) -> int:
+        return self.geometry.block_stride
+
+    @property
+    def dense(self) -> bool:
+        """One block is one byte run."""
+        return len(self.geometry.offsets) == 1
+
+    @property
+    def base(self) -> int:
+        """Address of block 0's first byte."""
+        return self.flat.data_ptr() + self.start
 
 
 @dataclass(frozen=True)
@@ -64,76 +108,117 @@ class BlockLayout:
     layers: tuple[LayerPlan, ...]
     num_blocks: int
     block_bytes: int          # one block of every layer
-    digest: bytes             # names, dtypes, per-block shapes and strides; not num_blocks
+    digest: bytes             # see the module docstring; not num_blocks
     cuda_device: int = -1     # the registration's GPU (ordinal), or -1 for CPU memory
+    block_dim: int = 0
 
     def chunk_bytes(self, chunk_blocks: int) -> int:
         return self.block_bytes * chunk_blocks
 
     @classmethod
-    def of(cls, names: Sequence[str], tensors: Sequence[torch.Tensor]) -> "BlockLayout":
-        plans = []
-        blocks = None
-        fingerprint = []
-        for name, t in zip(names, tensors):
-            plan, desc = _plan_layer(name, t)
-            if blocks is None:
-                blocks = t.shape[0]
-            elif t.shape[0] != blocks:
-                raise LayoutError(f"layer {name!r} has {t.shape[0]} blocks, layer {names[0]!r} has {blocks}: "
-                                  "every layer of a registration must have the same number of blocks")
-            plans.append(plan)
-            fingerprint.append((name, desc))
-        if not plans:
-            raise LayoutError("the registration has no layers")
+    def of(cls, names: Sequence[str], tensors: Sequence[torch.Tensor], block_dim: int = 0) -> "BlockLayout":
+        """Plan every layer; ``block_dim`` indexes each tensor's dims (the caller's logical
+        shape). Raises ``LayoutError`` naming the first layer that cannot be moved."""
+        geometries = _geometries(names, tensors, block_dim)
+        plans = tuple(_plan_layer(name, t, g) for name, t, g in zip(names, tensors, geometries))
+        fingerprint = (_PACKING, block_dim, [(name, g.desc) for name, g in zip(names, geometries)])
         digest = hashlib.blake2b(repr(fingerprint).encode(), digest_size=16).digest()
-        return cls(tuple(plans), int(blocks), sum(p.block_bytes for p in plans), digest)
+        return cls(plans, geometries[0].num_blocks, sum(g.block_bytes for g in geometries), digest,
+                   block_dim=block_dim)
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, stride {tuple(t.stride())}, dtype {str(t.dtype).removeprefix('torch.')}"
+def check_movable(names: Sequence[str], tensors: Sequence[torch.Tensor], block_dim: int = 0) -> None:
+    """Raise ``LayoutError`` unless the data plane can move these layers along ``block_dim``.
+
+    What the server checks at the first STORE or RETRIEVE, without a server: a worker calls it
+    before it registers (shape, stride and dtype only; the memory is not touched)."""
+    _geometries(names, tensors, block_dim)
 
 
-def _plan_layer(name: str, t: torch.Tensor) -> tuple[LayerPlan, tuple]:
-    if t.dim() < 1 or t.shape[0] < 1:
-        raise LayoutError(f"layer {name!r} ({_describe(t)}) has no block dimension (dim 0)")
-    item = t.element_size()
-    dims = [(s, st * item) for s, st in zip(t.shape[1:], t.stride()[1:]) if s != 1]
-    if any(st <= 0 for _, st in dims):
-        raise LayoutError(f"layer {name!r} ({_describe(t)}) has a zero or negative stride inside a block")
+def _geometries(names: Sequence[str], tensors: Sequence[torch.Tensor], block_dim: int) -> list[Geometry]:
+    names, tensors = list(names), list(tensors)
+    if not tensors:
+        raise LayoutError("the registration has no layers")
+    if len(names) != len(tensors):
+        raise LayoutError(f"{len(names)} layer names for {len(tensors)} tensors")
+    out: list[Geometry] = []
+    for name, t in zip(names, tensors):
+        g = geometry(name, tuple(t.shape), tuple(t.stride()), t.element_size(), str(t.dtype), block_dim)
+        if out and g.num_blocks != out[0].num_blocks:
+            raise LayoutError(f"layer {name!r} has {g.num_blocks} blocks along dim {block_dim}, layer {names[0]!r} "
+                              f"has {out[0].num_blocks}: every layer of a registration must have the same number "
+                              "of blocks")
+        out.append(g)
+    return out
+
+
+def _describe(shape: Sequence[int], stride: Sequence[int], dtype: str) -> str:
+    return f"shape {tuple(shape)}, stride {tuple(stride)}, dtype {dtype.removeprefix('torch.')}"
+
+
+def geometry(name: str, shape: tuple[int, ...], stride: tuple[int, ...], item: int, dtype: str,
+             block_dim: int = 0) -> Geometry:
+    """One layer's block geometry along ``block_dim``, or ``LayoutError`` saying why it cannot be
+    moved. Strides are in elements, as torch gives them."""
+    what = _describe(shape, stride, dtype)
+    if not 0 <= block_dim < len(shape):
+        raise LayoutError(f"layer {name!r} ({what}): block_dim {block_dim} is not one of its "
+                          f"{len(shape)} dimensions")
+    if shape[block_dim] < 1:
+        raise LayoutError(f"layer {name!r} ({what}) has no blocks along dim {block_dim}")
+    # The dims inside a block, in memory order: by stride, largest first (stable for ties).
+    inner = [(d, shape[d], stride[d] * item) for d in range(len(shape)) if d != block_dim and shape[d] != 1]
+    if any(st <= 0 for _, _, st in inner):
+        raise LayoutError(f"layer {name!r} ({what}) has a zero or negative stride inside a block")
+    inner.sort(key=lambda d: -d[2])
     # The dense tail: dims whose stride is the bytes of everything after them.
-    run = item
-    while dims and dims[-1][1] == run:
-        run *= dims.pop()[0]
-    grid = dims
-    runs = math.prod(s for s, _ in grid)
+    run, tail = item, 0
+    while tail < len(inner) and inner[-1 - tail][2] == run:
+        run *= inner[-1 - tail][1]
+        tail += 1
+    grid = inner[:len(inner) - tail]
+    runs = math.prod(size for _, size, _ in grid)
     if runs > MAX_RUNS:
         raise LayoutError(
-            f"layer {name!r} ({_describe(t)}): one block is {runs} separate byte runs of {run} bytes; the data "
-            f"plane moves at most {MAX_RUNS} runs per block (dim 0 must be the block index, and each block "
-            "mostly dense)")
-    block_stride = t.stride(0) * item
+            f"layer {name!r} ({what}): along block_dim {block_dim}, one block is {runs} separate byte runs of "
+            f"{run} bytes; the data plane moves at most {MAX_RUNS} runs per block (block_dim must name the "
+            "block index, and each block must be mostly dense)")
+    block_stride = stride[block_dim] * item
     # No two bytes of the layer may alias (a RETRIEVE into one block would write another):
     # sorted by stride, every dim must step past everything the smaller dims cover.
     extent = run
-    for size, step in sorted([*grid, (t.shape[0], block_stride)], key=lambda d: d[1]):
+    steps = [(size, st) for _, size, st in grid] + [(shape[block_dim], block_stride)]
+    for size, step in sorted(steps, key=lambda d: d[1]):
         if size > 1 and step < extent:
-            raise LayoutError(f"layer {name!r} ({_describe(t)}): its blocks overlap in memory (a stride of "
+            raise LayoutError(f"layer {name!r} ({what}): its blocks overlap in memory (a stride of "
                               f"{step} bytes inside a span of {extent})")
         extent += (size - 1) * step
-    u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
-        t.untyped_storage(), t.storage_offset() * item,
-        (t.shape[0], *[s for s, _ in grid], run), (block_stride, *[st for _, st in grid], 1))
-    desc = (str(t.dtype), tuple(t.shape[1:]), tuple(t.stride()[1:]))
-    return LayerPlan(name, u8, runs * run, not grid, u8.data_ptr(), block_stride), desc
+    offsets = [0]
+    for _, size, st in grid:
+        offsets = [o + i * st for o in offsets for i in range(size)]
+    block_shape = tuple(s for d, s in enumerate(shape) if d != block_dim)
+    order = tuple(d for d, _, _ in inner)   # logical dims (size > 1), in memory order
+    desc = (dtype, block_shape, order, len(grid))
+    return Geometry(shape[block_dim], block_stride, run, tuple(offsets), desc)
+
+
+def _plan_layer(name: str, t: torch.Tensor, g: Geometry) -> LayerPlan:
+    item = t.element_size()
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+    start = t.storage_offset() * item
+    end = start + (g.num_blocks - 1) * g.block_stride + g.offsets[-1] + g.run
+    if end > flat.numel():  # the tensor's own view guarantees this; checked, not assumed
+        raise LayoutError(f"layer {name!r} ({_describe(t.shape, t.stride(), str(t.dtype))}) reaches byte {end} "
+                          f"of a storage of {flat.numel()}")
+    return LayerPlan(name, flat, start, g)
 
 
 def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[torch.Tensor]:
-    """An object's bytes as one ``[chunk_blocks, *grid, run]`` tensor per layer."""
+    """An object's bytes as one flat uint8 tensor per layer (``[grid][block][run]`` each)."""
     out, at = [], 0
     for plan in layout.layers:
         n = plan.block_bytes * chunk_blocks
-        out.append(obj[at:at + n].view(chunk_blocks, *plan.view.shape[1:]))
+        out.append(obj[at:at + n])
         at += n
     return out
 
@@ -150,7 +235,23 @@ def _runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-#: A run of at least this many bytes is copied by torch (several threads); shorter ones by
+def pieces(plan: LayerPlan, runs: list[tuple[int, int, int]], chunk_blocks: int) -> list[tuple[int, int, int]]:
+    """The contiguous copies of one layer: ``(offset in the layer's part of the object, offset in
+    ``plan.flat``, bytes)``. Consecutive blocks merge when their runs follow each other in memory."""
+    g = plan.geometry
+    run, stride = g.run, g.block_stride
+    out: list[tuple[int, int, int]] = []
+    for k, off in enumerate(g.offsets):
+        obj0, kv0 = k * chunk_blocks * run, plan.start + off
+        for pos, first, n in runs:
+            if n == 1 or stride == run:
+                out.append((obj0 + pos * run, kv0 + first * stride, n * run))
+            else:
+                out.extend((obj0 + (pos + j) * run, kv0 + (first + j) * stride, run) for j in range(n))
+    return out
+
+
+#: A piece of at least this many bytes is copied by torch (several threads); shorter ones by
 #: one ``memmove`` each, whose call costs ~1 us against ~10 us for a torch ``copy_``.
 TORCH_COPY_BYTES = 1 << 20
 
@@ -177,32 +278,18 @@ def open_checked(side: FileSide) -> int:
     return fd
 
 
-def _grid_offsets(plan: LayerPlan) -> tuple[list[int], int]:
-    """Byte offsets of a block's runs inside the block, in packed order, and the run's bytes."""
-    sizes, strides, run = plan.view.shape[1:-1], plan.view.stride()[1:-1], plan.view.shape[-1]
-    offsets = [0]
-    for size, stride in zip(sizes, strides):
-        offsets = [o + i * stride for o in offsets for i in range(size)]
-    return offsets, run
-
-
-def _file_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], store: bool,
-               pool: PoolBytes) -> None:
+def _file_pieces(plan: LayerPlan, obj_layer: torch.Tensor, todo: list[tuple[int, int, int]], store: bool,
+                 pool: PoolBytes) -> None:
     """Copy through the file, not the mapping: a segment its owner truncates or punches holes in
     makes ``preadv`` return short (refused below) instead of killing the server with SIGBUS,
     and ``pwritev`` only writes the file again."""
-    side, bb, stride = plan.file, plan.block_bytes, plan.block_stride
-    obj = obj_layer.data_ptr()
-    if plan.dense and stride == bb:       # a run of consecutive blocks is one range of the file
-        pieces = [(obj + pos * bb, side.offset0 + first * bb, n * bb) for pos, first, n in runs]
-    else:                                 # block by block, run by run
-        offsets, run = _grid_offsets(plan)
-        pieces = [(obj + (pos + j) * bb + k * run, side.offset0 + (first + j) * stride + off, run)
-                  for pos, first, n in runs for j in range(n) for k, off in enumerate(offsets)]
+    side = plan.file
+    obj, shift = obj_layer.data_ptr(), side.offset0 - plan.start   # file offset of flat[i]: i + shift
     fd = open_checked(side)
     try:
-        for addr, off, n in pieces:
-            mv = pool.at(addr, n)
+        for o, k, n in todo:
+            mv = pool.at(obj + o, n)
+            off = k + shift
             done = os.preadv(fd, [mv], off) if store else os.pwritev(fd, [mv], off)
             if done != n:
                 raise OSError(errno.EIO, f"{side.path} was truncated during the copy ({done} of {n} bytes "
@@ -211,28 +298,23 @@ def _file_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, i
         os.close(fd)
 
 
-def _copy_runs(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], *, store: bool,
-               pool: PoolBytes | None = None) -> None:
-    bb = plan.block_bytes
+def _copy_layer(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], chunk_blocks: int,
+                *, store: bool, pool: PoolBytes | None = None) -> None:
+    todo = pieces(plan, runs, chunk_blocks)
     if plan.file is not None and pool is not None:
-        _file_runs(plan, obj_layer, runs, store, pool)
+        _file_pieces(plan, obj_layer, todo, store, pool)
         return
-    if plan.dense and plan.view.device.type == "cpu":
-        obj_base = obj_layer.data_ptr()
-        for pos, first, n in runs:
-            if n * bb >= TORCH_COPY_BYTES and plan.block_stride == bb:
-                a, b = obj_layer[pos:pos + n], plan.view[first:first + n]
+    if plan.flat.device.type == "cpu":
+        obj, kv = obj_layer.data_ptr(), plan.flat.data_ptr()
+        for o, k, n in todo:
+            if n >= TORCH_COPY_BYTES:
+                a, b = obj_layer[o:o + n], plan.flat[k:k + n]
                 (a.copy_(b) if store else b.copy_(a))
-            elif plan.block_stride == bb:
-                o, k = obj_base + pos * bb, plan.base + first * bb
-                _memmove(o, k, n * bb) if store else _memmove(k, o, n * bb)
             else:
-                for j in range(n):
-                    o, k = obj_base + (pos + j) * bb, plan.base + (first + j) * plan.block_stride
-                    _memmove(o, k, bb) if store else _memmove(k, o, bb)
+                _memmove(obj + o, kv + k, n) if store else _memmove(kv + k, obj + o, n)
         return
-    for pos, first, n in runs:
-        a, b = obj_layer[pos:pos + n], plan.view[first:first + n]
+    for o, k, n in todo:
+        a, b = obj_layer[o:o + n], plan.flat[k:k + n]
         (a.copy_(b) if store else b.copy_(a))
 
 
@@ -250,7 +332,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
     pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
     # Split what no torch copy parallelises: short runs (memmove) and copies through files
     # (preadv/pwritev; the kernel's copy runs on the calling thread).
-    short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].block_bytes < TORCH_COPY_BYTES
+    short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].geometry.run < TORCH_COPY_BYTES
              or (store and pool is not None and layout.layers[0].file is not None))
     # (Not pwritev: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
     if short and len(pairs) > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
@@ -258,23 +340,29 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
             if _splitter is None:
                 _splitter = ThreadPoolExecutor(_SPLIT_THREADS, thread_name_prefix="lmshm-copy-split")
         half = len(pairs) // 2
-        other = _splitter.submit(lambda: [_copy_runs(p, o, runs, store=store, pool=pool) for p, o in pairs[half:]])
-        for p, o in pairs[:half]:
-            _copy_runs(p, o, runs, store=store, pool=pool)
+
+        def layers(part: list) -> None:
+            for p, o in part:
+                _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
+
+        other = _splitter.submit(layers, pairs[half:])
+        layers(pairs[:half])
         other.result()
         return
     for p, o in pairs:
-        _copy_runs(p, o, runs, store=store, pool=pool)
+        _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
 
 
 def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 *, store: bool, copy: Any, stream: Any) -> None:
-    """The copies of one chunk on a CUDA registration, queued with ``copy(dst, src, stream)``
-    (one per layer and run of consecutive blocks; the caller's stream orders them)."""
+    """The copies of one chunk on a CUDA registration, queued with ``copy(dst, src, stream)``:
+    one per layer, run of the block, and run of consecutive block ids whose runs follow each other
+    in memory (``pieces``); both sides contiguous, so each is one async memcpy and the GPU side
+    needs no temporary buffer. The caller's stream orders them."""
     runs = _runs(block_ids)
     for plan, part in zip(layout.layers, _split(obj, layout, chunk_blocks)):
-        for pos, first, n in runs:
-            pool_side, kv_side = part[pos:pos + n], plan.view[first:first + n]
+        for o, k, n in pieces(plan, runs, chunk_blocks):
+            pool_side, kv_side = part[o:o + n], plan.flat[k:k + n]
             copy(pool_side, kv_side, stream) if store else copy(kv_side, pool_side, stream)
 
 

@@ -1,12 +1,13 @@
 """The data plane's requests: STORE, LOOKUP, RETRIEVE, RELEASE (protocol.py has the messages).
 
 The request loop calls the methods here. Each validates on the loop -- verified caller, an
-instance it owns, block-id counts and bounds, a layout that moves in few byte runs, the
-session's limits -- *before* anything is copied, and raises ``DataPlaneError`` with the code to
-answer. STORE and RETRIEVE then become jobs on the copier threads (``OrderedExecutor``, one
-FIFO per session, so a client's copies apply in the order it sent them); a job answers its
-request itself through ``reply(identity, request_id, reply)``, which the server sends from the
-loop. LOOKUP and RELEASE touch only the pool's tables and answer at once.
+instance it owns, block-id counts and bounds, a layout that moves in few byte runs along the
+registration's ``block_dim``, the session's limits -- *before* anything is copied, and raises
+``DataPlaneError`` with the code to answer. STORE and RETRIEVE then become jobs on the copier
+threads (``OrderedExecutor``, one FIFO per session, so a client's copies apply in the order it
+sent them); a job answers its request itself through ``reply(identity, request_id, reply)``,
+which the server sends from the loop. LOOKUP and RELEASE touch only the pool's tables and
+answer at once.
 
 A job holds its registration (``Registry.acquire``) from validation until its copy ends, so an
 unregister or a reclaim waits for the copy, and checks each mapping (``verify_mapped``) just
@@ -111,7 +112,7 @@ class DataPlane:
                                      f"instance {quote(reg.instance_id, 60)} spans {', '.join(sorted(devices))}: the "
                                      "data plane moves registrations of one device")
             try:
-                layout = BlockLayout.of(reg.layer_names, tensors)
+                layout = BlockLayout.of(reg.layer_names, tensors, reg.block_dim)
                 if kinds == {"cpu"} and self.through_files:
                     layout = self._with_files(reg, layout)
                 if kinds == {"cuda"}:

@@ -108,6 +108,7 @@ class Registration:
     block_layout: Any = None        # the data plane's BlockLayout, built on first use
     kind: str = "kv"                # one of KINDS
     region: Any = None              # a region's mapping (lmshm.core.regions); None for "kv"
+    block_dim: int = 0              # the dim of every layer (its logical shape) that indexes blocks
 
     @property
     def wrappers(self) -> tuple[DeviceIPCWrapper, ...]:
@@ -158,9 +159,9 @@ class Registration:
         self.bases.clear()
 
     def same_content(self, model_name: str, world_size: int, worker_rank: int,
-                     groups: Sequence[LayerGroup]) -> bool:
+                     groups: Sequence[LayerGroup], block_dim: int = 0) -> bool:
         return (self.model_name == model_name and self.world_size == world_size
-                and self.worker_rank == worker_rank and self.groups == tuple(groups))
+                and self.worker_rank == worker_rank and self.block_dim == block_dim and self.groups == tuple(groups))
 
 
 def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False) -> None:
@@ -196,7 +197,7 @@ def check_name(what: str, name: str) -> None:
 
 
 def _check_request(instance_id: str, world_size: int, worker_rank: int,
-                   groups: Sequence[LayerGroup]) -> dict[str, tuple[int, int]]:
+                   groups: Sequence[LayerGroup], block_dim: int = 0) -> dict[str, tuple[int, int]]:
     """Validate a request; return layer name -> (group index, storage offset)."""
     check_name("instance id", instance_id)
     if world_size < 1 or not 0 <= worker_rank < world_size:
@@ -218,6 +219,11 @@ def _check_request(instance_id: str, world_size: int, worker_rank: int,
             raise InvalidRegistration(
                 f"instance {instance_id!r}: a {w.kind} wrapper stands for exactly one layer at its own "
                 f"storage offset; group {gi} ({quote(g.names[0])}) asks for {len(g.names)}")
+        if not 0 <= block_dim < len(w.shape):
+            raise InvalidRegistration(
+                f"instance {instance_id!r}: block_dim {block_dim} is not a dimension of layer {quote(g.names[0])} "
+                f"(shape {tuple(w.shape)}, {len(w.shape)} dims): block_dim names the dim of each layer's "
+                "shape, as the worker sees it, whose index is the block id")
         for name, offset in zip(g.names, g.storage_offsets):
             if not name:
                 raise InvalidRegistration(f"instance {instance_id!r}: a layer has an empty name")
@@ -246,6 +252,7 @@ class Registry:
         worker_rank: int,
         groups: Sequence[LayerGroup],
         client_name: str = "",
+        block_dim: int = 0,
     ) -> tuple[Registration, bool]:
         """Map and record every layer for the kernel-verified ``peer``. Returns
         ``(registration, refreshed)``.
@@ -256,11 +263,12 @@ class Registry:
         owner = peer.session
         wrappers = [g.wrapper for g in groups]
         try:
-            where = _check_request(instance_id, world_size, worker_rank, groups)
+            where = _check_request(instance_id, world_size, worker_rank, groups, block_dim)
             with self._lock:
                 existing = self._live.get(instance_id)
                 if existing is not None:
-                    if existing.owner == owner and existing.same_content(model_name, world_size, worker_rank, groups):
+                    same = existing.same_content(model_name, world_size, worker_rank, groups, block_dim)
+                    if existing.owner == owner and same:
                         self.refuse(groups, owner)
                         return existing, True
                     raise InstanceExists(_exists_message(instance_id, existing))
@@ -281,7 +289,7 @@ class Registry:
         finally:
             _discard_fds(wrappers, owner)  # fds of objects mapped before: not needed again
         reg = Registration(instance_id, owner, peer.pid, peer.uid, client_name, model_name, world_size,
-                           worker_rank, tuple(where), tuple(groups), bases, where)
+                           worker_rank, tuple(where), tuple(groups), bases, where, block_dim=block_dim)
         with self._lock:
             self._mapping.discard(instance_id)
             self._live[instance_id] = reg

@@ -157,6 +157,11 @@ def layer_groups(names: list[str], wrappers: list[DeviceIPCWrapper]) -> list[pro
     return groups
 
 
+def _check_block_dim(block_dim: int) -> None:
+    if type(block_dim) is not int or not 0 <= block_dim <= protocol.MAX_BLOCK_DIM:
+        raise ValueError(f"block_dim must be an int from 0 to {protocol.MAX_BLOCK_DIM}, got {block_dim!r}")
+
+
 def _encode(dealer: mq.DealerClient, msg: Any, max_bytes: Optional[int]) -> bytes:
     body = codec.encode(msg)
     if max_bytes is not None and len(body) > max_bytes:
@@ -349,16 +354,22 @@ class MPClient:
         model_name: str = "",
         world_size: int = 1,
         rank: int = 0,
+        block_dim: int = 0,
     ) -> str:
         """Register every layer with the server, all or nothing. Returns the instance id.
+
+        ``block_dim`` is the dim of every layer's shape, as passed here, whose index is the block
+        id (vLLM FlashAttention's ``(2, num_blocks, ...)``: 1); the data plane moves blocks along
+        it. ``lmshm.core.copier.check_movable`` says beforehand whether it can.
 
         CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
         once (see ``wrap_kv_caches``).
         """
         from lmshm.platform.kv_wrap import wrap_kv_caches
 
+        _check_block_dim(block_dim)
         return self.register_wrappers(list(kv_caches), wrap_kv_caches(kv_caches), instance_id,
-                                      model_name=model_name, world_size=world_size, rank=rank)
+                                      model_name=model_name, world_size=world_size, rank=rank, block_dim=block_dim)
 
     def register_wrappers(
         self,
@@ -369,17 +380,24 @@ class MPClient:
         model_name: str = "",
         world_size: int = 1,
         rank: int = 0,
+        block_dim: int = 0,
     ) -> str:
         """``register_kv_caches`` for wrappers made by the caller (e.g. one
         ``RawCudaIPCWrapper.from_pointer`` over a pool no tensor describes). Takes ownership
-        of the wrappers: they are closed on failure and at unregister."""
+        of the wrappers: they are closed on failure and at unregister. ``block_dim`` indexes the
+        wrappers' shape. A re-registration after a server restart sends the same request."""
         from lmshm.platform.kv_wrap import release_wrappers
 
+        try:
+            _check_block_dim(block_dim)
+        except ValueError:
+            release_wrappers(wrappers)
+            raise
         instance_id = instance_id or uuid.uuid4().hex
         groups = layer_groups(names, wrappers)
         request = protocol.RegisterKVCache(
             instance_id=instance_id, model_name=model_name, world_size=world_size, worker_rank=rank,
-            groups=groups)
+            groups=groups, block_dim=block_dim)
         try:
             with self._lock:
                 self._send_fds([g.wrapper for g in groups])

@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 3.1: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.2: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -66,7 +66,7 @@ else:
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 
 #: Hard caps of the wire (the server's settings may be tighter).
 MAX_TEXT = 4096          # characters of any name or free-text field
@@ -78,6 +78,7 @@ MAX_KEYS = 65536         # chunk keys of one STORE, RETRIEVE or LOOKUP (all rank
 MAX_BLOCK_IDS = 1 << 20  # block ids of one STORE or RETRIEVE
 MAX_WORLD = 1024         # ranks of one LOOKUP
 LEASE_BYTES = 16
+MAX_BLOCK_DIM = 15       # the highest block_dim a registration may name
 
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 
@@ -164,6 +165,9 @@ class RegisterKVCache(_Message, tag=int(MsgType.REGISTER_KV_CACHE)):
     world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     worker_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # < world_size
     groups: Annotated[list[LayerGroup], msgspec.Meta(max_length=MAX_GROUPS)]  # engine order; names unique
+    # 3.2: the dim of every layer's shape (as the worker sees it) whose index is the block id;
+    # below every layer's number of dims. The data plane moves blocks along it.
+    block_dim: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_DIM)] = 0
 
 
 class UnregisterKVCache(_Message, tag=int(MsgType.UNREGISTER_KV_CACHE)):
@@ -308,6 +312,7 @@ class RegistrationInfo(msgspec.Struct, frozen=True):
     key: str = ""            # a system region's shm key
     offset: int = 0          # a system region's offset in its object
     device_id: int = -1      # a CUDA region's device
+    block_dim: int = 0       # 3.2: a KV registration's block dimension
 
 
 class StatusReply(_Message, tag=int(MsgType.STATUS_REPLY)):

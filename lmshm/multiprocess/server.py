@@ -457,10 +457,11 @@ class ZmqEndpoint:
             raise
         reg, refreshed = self.registry.register(
             peer=session.peer, client_name=session.client_name, instance_id=req.instance_id,
-            model_name=req.model_name, world_size=req.world_size, worker_rank=req.worker_rank, groups=req.groups)
+            model_name=req.model_name, world_size=req.world_size, worker_rank=req.worker_rank, groups=req.groups,
+            block_dim=req.block_dim)
         if not refreshed:
-            logger.info("lmshm: registered %s for %s: %d layers, %d bytes", quote(reg.instance_id, 60),
-                        session.peer.describe(), reg.num_layers, reg.nbytes)
+            logger.info("lmshm: registered %s for %s: %d layers, %d bytes, block_dim %d", quote(reg.instance_id, 60),
+                        session.peer.describe(), reg.num_layers, reg.nbytes, reg.block_dim)
         return protocol.RegisterReply(reg.instance_id, reg.num_layers, reg.nbytes, refreshed)
 
     def _unregister(self, identity: bytes, req: protocol.UnregisterKVCache) -> Any:
@@ -487,7 +488,7 @@ class ZmqEndpoint:
                 world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
                 kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
                 key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
-                device_id=getattr(region, "device_id", -1)))
+                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
         return protocol.StatusReply(
             server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
             isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),

@@ -167,3 +167,15 @@ def test_the_control_plane_imports_neither_torch_nor_the_wrappers():
             " or m.startswith(('lmshm.platform.base.ipc_wrapper', 'lmshm.platform.cpu', 'lmshm.platform.cuda'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_block_dim_travels_defaults_to_0_and_is_bounded_on_the_wire():
+    group = protocol.LayerGroup(_shm_wrapper(), ["l0"], [64])
+    msg = protocol.RegisterKVCache(instance_id="i", model_name="m", world_size=1, worker_rank=0, groups=[group],
+                                   block_dim=2)
+    assert codec.decode_request(codec.encode(msg)).block_dim == 2
+    older = _raw_register(_shm_wrapper().Serialize())          # a 3.1 client sends no block_dim
+    assert codec.decode_request(older).block_dim == 0
+    for bad in (-1, protocol.MAX_BLOCK_DIM + 1):
+        with pytest.raises(CodecError, match="block_dim"):
+            codec.decode_request(codec.encode(msgspec.structs.replace(msg, block_dim=bad)))

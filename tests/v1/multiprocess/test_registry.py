@@ -233,3 +233,23 @@ def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(pool):
         reg.register(peer=local_peer("A"), instance_id="g", model_name="m", world_size=1,
                      worker_rank=0, groups=[group])
     assert wrapper.closed and len(reg) == 0
+
+
+def test_block_dim_is_part_of_a_registration_and_must_name_a_dimension(pool):
+    _, producers = pool
+    reg = Registry()
+
+    def register_with(block_dim, iid="inst"):
+        return reg.register(peer=local_peer("A"), instance_id=iid, model_name="m", world_size=1, worker_rank=0,
+                            groups=as_groups(consumer_layers(producers)), block_dim=block_dim)
+
+    with pytest.raises(InvalidRegistration, match=r"block_dim 3 is not a dimension of layer 'layer0' "
+                                                  r"\(shape \(2, 8, 16\), 3 dims\)") as exc:
+        register_with(3)
+    assert exc.value.code == ErrorCode.INVALID_ARG and len(reg) == 0
+    r, refreshed = register_with(2)
+    assert r.block_dim == 2 and not refreshed
+    assert register_with(2)[1] is True                       # the same content: a refresh
+    with pytest.raises(InstanceExists):                       # another block dim: other content
+        register_with(1)
+    reg.release_all()

@@ -8,10 +8,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 import traceback
+
+
+def vllm_layout_strides(shape: list[int], order: list[int]) -> list[int]:
+    """vLLM 0.32's ``compute_layout_strides`` (vllm/v1/kv_cache_interface.py) for an unpadded
+    page: the strides, in logical ``[L, B, H, N, C]`` order, of a dense buffer whose physical
+    dim order is ``order`` (a ``KVCacheLayout``'s stride order, outermost first)."""
+    strides, step = [0] * len(shape), 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    return strides
+
+
+def vllm_kv_caches(spec: dict) -> dict:
+    """Layer name -> tensor, allocated as vLLM 0.32's model runner does (``allocate_kv_cache``
+    in vllm/v1/worker/utils.py, ``create_kv_cache_views`` in vllm/v1/kv_cache_interface.py):
+    one flat ``torch.zeros(..., dtype=torch.int8)`` buffer, ``as_strided`` to the logical
+    ``[L, B, H, N, C bytes]`` with the layout's strides, each layer ``view_5d[l].view(dtype)``.
+
+    ``spec``: ``layers`` L, ``blocks`` B, ``heads`` H, ``tokens`` N, ``content`` C (elements),
+    ``dtype``, ``order`` (the layout's stride order); ``storage``: ``"one"`` (vLLM: every layer
+    in one buffer) or ``"separate"`` (a buffer per layer); ``register``: ``"layers"`` (one
+    ``[B, H, N, C]`` view per layer, what vLLM hands a connector) or ``"whole"`` (the
+    ``[L, B, H, N, C]`` view as one tensor, ``"kv_cache"``).
+    """
+    import torch
+
+    dtype = getattr(torch, spec["dtype"])
+    L, B, H, N, C = spec["layers"], spec["blocks"], spec["heads"], spec["tokens"], spec["content"]
+    order = spec["order"]
+
+    def view_5d(num_layers: int):
+        shape = [num_layers, B, H, N, C * dtype.itemsize]
+        buf = torch.zeros(math.prod(shape), dtype=torch.int8)
+        return torch.as_strided(buf, shape, vllm_layout_strides(shape, order), 0)
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    if spec.get("register", "layers") == "whole":
+        return {"kv_cache": view_5d(L).view(dtype)}
+    if spec.get("storage", "one") == "one":
+        v = view_5d(L)
+        return {n: v[i].view(dtype) for i, n in enumerate(names)}
+    return {n: view_5d(1)[0].view(dtype) for n in names}
 
 
 def main() -> int:
@@ -101,6 +145,41 @@ def main() -> int:
             iid = client.register_kv_caches(layers, cmd.get("instance_id"))
             caches[iid] = layers
             return {"instance_id": iid}
+        if op == "register_vllm":  # a KV cache made as vLLM 0.32 makes it (vllm_kv_caches)
+            layers = vllm_kv_caches(cmd)
+            iid = client.register_kv_caches(layers, cmd.get("instance_id"), block_dim=cmd["block_dim"])
+            caches[iid] = layers
+            return {"instance_id": iid, "shapes": [list(t.shape) for t in layers.values()],
+                    "strides": [list(t.stride()) for t in layers.values()]}
+        if op == "fill_random":  # every byte of every storage the layers view, from a seed
+            gen = torch.Generator().manual_seed(cmd["seed"])
+            seen = set()
+            for t in caches[cmd["instance_id"]].values():
+                storage = t.untyped_storage()
+                if storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+                flat.copy_(torch.randint(0, 256, flat.shape, dtype=torch.uint8, generator=gen))
+            return {}
+        if op == "block_parts":  # sha1 of each part of each block: [block][tensor][layer][part]
+            import hashlib
+
+            def sha(t: torch.Tensor) -> str:
+                return hashlib.sha1(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+            # parts: [start, size] along the last dim (vLLM: K = C[:head_size], V = the rest);
+            # a block of a whole-cache registration ([L, B, H, N, C]) is split by layer too
+            bd, parts, by_layer = cmd["block_dim"], cmd["parts"], cmd.get("by_layer", False)
+            out = []
+            for b in cmd["blocks"]:
+                row = []
+                for t in caches[cmd["instance_id"]].values():
+                    block = t.select(bd, b)
+                    units = list(block.unbind(0)) if by_layer else [block]
+                    row.append([[sha(u.narrow(-1, start, size)) for start, size in parts] for u in units])
+                out.append(row)
+            return {"digests": out}
         if op == "fill_blocks":  # block b of layer i <- seed * 1e6 + i * 1e4 + b * 10 + element index
             for i, t in enumerate(caches[cmd["instance_id"]].values()):
                 for b in cmd["blocks"]:

@@ -109,3 +109,67 @@ def test_a_sessions_events_go_with_it(gpu_registration):
     assert "wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
     g.dp.session_ended("s1")
     assert len(g.dp.events) == 0
+
+
+# vLLM 0.32 layouts on a GPU (tests/v1/multiprocess/test_kv_layouts.py has the table): a head-major
+# layer (LHBNC: H runs a block, each layer one [B, H, N, C] view) and a block-outermost cache
+# registered whole ([L, B, H, N, C], BLNHC, block_dim 1).
+L, B, H, N, C = 2, 8, 2, 4, 8                     # float16
+
+
+def _strides(shape, order):
+    strides, step = [0] * len(shape), 1
+    for dim in reversed(order):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
+@pytest.mark.parametrize("layout", ["head-major", "block-outermost"])
+def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_bytes(fake_driver, as_consumer, layout):
+    shape5 = (L, B, H, N, C)
+    nbytes = L * B * H * N * C * 2
+    base = fake_driver.malloc(nbytes)
+    fake_driver.write(base, bytes(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).tolist()))
+    if layout == "head-major":                     # physical [L, H, B, N, C]; one view per layer
+        s5 = _strides(shape5, (0, 2, 1, 3, 4))
+        leader = RawCudaIPCWrapper.from_pointer(base, nbytes // L, torch.float16, shape5[1:], 0, stride=s5[1:])
+        groups, block_dim = lambda w: [LayerGroup(w, ["l0", "l1"], [0, s5[0]])], 0
+    else:                                          # physical [B, L, N, H, C]; the whole cache
+        s5 = _strides(shape5, (1, 0, 3, 2, 4))
+        leader = RawCudaIPCWrapper.from_pointer(base, nbytes, torch.float16, shape5, 0, stride=s5)
+        groups, block_dim = lambda w: [LayerGroup(w, ["kv"], [0])], 1
+    as_consumer()
+    wire = DeviceIPCWrapper.Deserialize(leader.Serialize())
+    registry, peer, sync = Registry(), local_peer("s1"), FakeCudaSync()
+    registry.register(peer=peer, instance_id="gpu", model_name="m", world_size=1, worker_rank=0,
+                      groups=groups(wire), block_dim=block_dim)
+    replies: list = []
+    dp = DataPlane(registry=registry, capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
+                   max_leases_per_session=8, reply=lambda i, r, rep: replies.append(rep), cuda_sync=sync)
+    session = SimpleNamespace(id="s1", peer=peer, ended=False)
+
+    def cache() -> torch.Tensor:      # [L, B, H, N, C] as the worker sees it
+        raw = torch.tensor(list(fake_driver.read(base, nbytes)), dtype=torch.uint8).view(torch.float16)
+        return raw.as_strided(shape5, s5)
+
+    try:
+        before = cache().clone()
+        run(dp, session, protocol.Store("gpu", [b"k0"], [2, 3, 4, 6], 4))
+        assert isinstance(replies[-1], protocol.StoreReply), replies[-1]
+        # head-major: per layer, per head, blocks 2-4 are one piece and block 6 another: 2*2*2;
+        # block-outermost: a block is one run, so blocks 2-4 are one piece, block 6 another
+        assert sync.log.count("copy") == (8 if layout == "head-major" else 2)
+        sync.log.clear()
+        run(dp, session, protocol.Retrieve("gpu", [b"k0"], [7, 0, 1, 5], 4))
+        assert isinstance(replies[-1], protocol.RetrieveReply), replies[-1]
+        assert sync.log.count("copy") == (12 if layout == "head-major" else 3)
+        after = cache()
+        for src, dst in zip([2, 3, 4, 6], [7, 0, 1, 5]):
+            assert torch.equal(after[:, dst].view(torch.int16), before[:, src].view(torch.int16)), (src, dst)
+        for untouched in (2, 3, 4, 6):
+            assert torch.equal(after[:, untouched].view(torch.int16), before[:, untouched].view(torch.int16))
+    finally:
+        dp.shutdown()
+        registry.release_all()
+        leader.close()
