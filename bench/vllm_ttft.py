@@ -67,7 +67,7 @@ def main() -> int:
             if proc.returncode:
                 print(proc.stdout[-3000:], proc.stderr[-3000:], file=sys.stderr)
                 return 1
-            results[name] = json.loads(out.read_text())[0][1:]
+            results[name] = json.loads(out.read_text())["batches"][0][1:]
     print(f"tiny Llama (2 layers, 128 hidden, float32), CPU, block 32, chunk {args.chunk_tokens} tokens, "
           f"{args.prompts} prompts per length, {os.cpu_count()} CPUs; server exit status {server.returncode}")
     print(f"{'engine':<14} {'prompt':>7} {'computed':>9} {'from lmshm':>11} {'TTFT ms':>9} {'x vLLM alone':>13}")

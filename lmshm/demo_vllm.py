@@ -73,7 +73,7 @@ def main() -> int:
                                   env=env, capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"{name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}")
-            return json.loads(out.read_text())[0][0]
+            return json.loads(out.read_text())["batches"][0][0]
 
         print(f"== engine 1: {CONTEXT}-token context + question 1")
         e1 = engine("engine1", prompts[0])

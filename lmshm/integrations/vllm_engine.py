@@ -1,12 +1,21 @@
 """A tiny real vLLM engine with LmshmConnector, for ``scripts/demo-vllm``, the real-engine tests
 and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``)::
 
-    python -m lmshm.integrations.vllm_engine build DIR
+    python -m lmshm.integrations.vllm_engine build DIR [--hybrid]
     python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
-        [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--no-connector] [--block-size N] [--chunk-tokens N]
+        [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--fail-loads-rank R] [--no-connector]
+        [--block-size N] [--chunk-tokens N] [--tp N] [--metrics] [--extra KEY=JSON ...]
 
 ``build`` saves a random ``LlamaForCausalLM`` (2 layers, hidden 128, head size 64, float32,
 weights drawn with a wide spread so greedy decoding has clear winners) to DIR: no download.
+``--hybrid`` builds a Gemma-3-style model instead: three sliding-window layers (window 128) and
+one full-attention layer, which vLLM serves with its hybrid KV cache manager.
+
+A prompt in a batch file is a list of token ids, or ``{"tokens": [...], "cache_salt": "...",
+"kv_transfer_params": {...}, "prompt_logprobs": N}``. ``--metrics`` adds vLLM's own metrics
+(``llm.get_metrics()``, the ``vllm:lmshm_*`` and ``vllm:external_prefix_cache_*`` series) to OUT
+and makes vLLM log its stats (the "KV Transfer metrics" line) before it exits. ``--tp 2`` runs
+tensor parallel with vLLM's multiprocess executor.
 
 ``serve`` starts one ``LLM`` with ``LmshmConnector`` (greedy, vLLM's own prefix caching off, so
 every cached token came from lmshm) and serves each batch's prompts one at a time. Before batch
@@ -25,20 +34,32 @@ import sys
 import time
 
 
-def build(path: str) -> None:
+def build(path: str, hybrid: bool = False) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     if os.path.exists(os.path.join(path, "config.json")):
         return
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,
-                         torch_dtype="float32")
-    model = LlamaForCausalLM(config)
+    if hybrid:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                  layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=128,
+                                  max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="float32")
+        model = Gemma3ForCausalLM(config)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=8192,
+                             torch_dtype="float32")
+        model = LlamaForCausalLM(config)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.2)  # a wide spread: greedy decoding has clear winners
+            # a wide spread: greedy decoding has clear winners (Gemma's 1-D norm weights too,
+            # or decoding repeats one token)
+            p.normal_(0.0, 0.5 if p.dim() == 1 else 0.2)
     tmp = path + ".tmp"
     model.save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, path)
@@ -55,15 +76,22 @@ def serve(args: argparse.Namespace) -> None:
         extra["lmshm.test_corrupt_loads"] = True
     if args.fail_loads:
         extra["lmshm.test_fail_loads"] = True
+    if args.fail_loads_rank >= 0:
+        extra["lmshm.test_fail_loads_rank"] = args.fail_loads_rank
+    for item in args.extra:
+        key, _, value = item.partition("=")
+        extra[key] = json.loads(value)
     if args.no_connector:
         ktc = None
     else:
         ktc = KVTransferConfig(kv_connector="LmshmConnector", kv_connector_module_path="lmshm.integrations.vllm",
                                kv_role="kv_both", kv_connector_extra_config=extra)
+    parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"} if args.tp > 1 else {}
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=args.block_size, max_model_len=8192, max_num_batched_tokens=8192,
-              enable_prefix_caching=False, seed=0, kv_transfer_config=ktc)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+              enable_prefix_caching=False, seed=0, kv_transfer_config=ktc, disable_log_stats=not args.metrics,
+              **parallel)
+    out: dict = {"hybrid_kv_cache_manager": _hybrid_manager_on(llm)}
     batches = []
     for i, batch_file in enumerate(args.batch):
         if i and args.sync:
@@ -73,20 +101,52 @@ def serve(args: argparse.Namespace) -> None:
         with open(batch_file) as f:
             prompts = json.load(f)
         results = []
-        for tokens in prompts:  # one at a time: each request sees what the ones before it stored
+        for prompt in prompts:  # one at a time: each request sees what the ones before it stored
+            prompt = prompt if isinstance(prompt, dict) else {"tokens": prompt}
+            tokens = prompt["tokens"]
+            request = TokensPrompt(prompt_token_ids=tokens)
+            if prompt.get("cache_salt"):
+                request["cache_salt"] = prompt["cache_salt"]
+            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                                    prompt_logprobs=prompt.get("prompt_logprobs"),
+                                    extra_args={"kv_transfer_params": prompt["kv_transfer_params"]}
+                                    if "kv_transfer_params" in prompt else None)
             t0 = time.perf_counter()
-            out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-            results.append({"output": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+            result = llm.generate([request], params, use_tqdm=False)[0]
+            results.append({"output": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens or 0,
                             "prompt": len(tokens), "seconds": time.perf_counter() - t0})
         batches.append(results)
+    out["batches"] = batches
+    if args.metrics:
+        llm.llm_engine.do_log_stats()   # the "KV Transfer metrics" line, in this process's log
+        out["metrics"] = _metrics(llm)
     with open(args.out, "w") as f:
-        json.dump(batches, f)
+        json.dump(out, f)
     del llm
+
+
+def _hybrid_manager_on(llm) -> bool:
+    config = llm.llm_engine.vllm_config
+    return not config.scheduler_config.disable_hybrid_kv_cache_manager
+
+
+def _metrics(llm) -> dict:
+    """vLLM's own metrics about external KV: counters by name (summed over labels), and for a
+    histogram its count."""
+    out: dict = {}
+    for metric in llm.get_metrics():
+        if "lmshm" not in metric.name and "external_prefix_cache" not in metric.name:
+            continue
+        value = getattr(metric, "value", None)
+        if value is None:
+            value = getattr(metric, "count", None)
+        out[metric.name] = out.get(metric.name, 0) + (value or 0)
+    return out
 
 
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "build":
-        build(argv[1])
+        build(argv[1], hybrid="--hybrid" in argv[2:])
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("cmd", choices=["serve"])
@@ -98,6 +158,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--salt", default="")
     ap.add_argument("--corrupt", action="store_true")
     ap.add_argument("--fail-loads", action="store_true")
+    ap.add_argument("--fail-loads-rank", type=int, default=-1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--metrics", action="store_true")
+    ap.add_argument("--extra", action="append", default=[], help="another kv_connector_extra_config KEY=JSON")
     ap.add_argument("--no-connector", action="store_true")
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=32)

@@ -7,7 +7,7 @@ wrapping it later copies nothing.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ from lmshm.platform.cpu.wrappers import (
     CpuFdIPCWrapper,
     CpuSegmentWrapper,
     CpuShmIPCWrapper,
+    _place_in_segment,
     migration_scope,
 )
 
@@ -55,6 +56,24 @@ def empty_shared(
     return out
 
 
+def move_to_shared(tensors: Iterable[torch.Tensor], *, isolated: bool | None = None) -> list[Segment]:
+    """Move the private storages of these CPU tensors into lmshm segments now: one copy per
+    storage, every tensor given re-pointed (views of one storage move together). Tensors
+    already in a segment of the kind stay where they are; non-CPU tensors are skipped. Returns
+    the segments created.
+
+    Call it from the thread that owns the tensors, before anything writes to them elsewhere: a
+    write between the copy and the re-pointing would be lost, and views not given here keep the
+    private memory. (``wrap`` migrates the same way, later; an engine registering in the
+    background calls this first, in its own thread.)"""
+    kind = "memfd" if (ipc_policy.is_isolated_ipc() if isolated is None else isolated) else "shm"
+    with migration_scope() as created:
+        for t in tensors:
+            if t.device.type == "cpu":
+                _place_in_segment(t, kind)
+    return list(created)
+
+
 __all__ = [
     "SEGMENT_PREFIX",
     "CpuFdIPCWrapper",
@@ -64,6 +83,7 @@ __all__ = [
     "empty_shared",
     "live_segments",
     "migration_scope",
+    "move_to_shared",
     "segment_of",
     "shm_dir",
 ]

@@ -13,7 +13,7 @@ import torch
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
-from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper, empty_shared, segment_of
+from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper, empty_shared, move_to_shared, segment_of
 from lmshm.platform.cpu import segments as seg_mod
 from lmshm.platform.kv_wrap import KVCacheWrapError, wrap_kv_caches
 
@@ -168,6 +168,21 @@ def test_views_of_one_private_storage_migrate_once_into_one_segment(no_new_segme
     for w in wrappers:
         w.close()
     del kv, wrappers, seg
+
+
+def test_move_to_shared_repoints_every_given_view_now_and_a_later_wrap_copies_nothing(no_new_segments):
+    big = torch.arange(3 * 2 * 50, dtype=torch.float32).view(3, 2, 50)
+    layers = {f"l{i}": big[:, i] for i in range(2)}        # gapped views, as block-outermost KV layouts give
+    want = big.clone()
+    (seg,) = move_to_shared(layers.values())
+    assert all(segment_of(t) is seg for t in layers.values()) and segment_of(big) is None
+    assert torch.equal(torch.stack(list(layers.values()), 1), want)
+    assert move_to_shared(layers.values()) == []            # already shared: nothing moves
+    whole = torch.empty(0).set_(layers["l0"].untyped_storage(), 0, (3, 2, 50))
+    (w,) = wrap_kv_caches({"pool": whole})                 # the storage is in a segment: no migration
+    assert w.segment == seg.name and segment_of(whole) is seg
+    w.close()
+    del layers, whole, w, seg
 
 
 def test_memfd_wrapper_travels_with_its_fd_over_a_unix_socket(tmp_path, no_new_segments):
