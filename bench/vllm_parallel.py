@@ -193,5 +193,15 @@ def main() -> int:
     return 0
 
 
+def _vllm_cpu_shm() -> set[Path]:
+    """vLLM's CPU tensor-parallel communicator never unlinks its /dev/shm segments."""
+    return set(Path("/dev/shm").glob("vllm_dist_*-cpushm*"))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _before = _vllm_cpu_shm()
+    try:
+        sys.exit(main())
+    finally:
+        for _leftover in _vllm_cpu_shm() - _before:   # the ones our TP engines left
+            _leftover.unlink(missing_ok=True)
