@@ -54,6 +54,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _server import BenchServer  # noqa: E402
+from vllm_parallel import engine_env  # noqa: E402  (one environment for every bench engine)
 
 import torch  # noqa: E402
 
@@ -169,16 +170,6 @@ def measure_lookups(url: str, worlds: list[int], runs: int, rounds: int) -> dict
         for d in deps.values():
             d.close()
         gc.collect()
-
-
-def engine_env(tmp: Path, tp: int) -> dict:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    if tp > 1:  # one core per rank; vLLM's "auto" binding asserts on a single-NUMA 2-core machine
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
-    env.pop("PYTHONPATH", None)
-    return env
 
 
 def measure_steps(url: str, tp: int, n: int, max_tokens: int, tmp: Path) -> dict[str, float]:
