@@ -63,14 +63,19 @@ def test_a_link_to_no_server_never_stalls():
 class Engine:
     """Both halves of a connector, and a KV cache of 4 layers [blocks, 2, BLOCK, 8]."""
 
+    groups = [Group()]
+
     def __init__(self, url: str, name: str) -> None:
         self.kv = {f"layer.{i}": torch.zeros(32, 2, BLOCK, 8) for i in range(4)}
-        ns = Namespace("tiny", "float32", "4x[2,16,8]")
+        ns = Namespace("tiny", "float32", f"{len(self.groups)} group(s) of [2,16,8]")
         self.slink = Link(LinkConfig(url=url, client_name=f"{name}-sched"))
         self.wlink = Link(LinkConfig(url=url, client_name=f"{name}-worker"))
-        self.wlink.register(self.kv, instance_id=name)
+        names, per = list(self.kv), len(self.kv) // len(self.groups)
+        self.wlink.register_groups([{n: self.kv[n] for n in names[g * per:(g + 1) * per]}
+                                    for g in range(len(self.groups))], instance_id=name)
         assert self.slink.wait_connected(10) and self.wlink.wait_connected(10)
-        self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK)
+        self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK, groups=self.groups,
+                                   null_block=0)
         self.worker = WorkerSide(self.wlink)
 
     def prefill(self, req_id: str, tokens: list[int], block_ids: list[int]) -> None:
@@ -311,27 +316,11 @@ def test_trtllm_requests_with_other_salts_share_nothing(server):
 # ---- hybrid models: a full-attention group and a sliding-window group ---------------------
 
 
-class HybridEngine:
+class HybridEngine(Engine):
     """Two KV cache groups with their own block tables: layers 0-1 full attention, 2-3 a
     sliding window of two blocks. Block 0 is the engine's null block."""
 
-    def __init__(self, url: str, name: str) -> None:
-        self.kv = {f"layer.{i}": torch.zeros(32, 2, BLOCK, 8) for i in range(4)}
-        ns = Namespace("tiny-hybrid", "float32", "2+2x[2,16,8]")
-        self.slink = Link(LinkConfig(url=url, client_name=f"{name}-sched"))
-        self.wlink = Link(LinkConfig(url=url, client_name=f"{name}-worker"))
-        names = list(self.kv)
-        self.wlink.register_groups([{n: self.kv[n] for n in names[:2]}, {n: self.kv[n] for n in names[2:]}],
-                                   instance_id=name)
-        assert self.slink.wait_connected(10) and self.wlink.wait_connected(10)
-        self.sched = SchedulerSide(self.slink, ns, chunk_tokens=BLOCK, block_size=BLOCK,
-                                   groups=[Group(), Group(window=2 * BLOCK)], null_block=0)
-        self.worker = WorkerSide(self.wlink)
-
-    def close(self) -> None:
-        self.slink.close()
-        self.wlink.close()
-        self.kv.clear()
+    groups = [Group(), Group(window=2 * BLOCK)]
 
 
 def test_a_hybrid_model_loads_full_groups_whole_and_windows_only_where_blocks_are(server):
