@@ -65,10 +65,16 @@ def format_status_table(status) -> str:
     p = status.pool
     if p.capacity:
         lines.append(
-            f"pool: {_human_bytes(p.used)} of {_human_bytes(p.capacity)} used, {p.objects} object(s)"
-            + (f" (+{p.in_flight} in flight)" if p.in_flight else "")
-            + f", {p.pinned} pinned, {p.leases} lease(s); {p.hits} hit(s), {p.misses} miss(es), {p.stored} stored, "
+            f"pool: {_human_bytes(p.used)} of {_human_bytes(p.capacity)} used"
+            + (f" ({_human_bytes(p.metadata_bytes)} of it bookkeeping)" if p.metadata_bytes else "")
+            + f", {p.objects} object(s)" + (f" (+{p.in_flight} in flight)" if p.in_flight else "")
+            + (f" of at most {p.max_objects}" if p.max_objects else "")
+            + f", {p.pinned} pinned" + (f" ({_human_bytes(p.pinned_bytes)})" if p.pinned_bytes else "")
+            + f", {p.leases} lease(s)" + (f" holding {p.lease_pins} pin(s)" if p.lease_pins else "")
+            + (f", {p.uids} uids" if p.uids > 1 else "")
+            + f"; {p.hits} hit(s), {p.misses} miss(es), {p.stored} stored, "
             f"{p.retrieved} retrieved, {p.store_skipped} store(s) skipped, {p.evictions} eviction(s)"
+            + (f", {p.pins_capped} chunk(s) found but not pinned (per-uid caps)" if p.pins_capped else "")
             + (f", {p.failed} failed" if p.failed else ""))
     else:
         lines.append("pool: none (lmshm-server --capacity 0)")

@@ -2,12 +2,12 @@
 
 The request loop calls the methods here. Each validates on the loop -- verified caller, an
 instance it owns, block-id counts and bounds, a layout that moves in few byte runs along the
-registration's ``block_dim``, the session's limits -- *before* anything is copied, and raises
-``DataPlaneError`` with the code to answer. STORE and RETRIEVE then become jobs on the copier
-threads (``OrderedExecutor``, one FIFO per session, so a client's copies apply in the order it
-sent them); a job answers its request itself through ``reply(identity, request_id, reply)``,
-which the server sends from the loop. LOOKUP and RELEASE touch only the pool's tables and
-answer at once.
+registration's ``block_dim``, the session's and its uid's limits -- *before* anything is
+copied, and raises ``DataPlaneError`` with the code to answer. STORE and RETRIEVE then become
+jobs on the copier threads (``OrderedExecutor``, one FIFO per session, so a client's copies
+apply in the order it sent them); a job answers its request itself through
+``reply(identity, request_id, reply)``, which the server sends from the loop. LOOKUP and
+RELEASE touch only the pool's tables (no walk over its objects) and answer at once.
 
 A job holds its registration (``Registry.acquire``) from validation until its copy ends, so an
 unregister or a reclaim waits for the copy, and checks each mapping (``verify_mapped``) just
@@ -31,7 +31,7 @@ from lmshm.core.copier import (
 )
 from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.core.pool import Pool, Reservation
+from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.multiprocess import protocol
 from lmshm.quoting import clip, quote
 
@@ -71,13 +71,17 @@ class _Then:
 class DataPlane:
     def __init__(self, *, registry: Any, capacity: int, copy_threads: int, lease_ttl_s: float,
                  max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
-                 cuda_sync: Any = None, through_files: bool = True) -> None:
+                 cuda_sync: Any = None, through_files: bool = True, max_objects: int = 0,
+                 max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
+                 max_leases_per_uid: int = 1 << 30) -> None:
         self.registry = registry
-        self.pool = Pool(capacity)
+        self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
+                         max_pins_per_uid=max_pins_per_uid)
         self.copier = OrderedExecutor(copy_threads)
         self.lease_ttl_s = lease_ttl_s
         self.max_inflight = max_inflight_per_session
         self.max_leases = max_leases_per_session
+        self.max_leases_per_uid = max_leases_per_uid
         self._reply = reply
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
@@ -235,12 +239,12 @@ class DataPlane:
             return [], _error(ErrorCode.NOT_FOUND, f"RETRIEVE: {missing}; no block was written")
         cb = req.chunk_blocks
         for i, obj in enumerate(objs):
-            if obj.layout != layout.digest or obj.blocks != cb:
+            if obj[LAYOUT] != layout.digest or obj[BLOCKS] != cb:
                 self.pool.unpin(objs, retrieved=False)
                 self.pool.count_failure()
                 return [], _error(ErrorCode.LAYOUT,
-                                  f"RETRIEVE: chunk {i} was stored from another layout ({obj.blocks} blocks per chunk, "
-                                  f"layout {obj.layout.hex()}) than instance {quote(reg.instance_id, 60)} has "
+                                  f"RETRIEVE: chunk {i} was stored from another layout ({obj[BLOCKS]} blocks per "
+                                  f"chunk, layout {obj[LAYOUT].hex()}) than instance {quote(reg.instance_id, 60)} has "
                                   f"({cb} blocks, layout {layout.digest.hex()}); no block was written")
         if session.ended:
             self.pool.unpin(objs, retrieved=False)
@@ -362,8 +366,13 @@ class DataPlane:
             raise DataPlaneError(ErrorCode.UNAVAILABLE,
                                  f"LOOKUP: this session holds {self.max_leases} leases, the server's limit "
                                  "(lmshm-server --max-leases-per-session); RELEASE or RETRIEVE them")
+        uid = session.peer.uid
+        if self.pool.leases_of_uid(uid) >= self.max_leases_per_uid:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"LOOKUP: uid {uid} holds {self.max_leases_per_uid} leases over all its sessions, the "
+                                 "server's limit (lmshm-server --max-leases-per-uid); RELEASE or RETRIEVE them")
         ttl = min(req.ttl_s or self.lease_ttl_s, self.lease_ttl_s)
-        hits, lease = self.pool.lookup(session.peer.uid, req.keys, session.id, ttl)
+        hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
         return protocol.LookupReply(hits, lease, ttl if hits else 0.0)
 
     def release(self, session: Any, req: protocol.Release) -> protocol.ReleaseReply:

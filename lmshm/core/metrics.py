@@ -5,7 +5,8 @@ application with two) never mix their figures. Two kinds of series:
 - events, counted as they happen: requests by endpoint, type and code with a latency
   histogram, and session reclaims with theirs;
 - state, read from the registry, the mapping table and the data plane at scrape time (a
-  collector, so a scrape costs one pass over the registrations and nothing in between).
+  collector, so a scrape costs one pass over the registrations and nothing in between; the
+  pool's figures are counters it keeps, so the pool's size costs a scrape nothing).
 
 Label values are bounded: endpoints, request types and codes are fixed sets; no series is
 keyed by a name a peer chose.
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
 # PoolInfo fields: which are running totals (counters) and which are levels (gauges).
-_POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evicted_bytes", "retrieved", "failed")
-_POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases")
+_POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evicted_bytes", "retrieved", "failed",
+                  "pins_capped")
+_POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", "max_objects", "metadata_bytes",
+                "pinned_bytes", "lease_pins", "uids")
 
 
 class Metrics:

@@ -1,28 +1,46 @@
-"""The server's memory pool: objects (stored chunks), their LRU order, pins and leases.
+"""The server's memory pool: objects (stored chunks), their LRU order, pins, leases, and what
+each tenant (uid) may hold of them.
 
 One anonymous mapping of ``capacity`` bytes, made once and touched lazily (``MAP_NORESERVE``:
 pages cost memory only once an object is copied into them). An object is one chunk: whole
-blocks of one registration, every layer, packed in registration order. Space is handed out by
-a first-fit allocator over free extents, with neighbours merged on free.
+blocks of one registration, every layer, packed in registration order. Space is handed out best
+fit from the free extents, with neighbours merged on free (``_Extents``).
 
 Life of an object:
 - ``reserve`` makes it *in flight*: it owns its bytes but LOOKUP does not see it;
 - ``commit`` after the copy has completed makes it *ready* (visible); ``abort`` frees it.
 So an object is visible all or nothing.
 
-Pins keep a ready object from eviction: a lease (LOOKUP) holds one pin per object, a RETRIEVE
-holds one while it copies. Eviction takes ready, unpinned objects in LRU order (LOOKUP and
-RETRIEVE refresh an object) and is counted. When nothing can be evicted, ``reserve`` says so
-and the STORE skips that chunk.
+Accounting: an object costs its extent (its bytes rounded up to ``ALIGN``) plus ``OBJECT_COST``
+bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
+whole cost in server memory stays within ``capacity``. ``max_objects`` caps the count too.
+Every figure ``info()`` reports is a counter kept as objects change; no method walks the
+objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU, lease
+expiry is a heap), so no request costs time in proportion to the pool.
 
-Objects belong to the uid that stored them: LOOKUP and RETRIEVE from another uid do not see
-them. Every method takes the pool's one lock; no copy runs under it.
+Tenants: objects belong to the uid that stored them; LOOKUP and RETRIEVE from another uid do
+not see them. Pins keep a ready object from eviction: a lease (LOOKUP) holds one pin per
+*distinct* object, a RETRIEVE one while it copies. A uid's pinned objects may cost at most
+``max_pinned_fraction_per_uid`` of what the other uids leave unpinned (alone: that fraction of
+the pool; two uids pinning all they can at 0.5: a half and a quarter), and its leases hold at
+most ``max_pins_per_uid`` pins; a LOOKUP that would pass either answers the leading chunks that
+fit. So the uids together never pin the whole pool. Eviction takes the least
+recently used unpinned object of the tenant that holds the most bytes (with one tenant: plain
+LRU), so a STORE can always evict unpinned objects of the biggest tenant.
+
+The easy thing to get wrong: an object's record is a plain tuple of atomic values
+(``OFFSET``, ``NBYTES``, ... index it), not a class instance. Python's cyclic GC stops tracking
+such tuples, so a million objects add nothing to a collection; a million instances made every
+full collection take about a second (measured), stalling every request meanwhile.
+
+Every method takes the pool's one lock; no copy runs under it.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import heapq
 import mmap
 import os
 import secrets
@@ -30,7 +48,6 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Optional
 
 import torch
@@ -38,6 +55,12 @@ import torch
 from lmshm.core.copier import PoolBytes
 
 ALIGN = 64  # bytes; every object starts on a cache line
+#: Bytes of server memory one object's bookkeeping takes, charged against the capacity on top of
+#: its extent: its record, key and LRU entry, and the free extent beside it in the worst case
+#: (measured with tracemalloc in tests/v1/core/test_pool_limits.py; docs/design/dataplane.md).
+OBJECT_COST = 640
+#: The record of an object: ``(offset, nbytes, layout, blocks, uid, key)``, indexed by these.
+OFFSET, NBYTES, LAYOUT, BLOCKS, UID, KEY = range(6)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -66,26 +89,9 @@ def parse_size(text: str | int) -> int:
     return int(value * units[unit])
 
 
-@dataclass(eq=False)
-class PoolObject:
-    uid: int
-    key: bytes
-    offset: int
-    nbytes: int
-    layout: bytes             # the digest of the layout its bytes were packed from
-    blocks: int               # blocks per layer (the chunk size)
-    ready: bool = False
-    pins: int = 0
-    stored_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass(eq=False)
-class LeaseRecord:
-    token: bytes
-    uid: int
-    session: Hashable
-    expires: float
-    objects: list[PoolObject]   # one pin each
+def cost_of(nbytes: int) -> int:
+    """What an object of ``nbytes`` is charged against the capacity."""
+    return -(-nbytes // ALIGN) * ALIGN + OBJECT_COST
 
 
 class Reservation:
@@ -94,19 +100,129 @@ class Reservation:
     STORED, PRESENT, NO_SPACE = 0, 1, 2
 
 
-class Pool:
-    """See the module docstring. ``capacity`` 0 makes a pool that stores nothing."""
+class _Extents:
+    """The free extents of the pool's range, indexed so that neither taking nor giving back
+    walks them: by start and by end (a freed extent merges with its free neighbours) and by
+    size (best fit: the smallest free size that fits, found by bisecting the sorted distinct
+    sizes; disjoint extents have at most sqrt(2 * capacity / ALIGN) distinct sizes, 8,192 for
+    2 GiB, so that list stays short however fragmented the pool is)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, size: int) -> None:
+        self._by_start: dict[int, int] = {}             # start -> size
+        self._by_end: dict[int, int] = {}               # end -> start
+        self._by_size: dict[int, dict[int, None]] = {}  # size -> starts
+        self._sizes: list[int] = []                     # sorted sizes of _by_size
+        if size:
+            self._add(0, size)
+
+    def take(self, size: int) -> Optional[int]:
+        """The start of ``size`` bytes, or None if no free extent is that large."""
+        i = bisect.bisect_left(self._sizes, size)
+        if i == len(self._sizes):
+            return None
+        have = self._sizes[i]
+        starts = self._by_size[have]
+        start, _ = starts.popitem()        # the newest: popitem never walks deleted entries
+        del self._by_start[start]
+        del self._by_end[start + have]
+        if not starts:
+            del self._by_size[have]
+            del self._sizes[i]
+        if have > size:
+            self._add(start + size, have - size)
+        return start
+
+    def give(self, start: int, size: int) -> None:
+        nxt = self._by_start.get(start + size)
+        if nxt is not None:
+            self._remove(start + size, nxt)
+            size += nxt
+        prev = self._by_end.get(start)
+        if prev is not None:
+            self._remove(prev, start - prev)
+            start, size = prev, size + start - prev
+        self._add(start, size)
+
+    def _add(self, start: int, size: int) -> None:
+        self._by_start[start] = size
+        self._by_end[start + size] = start
+        starts = self._by_size.get(size)
+        if starts is None:
+            starts = self._by_size[size] = {}
+            bisect.insort(self._sizes, size)
+        starts[start] = None
+
+    def _remove(self, start: int, size: int) -> None:
+        del self._by_start[start]
+        del self._by_end[start + size]
+        starts = self._by_size[size]
+        del starts[start]
+        if not starts:
+            del self._by_size[size]
+            del self._sizes[bisect.bisect_left(self._sizes, size)]
+
+    def __len__(self) -> int:
+        return len(self._by_start)
+
+
+class _Tenant:
+    """One uid's objects and what it holds pinned. Each object is in exactly one of ``ready``,
+    ``pinned`` and ``flight``."""
+
+    __slots__ = ("ready", "pinned", "flight", "pins_of", "used", "pinned_bytes", "lease_pins", "leases")
+
+    def __init__(self) -> None:
+        self.ready: OrderedDict[bytes, tuple] = OrderedDict()  # visible, unpinned; least recently used first
+        self.pinned: dict[bytes, tuple] = {}                   # visible, pinned by leases or copies
+        self.flight: dict[bytes, tuple] = {}                   # reserved, copy not complete
+        self.pins_of: dict[bytes, int] = {}                    # key of a pinned object -> its pins
+        self.used = 0             # bytes charged for its objects
+        self.pinned_bytes = 0     # of which pinned
+        self.lease_pins = 0       # pins its leases hold
+        self.leases = 0
+
+    def visible(self, key: bytes) -> Optional[tuple]:
+        return self.ready.get(key) or self.pinned.get(key)
+
+    def empty(self) -> bool:
+        return not (self.ready or self.pinned or self.flight or self.leases)
+
+
+class _Lease:
+    __slots__ = ("token", "uid", "session", "expires", "objects")
+
+    def __init__(self, token: bytes, uid: int, session: Hashable, expires: float, objects: list) -> None:
+        self.token, self.uid, self.session, self.expires = token, uid, session, expires
+        self.objects = objects    # distinct objects, one pin each
+
+
+class Pool:
+    """See the module docstring. ``capacity`` 0 makes a pool that stores nothing; 0 for
+    ``max_objects`` means no cap beside the capacity."""
+
+    def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
+                 max_pins_per_uid: int = 1 << 30) -> None:
         self.capacity = capacity
+        self.max_objects = max_objects
+        self.max_pinned_fraction_per_uid = max_pinned_fraction_per_uid
+        self.max_pins_per_uid = max_pins_per_uid
         self._lock = threading.Lock()
-        self._objects: OrderedDict[tuple[int, bytes], PoolObject] = OrderedDict()  # LRU first
-        self._leases: dict[bytes, LeaseRecord] = {}
-        self._free: list[tuple[int, int]] = [(0, capacity)] if capacity else []  # sorted (offset, size)
-        self.used = 0
+        self._tenants: dict[int, _Tenant] = {}
+        self._leases: dict[bytes, _Lease] = {}
+        self._session_leases: dict[Hashable, set[bytes]] = {}
+        self._expiry: list[tuple[float, bytes]] = []       # a heap; entries of ended leases are skipped
+        self._extents = _Extents(capacity)
+        self.used = 0             # bytes charged: extents and bookkeeping, in flight or ready
+        self.objects = 0          # visible
         self.in_flight = 0
+        self.pinned = 0           # visible objects with at least one pin
+        self.pinned_bytes = 0
+        self.lease_pins = 0       # pins held by leases (one per distinct object per lease)
+        self._evictable = 0       # objects in some tenant's LRU
+        self._evictable_bytes = 0
         self.hits = self.misses = self.stored = self.store_skipped = 0
         self.evictions = self.evicted_bytes = self.retrieved = self.failed = 0
+        self.pins_capped = 0      # chunks LOOKUP found but did not pin: a per-uid cap
         self._addr = 0
         self._buf: Any = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
@@ -124,132 +240,232 @@ class Pool:
         self.bytes = PoolBytes(memoryview(self._buf).cast("B") if capacity else memoryview(b""), self._addr)
 
     # ---- bytes --------------------------------------------------------------------------
-    def view(self, obj: PoolObject) -> torch.Tensor:
+    def view(self, obj: tuple) -> torch.Tensor:
         """The object's bytes, as a uint8 tensor over the pool (no copy)."""
-        return self.tensor[obj.offset:obj.offset + obj.nbytes]
-
-    def _alloc_locked(self, size: int) -> Optional[int]:
-        size = -(-size // ALIGN) * ALIGN
-        for i, (off, n) in enumerate(self._free):
-            if n >= size:
-                if n == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (off + size, n - size)
-                return off
-        return None
-
-    def _free_locked(self, offset: int, size: int) -> None:
-        size = -(-size // ALIGN) * ALIGN
-        i = bisect.bisect_left(self._free, (offset, 0))
-        if i < len(self._free) and self._free[i][0] == offset + size:  # merge with the next extent
-            size += self._free[i][1]
-            del self._free[i]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # and the previous one
-            offset, size = self._free[i - 1][0], self._free[i - 1][1] + size
-            del self._free[i - 1]
-            i -= 1
-        self._free.insert(i, (offset, size))
-
-    def _drop_locked(self, obj: PoolObject) -> None:
-        del self._objects[(obj.uid, obj.key)]
-        self._free_locked(obj.offset, obj.nbytes)
-        self.used -= obj.nbytes
+        return self.tensor[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
 
     def release(self) -> None:
         """Drop every object and unmap the pool (shutdown). Tensors handed out keep it mapped
         until they are gone."""
         with self._lock:
-            self._objects.clear()
+            self._tenants.clear()
             self._leases.clear()
-            self._free = []
-            self.used = self.in_flight = 0
+            self._session_leases.clear()
+            self._expiry = []
+            self._extents = _Extents(0)
+            self.used = self.objects = self.in_flight = self.pinned = self.pinned_bytes = self.lease_pins = 0
+            self._evictable = self._evictable_bytes = 0
             self.tensor = torch.empty(0, dtype=torch.uint8)
             self.bytes.view.release()
             self._buf = None
 
+    # ---- the state of one object: ready (in its tenant's LRU), pinned, in flight ---------
+    def _tenant(self, uid: int) -> _Tenant:
+        t = self._tenants.get(uid)
+        if t is None:
+            t = self._tenants[uid] = _Tenant()
+        return t
+
+    def _forget_if_empty(self, uid: int, t: _Tenant) -> None:
+        if t.empty() and self._tenants.get(uid) is t:
+            del self._tenants[uid]
+
+    def _make_ready(self, t: _Tenant, obj: tuple) -> None:
+        t.ready[obj[KEY]] = obj
+        self._evictable += 1
+        self._evictable_bytes += cost_of(obj[NBYTES])
+
+    def _drop(self, t: _Tenant, obj: tuple) -> None:
+        """Free a ready, unpinned object (evicted, or replaced)."""
+        del t.ready[obj[KEY]]
+        cost = cost_of(obj[NBYTES])
+        self._evictable -= 1
+        self._evictable_bytes -= cost
+        self.objects -= 1
+        self._uncharge(t, obj, cost)
+
+    def _uncharge(self, t: _Tenant, obj: tuple, cost: int) -> None:
+        self._extents.give(obj[OFFSET], cost - OBJECT_COST)
+        t.used -= cost
+        self.used -= cost
+        self._forget_if_empty(obj[UID], t)
+
+    def _pin(self, t: _Tenant, obj: tuple) -> None:
+        key = obj[KEY]
+        pins = t.pins_of.get(key, 0)
+        if not pins:
+            del t.ready[key]
+            t.pinned[key] = obj
+            cost = cost_of(obj[NBYTES])
+            self._evictable -= 1
+            self._evictable_bytes -= cost
+            t.pinned_bytes += cost
+            self.pinned += 1
+            self.pinned_bytes += cost
+        t.pins_of[key] = pins + 1
+
+    def _unpin(self, t: _Tenant, obj: tuple) -> None:
+        """One pin fewer; the last one puts the object back at the LRU's recent end."""
+        key = obj[KEY]
+        pins = t.pins_of.get(key, 0)
+        if pins > 1:
+            t.pins_of[key] = pins - 1
+        elif pins == 1 and t.pinned.get(key) is obj:
+            del t.pins_of[key]
+            del t.pinned[key]
+            cost = cost_of(obj[NBYTES])
+            t.pinned_bytes -= cost
+            self.pinned -= 1
+            self.pinned_bytes -= cost
+            self._make_ready(t, obj)
+
+    def _evict_one(self) -> bool:
+        """Drop the least recently used unpinned object of the tenant that holds the most."""
+        biggest: Optional[_Tenant] = None
+        for t in self._tenants.values():   # tenants are uids: a handful, not objects
+            if t.ready and (biggest is None or t.used > biggest.used):
+                biggest = t
+        if biggest is None:
+            return False
+        victim = next(iter(biggest.ready.values()))
+        self._drop(biggest, victim)
+        self.evictions += 1
+        self.evicted_bytes += victim[NBYTES]
+        return True
+
     # ---- store --------------------------------------------------------------------------
-    def reserve(self, uid: int, key: bytes, nbytes: int, layout: bytes, blocks: int) -> tuple[int, Optional[PoolObject]]:
+    def reserve(self, uid: int, key: bytes, nbytes: int, layout: bytes, blocks: int) -> tuple[int, Optional[tuple]]:
         """Room for one chunk: ``(Reservation.STORED, object in flight)``, or ``(PRESENT, None)``
-        if the key is stored or in flight, or ``(NO_SPACE, None)`` if nothing can be evicted."""
+        if the key is stored or in flight, or ``(NO_SPACE, None)`` if not enough can be evicted."""
         with self._lock:
-            existing = self._objects.get((uid, key))
-            if existing is not None and existing.layout == layout:
+            t = self._tenants.get(uid)
+            existing = None if t is None else (t.visible(key) or t.flight.get(key))
+            if existing is not None and existing[LAYOUT] == layout:
                 return Reservation.PRESENT, None
             if existing is not None:
                 # Same key, other layout: keys carry the layout, so this is a hash collision or a
                 # confused engine. The newer bytes win, unless the old object is busy.
-                if existing.pins or not existing.ready:
+                if key not in t.ready:
                     self.store_skipped += 1
                     return Reservation.NO_SPACE, None
-                self._drop_locked(existing)
-            if nbytes <= 0 or nbytes > self.capacity:
+                self._drop(t, existing)
+            cost = cost_of(nbytes)
+            busy_bytes = self.used - self._evictable_bytes          # what eviction cannot free
+            busy_objects = self.objects + self.in_flight - self._evictable
+            if (nbytes <= 0 or busy_bytes + cost > self.capacity
+                    or (self.max_objects and busy_objects + 1 > self.max_objects)):
                 self.store_skipped += 1
                 return Reservation.NO_SPACE, None
-            offset = self._alloc_locked(nbytes)
-            if offset is None:
-                for victim in [o for o in self._objects.values() if o.ready and not o.pins]:
-                    self._drop_locked(victim)
-                    self.evictions += 1
-                    self.evicted_bytes += victim.nbytes
-                    offset = self._alloc_locked(nbytes)
+            while True:
+                if self.used + cost <= self.capacity and (
+                        not self.max_objects or self.objects + self.in_flight < self.max_objects):
+                    offset = self._extents.take(cost - OBJECT_COST)
                     if offset is not None:
                         break
-            if offset is None:
-                self.store_skipped += 1
-                return Reservation.NO_SPACE, None
-            obj = PoolObject(uid, key, offset, nbytes, layout, blocks)
-            self._objects[(uid, key)] = obj
-            self.used += nbytes
+                if not self._evict_one():       # what is left is fragmented by pinned objects
+                    self.store_skipped += 1
+                    return Reservation.NO_SPACE, None
+            obj = (offset, nbytes, layout, blocks, uid, key)
+            t = self._tenant(uid)
+            t.flight[key] = obj
+            t.used += cost
+            self.used += cost
             self.in_flight += 1
             return Reservation.STORED, obj
 
-    def commit(self, objs: Iterable[PoolObject]) -> None:
+    def commit(self, objs: Iterable[tuple]) -> None:
         with self._lock:
             for obj in objs:
-                obj.ready = True
-                obj.stored_at = time.monotonic()
+                t = self._tenants.get(obj[UID])
+                if t is None or t.flight.get(obj[KEY]) is not obj:
+                    continue                    # released meanwhile (shutdown)
+                del t.flight[obj[KEY]]
                 self.in_flight -= 1
+                self.objects += 1
                 self.stored += 1
+                self._make_ready(t, obj)
 
-    def abort(self, objs: Iterable[PoolObject]) -> None:
+    def abort(self, objs: Iterable[tuple]) -> None:
         with self._lock:
             for obj in objs:
+                t = self._tenants.get(obj[UID])
+                if t is None or t.flight.get(obj[KEY]) is not obj:
+                    continue
+                del t.flight[obj[KEY]]
                 self.in_flight -= 1
-                if self._objects.get((obj.uid, obj.key)) is obj:
-                    self._drop_locked(obj)
+                self._uncharge(t, obj, cost_of(obj[NBYTES]))
 
     # ---- lookup and leases --------------------------------------------------------------
     def lookup(self, uid: int, keys: list[list[bytes]], session: Hashable, ttl_s: float) -> tuple[int, bytes]:
-        """Leading chunks that every rank has; pins them all under a new lease (b"" if none)."""
+        """Leading chunks that every rank has; pins them under a new lease (b"" if none), each
+        distinct object once, as many leading chunks as the uid's pin caps allow."""
         with self._lock:
             n = min(len(k) for k in keys)
-            hits = n
+            t = self._tenants.get(uid)
+            found = n if t is not None else 0
             for rank_keys in keys:
-                for i in range(min(n, hits)):
-                    obj = self._objects.get((uid, rank_keys[i]))
-                    if obj is None or not obj.ready:
-                        hits = i
+                for i in range(found):
+                    if t.visible(rank_keys[i]) is None:
+                        found = i
                         break
+            chosen: dict[bytes, tuple] = {}     # a lease holds each object once
+            new_bytes = 0
+            hits = 0
+            mine = t.pinned_bytes if t is not None else 0     # its share: of what the other uids leave unpinned
+            share = self.max_pinned_fraction_per_uid * (self.capacity - self.pinned_bytes + mine)
+            for i in range(found):              # chunk i counts if all its ranks' objects fit the caps
+                added = step_bytes = 0
+                for rank_keys in keys:
+                    key = rank_keys[i]
+                    if key not in chosen:
+                        obj = chosen[key] = t.visible(key)
+                        added += 1
+                        if key not in t.pins_of:
+                            step_bytes += cost_of(obj[NBYTES])
+                if (t.pinned_bytes + new_bytes + step_bytes > share
+                        or t.lease_pins + len(chosen) > self.max_pins_per_uid):
+                    for _ in range(added):      # this chunk's objects, the last ones added
+                        chosen.popitem()
+                    self.pins_capped += found - i
+                    break
+                new_bytes += step_bytes
+                hits = i + 1
             self.hits += hits
             self.misses += 1 if hits < n else 0
             if hits == 0:
                 return 0, b""
-            pinned = []
-            for rank_keys in keys:
-                for key in rank_keys[:hits]:
-                    obj = self._objects[(uid, key)]
-                    obj.pins += 1
-                    self._objects.move_to_end((uid, key))
-                    pinned.append(obj)
+            for obj in chosen.values():
+                self._pin(t, obj)
             token = secrets.token_bytes(16)
-            self._leases[token] = LeaseRecord(token, uid, session, time.monotonic() + ttl_s, pinned)
+            lease = _Lease(token, uid, session, time.monotonic() + ttl_s, list(chosen.values()))
+            self._leases[token] = lease
+            self._session_leases.setdefault(session, set()).add(token)
+            heapq.heappush(self._expiry, (lease.expires, token))
+            t.leases += 1
+            t.lease_pins += len(chosen)
+            self.lease_pins += len(chosen)
             return hits, token
 
-    def _end_lease_locked(self, lease: LeaseRecord) -> None:
+    def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.token]
-        for obj in lease.objects:
-            obj.pins -= 1
+        mine = self._session_leases.get(lease.session)
+        if mine is not None:
+            mine.discard(lease.token)
+            if not mine:
+                del self._session_leases[lease.session]
+        t = self._tenants[lease.uid]
+        t.leases -= 1
+        self._drop_lease_pins(t, lease.objects)
+        self._forget_if_empty(lease.uid, t)
+        if len(self._expiry) > 2 * len(self._leases) + 1024:   # keep ended leases' entries bounded
+            self._expiry = [(x.expires, x.token) for x in self._leases.values()]
+            heapq.heapify(self._expiry)
+
+    def _drop_lease_pins(self, t: _Tenant, objs: list) -> None:
+        t.lease_pins -= len(objs)
+        self.lease_pins -= len(objs)
+        for obj in objs:
+            self._unpin(t, obj)
 
     def release_lease(self, token: bytes, uid: int) -> bool:
         """End a lease of ``uid`` (another uid's token counts as unknown)."""
@@ -257,64 +473,80 @@ class Pool:
             lease = self._leases.get(token)
             if lease is None or lease.uid != uid:
                 return False
-            self._end_lease_locked(lease)
+            self._end_lease(lease)
             return True
 
     def expire(self, now: Optional[float] = None) -> int:
+        """End the leases whose time is up (the loop's tick): pops the heap's due entries only."""
         now = time.monotonic() if now is None else now
+        ended = 0
         with self._lock:
-            old = [lease for lease in self._leases.values() if lease.expires <= now]
-            for lease in old:
-                self._end_lease_locked(lease)
-            return len(old)
+            while self._expiry and self._expiry[0][0] <= now:
+                _, token = heapq.heappop(self._expiry)
+                lease = self._leases.get(token)
+                if lease is not None and lease.expires <= now:
+                    self._end_lease(lease)
+                    ended += 1
+        return ended
 
     def release_session(self, session: Hashable) -> int:
         """End every lease of a session that ended."""
         with self._lock:
-            mine = [lease for lease in self._leases.values() if lease.session == session]
-            for lease in mine:
-                self._end_lease_locked(lease)
-            return len(mine)
+            tokens = self._session_leases.pop(session, set())
+            for token in tokens:
+                lease = self._leases.get(token)
+                if lease is not None:
+                    self._end_lease(lease)
+            return len(tokens)
 
     def leases_of(self, session: Hashable) -> int:
         with self._lock:
-            return sum(1 for lease in self._leases.values() if lease.session == session)
+            return len(self._session_leases.get(session, ()))
+
+    def leases_of_uid(self, uid: int) -> int:
+        with self._lock:
+            t = self._tenants.get(uid)
+            return t.leases if t is not None else 0
 
     # ---- retrieve -----------------------------------------------------------------------
-    def pin_for_copy(self, uid: int, keys: list[bytes], lease: bytes = b"") -> tuple[list[PoolObject], Optional[str]]:
+    def pin_for_copy(self, uid: int, keys: list[bytes], lease: bytes = b"") -> tuple[list[tuple], Optional[str]]:
         """Pin the ready objects of ``keys`` for a copy out of them; ``(objects, None)``, or
         ``([], why)`` if one is missing. ``lease``'s pins of these keys end here either way."""
         with self._lock:
+            t = self._tenants.get(uid)
+            objs: list[tuple] = []
+            missing: Optional[int] = None
+            for i, key in enumerate(keys):
+                obj = t.visible(key) if t is not None else None
+                if obj is None:
+                    missing = i
+                    break
+                self._pin(t, obj)
+                objs.append(obj)
             record = self._leases.get(lease) if lease else None
             if record is not None and record.uid == uid:
-                wanted = {(uid, k) for k in keys}
-                keep = []
-                for obj in record.objects:
-                    if (obj.uid, obj.key) in wanted:
-                        obj.pins -= 1  # the copy takes its own pin below
-                        wanted.discard((obj.uid, obj.key))
-                    else:
-                        keep.append(obj)
-                record.objects = keep
-                if not keep:
-                    del self._leases[lease]
-            objs = []
-            for i, key in enumerate(keys):
-                obj = self._objects.get((uid, key))
-                if obj is None or not obj.ready:
-                    for o in objs:
-                        o.pins -= 1
-                    return [], f"chunk {i} is not stored (evicted, or never stored)"
-                obj.pins += 1
-                self._objects.move_to_end((uid, key))
-                objs.append(obj)
+                wanted = set(keys)
+                taken = [o for o in record.objects if o[KEY] in wanted]
+                if taken:
+                    record.objects = [o for o in record.objects if o[KEY] not in wanted]
+                    self._drop_lease_pins(t, taken)
+                    if not record.objects:
+                        self._end_lease(record)
+            if missing is not None:
+                for obj in objs:
+                    self._unpin(t, obj)
+                if t is not None:
+                    self._forget_if_empty(uid, t)
+                return [], f"chunk {missing} is not stored (evicted, or never stored)"
             return objs, None
 
-    def unpin(self, objs: Iterable[PoolObject], *, retrieved: bool) -> None:
+    def unpin(self, objs: Iterable[tuple], *, retrieved: bool) -> None:
         with self._lock:
             n = 0
             for obj in objs:
-                obj.pins -= 1
+                t = self._tenants.get(obj[UID])
+                if t is not None:
+                    self._unpin(t, obj)
                 n += 1
             if retrieved:
                 self.retrieved += n
@@ -323,11 +555,14 @@ class Pool:
         with self._lock:
             self.failed += 1
 
-    # ---- introspection ------------------------------------------------------------------
+    # ---- introspection: counters only, whatever the pool holds ---------------------------
     def info(self) -> dict[str, int]:
         with self._lock:
-            return dict(capacity=self.capacity, used=self.used, objects=len(self._objects) - self.in_flight,
-                        in_flight=self.in_flight, pinned=sum(1 for o in self._objects.values() if o.pins),
-                        leases=len(self._leases), hits=self.hits, misses=self.misses, stored=self.stored,
-                        store_skipped=self.store_skipped, evictions=self.evictions,
-                        evicted_bytes=self.evicted_bytes, retrieved=self.retrieved, failed=self.failed)
+            return dict(capacity=self.capacity, used=self.used, objects=self.objects, in_flight=self.in_flight,
+                        pinned=self.pinned, leases=len(self._leases), hits=self.hits, misses=self.misses,
+                        stored=self.stored, store_skipped=self.store_skipped, evictions=self.evictions,
+                        evicted_bytes=self.evicted_bytes, retrieved=self.retrieved, failed=self.failed,
+                        max_objects=self.max_objects,
+                        metadata_bytes=(self.objects + self.in_flight) * OBJECT_COST,
+                        pinned_bytes=self.pinned_bytes, lease_pins=self.lease_pins, pins_capped=self.pins_capped,
+                        uids=len(self._tenants))

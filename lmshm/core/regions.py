@@ -37,7 +37,8 @@ from lmshm.quoting import quote
 
 #: The largest offset or size anyone can mean: off_t is signed 64-bit.
 MAX_OFFSET = (1 << 63) - 1
-MAX_KEY_BYTES = 255
+MAX_KEY_BYTES = 255          # NAME_MAX: the file name after the leading '/'s
+MAX_KEY_TOTAL_BYTES = 4096   # PATH_MAX: the whole key, leading '/'s included
 CUDA_HANDLE_BYTES = 64
 
 
@@ -57,11 +58,15 @@ def validate_system(key: Any, offset: Any, byte_size: Any) -> str:
     """Check a system region's request before anything is opened; return the file name."""
     if not isinstance(key, str):
         raise _invalid(f"key must be a string, got {type(key).__name__}")
+    # Triton passes the key to shm_open(3), which drops every leading '/': "myobj", "/myobj" and
+    # "//myobj" all name /dev/shm/myobj. What follows must be one file name (NAME_MAX bytes).
     file_name = key.lstrip("/")
     if (not file_name or "/" in file_name or file_name in (".", "..") or not file_name.isprintable()
-            or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES):
-        raise _invalid(f"key {quote(key, 80)} is not a POSIX shared-memory name: one '/' then 1 to "
-                       f"{MAX_KEY_BYTES} printable characters without '/'")
+            or len(file_name.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES
+            or len(key.encode("utf-8", "surrogatepass")) > MAX_KEY_TOTAL_BYTES):
+        raise _invalid(f"key {quote(key, 80)} is not a POSIX shared-memory name: any number of leading '/', then "
+                       f"1 to {MAX_KEY_BYTES} bytes of printable characters without '/' (not '.' or '..'), "
+                       f"{MAX_KEY_TOTAL_BYTES} bytes in all at most")
     if file_name.startswith(SEGMENT_PREFIX):
         raise _invalid(f"key {quote(key, 80)} names one of lmshm's own segments ({SEGMENT_PREFIX}*), "
                        "which cannot be registered as a region")

@@ -143,7 +143,9 @@ class Server:
                 registry=self.registry, capacity=self.config.capacity, copy_threads=self.config.copy_threads,
                 lease_ttl_s=self.config.lease_ttl_s, max_inflight_per_session=self.config.max_inflight_per_session,
                 max_leases_per_session=self.config.max_leases_per_session, reply=self.zmq.complete,
-                through_files=not self.config.copy_through_mapping)
+                through_files=not self.config.copy_through_mapping, max_objects=self.config.max_objects,
+                max_pinned_fraction_per_uid=self.config.max_pinned_fraction_per_uid,
+                max_pins_per_uid=self.config.max_pins_per_uid, max_leases_per_uid=self.config.max_leases_per_uid)
         except BaseException:
             self.zmq.close_transport()
             raise

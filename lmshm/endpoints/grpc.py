@@ -6,20 +6,39 @@ with its message as the details. Any other RPC of the service (inference, model 
 answers ``UNIMPLEMENTED``, as grpcio does for a method no handler serves. Requests larger than
 ``--grpc-max-message-bytes`` are refused by grpcio (``RESOURCE_EXHAUSTED``) before decoding.
 ``raw_handle`` is the raw 64 bytes of the ``cudaIpcMemHandle_t``, not base64.
+
+Connections and calls are bounded, because any local user can reach the port:
+- at most ``--grpc-max-connections`` connections (grpcio closes more as soon as they are
+  accepted): the endpoint's fd budget. A connection must send the HTTP/2 preface and SETTINGS
+  within ``--grpc-request-timeout``, closes after ``--grpc-idle-timeout`` without a call, and
+  after ``MAX_CONNECTION_AGE_S`` in any case (GOAWAY, then ``--grpc-request-timeout`` of grace);
+- each connection carries at most ``STREAMS_PER_CONNECTION`` calls at once.
+grpcio closes the newcomer at the cap; it cannot make an old connection give way (the HTTP
+endpoint does). So connections held open lock new gRPC clients out until one of those deadlines
+closes them, and a client that reopens them as fast as they close does so for as long as it
+goes on (docs/design/security.md measures both).
+
+The easy thing to get wrong: grpcio's thread-per-call server gives a unary call its thread
+*before* the request message arrives, so a client that opens calls and never sends their
+message used to hold every thread, for ever. Here every RPC is served as a stream-unary
+method: the handler waits for the one message itself, a watchdog cancels the call if it does
+not arrive within ``--grpc-request-timeout``, and the pool has a thread for every call the
+connection cap allows. Only ``--endpoint-threads`` calls run their handler at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import grpc
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints import triton_proto as pb
-from lmshm.endpoints.triton import GRPC_HEADER_PREFIX, ROWS, Restriction, grpc_status
+from lmshm.endpoints.triton import GRPC_HEADER_PREFIX, ROWS, Restriction, connection_budget, grpc_status
 from lmshm.quoting import clip
 
 logger = logging.getLogger("lmshm.grpc")
@@ -27,6 +46,13 @@ logger = logging.getLogger("lmshm.grpc")
 MAX_DETAILS = 1024
 #: What a call without the restricted-API metadata gets (Triton answers UNAVAILABLE).
 RESTRICTED_STATUS = grpc.StatusCode.UNAVAILABLE
+#: Calls one connection may carry at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS).
+STREAMS_PER_CONNECTION = 4
+#: Every connection ends after this long (GOAWAY; clients reconnect for their next call), so a
+#: client that keeps starting calls cannot hold a connection for ever.
+MAX_CONNECTION_AGE_S = 30.0
+#: How often the watchdog looks for calls whose message is late (seconds).
+WATCH_S = 0.25
 
 
 class GrpcEndpoint:
@@ -39,21 +65,39 @@ class GrpcEndpoint:
         self.restriction = Restriction(config.grpc_restricted_api, prefix=GRPC_HEADER_PREFIX, word="protocol")
         self._threads = config.endpoint_threads
         self._max = config.grpc_max_message_bytes
+        self.max_connections = connection_budget(config.grpc_max_connections, "--grpc-max-connections")
+        self.idle_timeout_s = config.grpc_idle_timeout_s
+        self.request_timeout_s = config.grpc_request_timeout_s
+        self._running = threading.BoundedSemaphore(self._threads)
+        self._watchdog: Optional[_Watchdog] = None
         self._grpc: Any = None
+
+    def options(self) -> list[tuple[str, Any]]:
+        """grpcio's server arguments: sizes, the connection cap and every connection deadline."""
+        request_ms = int(self.request_timeout_s * 1000)
+        return [("grpc.max_receive_message_length", self._max),
+                ("grpc.max_send_message_length", 64 << 20),
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_allowed_incoming_connections", self.max_connections),
+                ("grpc.server_handshake_timeout_ms", request_ms),
+                ("grpc.max_connection_idle_ms", int(self.idle_timeout_s * 1000)),
+                ("grpc.max_connection_age_ms", int(MAX_CONNECTION_AGE_S * 1000)),
+                ("grpc.max_connection_age_grace_ms", request_ms),
+                ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION)]
 
     def start(self) -> "GrpcEndpoint":
         handlers = {}
         for rpc, (req, resp) in pb.RPCS.items():
-            handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-                self._wrap(rpc, getattr(self, f"_{rpc}")),
-                request_deserializer=pb.message(req).FromString,
+            # stream-unary on our side, unary on the wire (gRPC does not tell them apart): the
+            # handler, not grpcio, waits for the request message, so it can give up on it.
+            handlers[rpc] = grpc.stream_unary_rpc_method_handler(
+                self._wrap(rpc, pb.message(req), getattr(self, f"_{rpc}")),
                 response_serializer=pb.message(resp).SerializeToString)
-        server = grpc.server(ThreadPoolExecutor(self._threads, thread_name_prefix="lmshm-grpc"),
+        calls = self.max_connections * STREAMS_PER_CONNECTION
+        self._watchdog = _Watchdog(self.request_timeout_s)
+        server = grpc.server(ThreadPoolExecutor(calls, thread_name_prefix="lmshm-grpc"),
                              handlers=[grpc.method_handlers_generic_handler(pb.SERVICE, handlers)],
-                             options=[("grpc.max_receive_message_length", self._max),
-                                      ("grpc.max_send_message_length", 64 << 20),
-                                      ("grpc.so_reuseport", 0)],
-                             maximum_concurrent_rpcs=max(64, 16 * self._threads))
+                             options=self.options(), maximum_concurrent_rpcs=calls)
         try:
             port = server.add_insecure_port(f"{self.host}:{self.port}")
         except RuntimeError as exc:
@@ -62,6 +106,7 @@ class GrpcEndpoint:
             reason = "the address is in use or cannot be bound"
         if not port:
             server.stop(None)
+            self._watchdog.stop()
             raise ServerError(ErrorCode.UNAVAILABLE, f"cannot serve gRPC on {self.host}:{self.port}: {reason}")
         self.port = port
         server.start()
@@ -73,12 +118,14 @@ class GrpcEndpoint:
         server, self._grpc = self._grpc, None
         if server is not None:
             server.stop(grace=1.0).wait(5)
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
     # ---- the frame of every RPC ---------------------------------------------------------
-    def _wrap(self, rpc: str, fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
+    def _wrap(self, rpc: str, request_type: Any, fn: Callable[[Any], Any]) -> Callable[[Any, Any], Any]:
         guarded = "SharedMemory" in rpc
 
-        def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        def handle(requests: Any, context: grpc.ServicerContext) -> Any:
             started = time.monotonic()
             code, status, details = "OK", None, ""
             try:
@@ -87,7 +134,17 @@ class GrpcEndpoint:
                     if problem is not None:
                         code, status, details = "PERMISSION_DENIED", RESTRICTED_STATUS, problem
                 if status is None:
-                    return fn(request)
+                    raw = self._message(rpc, requests, context)
+                    try:
+                        request = request_type.FromString(raw)
+                    except Exception:  # noqa: BLE001 - any undecodable message is the caller's error
+                        raise ServerError(ErrorCode.INVALID_ARG,
+                                          f"the request is not a valid {request_type.DESCRIPTOR.name} message"
+                                          ) from None
+                    with self._running:
+                        return fn(request)
+            except _Late as exc:
+                code, status, details = "INVALID_ARG", exc.status, exc.details
             except ServerError as exc:
                 code = exc.code.name if isinstance(exc.code, ErrorCode) else str(exc.code)
                 status, details = grpc_status(exc.code), exc.message
@@ -99,6 +156,24 @@ class GrpcEndpoint:
             context.abort(status, clip(details, MAX_DETAILS))
 
         return handle
+
+    def _message(self, rpc: str, requests: Any, context: grpc.ServicerContext) -> bytes:
+        """The call's one request message, or ``_Late`` if it does not come (in time)."""
+        assert self._watchdog is not None
+        ticket = self._watchdog.arm(context)
+        try:
+            raw = next(requests, None)
+        except grpc.RpcError:
+            raw = None
+        finally:
+            fired = self._watchdog.disarm(ticket)
+        if fired:
+            raise _Late(grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the request message did not arrive within {self.request_timeout_s:g} s "
+                        "(lmshm-server --grpc-request-timeout)")
+        if raw is None:  # the client ended its side without a message (grpcio's own answer)
+            raise _Late(grpc.StatusCode.UNIMPLEMENTED, f'"/{pb.SERVICE}/{rpc}" requires exactly one request message.')
+        return raw
 
     # ---- RPCs ---------------------------------------------------------------------------
     def _status(self, kind: str, name: str, response: str) -> Any:
@@ -143,3 +218,60 @@ class GrpcEndpoint:
         self.server.unregister_region("cuda", r.name)
         return pb.message("CudaSharedMemoryUnregisterResponse")()
 
+
+
+class _Late(Exception):
+    """A call without its request message: ``status`` and ``details`` for the client."""
+
+    def __init__(self, status: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.status, self.details = status, details
+
+
+class _Watchdog:
+    """Cancels calls whose request message has not arrived ``timeout_s`` after they started.
+
+    One thread; ``arm`` and ``disarm`` are O(1). Armed calls are at most the connection cap
+    times ``STREAMS_PER_CONNECTION``, so each pass looks at every one of them."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._armed: dict[int, tuple[float, Any]] = {}
+        self._fired: set[int] = set()
+        self._next = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lmshm-grpc-watchdog", daemon=True)
+        self._thread.start()
+
+    def arm(self, context: Any) -> int:
+        with self._lock:
+            self._next += 1
+            self._armed[self._next] = (time.monotonic() + self.timeout_s, context)
+            return self._next
+
+    def disarm(self, ticket: int) -> bool:
+        """Forget ``ticket``; True if its call was cancelled for being late."""
+        with self._lock:
+            self._armed.pop(ticket, None)
+            if ticket in self._fired:
+                self._fired.discard(ticket)
+                return True
+            return False
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCH_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [(t, ctx) for t, (at, ctx) in self._armed.items() if at <= now]
+                for ticket, _ in late:
+                    del self._armed[ticket]
+                    self._fired.add(ticket)
+            for _, context in late:
+                try:
+                    context.cancel()  # the waiting handler wakes up and answers
+                except Exception:  # noqa: BLE001 - a call that ended meanwhile
+                    logger.debug("lmshm: cancelling a late gRPC call failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -14,6 +14,19 @@ Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 - ``GET /v2/{kind}[/region/{name}]/status``: a JSON array of regions;
 - ``POST /v2/{kind}[/region/{name}]/unregister``;
 - ``GET /metrics``: Prometheus text.
+
+Connections (``_Connections``) are the endpoint's fd budget and have deadlines:
+- at most ``--http-max-connections`` are open. A new one past that makes the oldest connection
+  *without a request in progress* close (idle, or still sending its request), so connections
+  that send nothing, or half a request, cannot lock honest clients out. Only when every
+  connection has a request in its handler is the new one closed;
+- a connection with no request (new, or kept alive after a response) closes after
+  ``--http-idle-timeout``; a request's headers and body must all arrive within
+  ``--http-request-timeout`` of its first byte (the connection closes; a late body gets 408).
+
+The easy thing to get wrong: aiohttp writes the response *after* the middleware returns, so a
+connection counts as "in progress" only while its handler runs; a client that does not read its
+answer is idle, and gives way like any other.
 """
 
 from __future__ import annotations
@@ -21,17 +34,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import errno
 import json
 import logging
+import socket
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.endpoints.triton import ROWS, Restriction, http_status
+from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.http")
@@ -39,6 +55,13 @@ logger = logging.getLogger("lmshm.http")
 _KINDS = {"systemsharedmemory": "system", "cudasharedmemory": "cuda"}
 _OP_NAMES = {"system": "SystemSharedMemory", "cuda": "CudaSharedMemory"}
 MAX_ERROR = 1024
+#: How often deadlines are checked (seconds): a deadline may be overrun by this much.
+SWEEP_S = 0.25
+#: The kernel's queue of connections not accepted yet (they hold no fd of ours).
+BACKLOG = 128
+#: Connections accepted per turn of the loop, and connections closed by the endpoint that may
+#: still hold their fd (they close on the loop's next turn): the fd budget is the cap plus this.
+ACCEPT_BURST = CLOSING_MAX = 32
 
 
 def _json_error(status: int, message: str) -> web.Response:
@@ -67,7 +90,10 @@ class HttpEndpoint:
         config = server.config
         self.host, self.port = config.http_host, config.http_port
         self.max_body = config.http_max_body_bytes
-        self.max_connections = config.http_max_connections
+        self.max_connections = connection_budget(config.http_max_connections, "--http-max-connections")
+        self.idle_timeout_s = config.http_idle_timeout_s
+        self.request_timeout_s = config.http_request_timeout_s
+        self.connections: Optional[_Connections] = None
         self.restriction = Restriction(config.http_restricted_api)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
@@ -97,13 +123,20 @@ class HttpEndpoint:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+                # aiohttp's own keep-alive timer is only a backstop: _Connections keeps the deadlines.
+                runner = web.AppRunner(self._app(), access_log=None, handle_signals=False,
+                                       keepalive_timeout=self.idle_timeout_s + self.request_timeout_s + 1)
                 loop.run_until_complete(runner.setup())
-                listener = loop.run_until_complete(loop.create_server(
-                    _Capped(runner.server, self.max_connections), self.host, self.port, reuse_address=True,
-                    backlog=128))
+                connections = _Connections(runner.server, self.max_connections, self.idle_timeout_s,
+                                           self.request_timeout_s, loop)
+                try:
+                    self.port = connections.listen(self.host, self.port)
+                except BaseException:
+                    loop.run_until_complete(runner.cleanup())
+                    raise
+                self.connections = connections
+                sweeper = loop.create_task(connections.sweep_forever())
                 self._runner = runner
-                self.port = listener.sockets[0].getsockname()[1]
             except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
                 failure.append(exc)
                 ready.set()
@@ -113,8 +146,8 @@ class HttpEndpoint:
             try:
                 loop.run_forever()
             finally:
-                listener.close()
-                loop.run_until_complete(listener.wait_closed())
+                sweeper.cancel()
+                connections.close_listener()
                 loop.run_until_complete(runner.cleanup())
                 loop.close()
 
@@ -143,10 +176,21 @@ class HttpEndpoint:
                           ) -> web.StreamResponse:
         started = time.monotonic()
         name = "unknown"
+        conn = self.connections.of(request) if self.connections is not None else None
         try:
             info = request.match_info
             route = info.route.resource.canonical if info.route.resource is not None else ""
             name = _operation(route, request.path)
+            # The headers are here; the body must follow within the request's deadline.
+            if conn is not None:
+                conn.reading_body()
+            if not await self._read_body(request, conn):
+                response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
+                                            "first byte (lmshm-server --http-request-timeout)")
+                response.force_close()
+                return self._done(name, "INVALID_ARG", started, response)
+            if conn is not None:
+                conn.in_progress()
             if "sharedmemory" in route:
                 problem = self.restriction.problem(request.headers.get)
                 if problem is not None:
@@ -171,10 +215,33 @@ class HttpEndpoint:
                               _json_error(404, f"no route {quote(request.path, 120)} on this lmshm-server"))
         except web.HTTPException as exc:
             return self._done(name, "INVALID_ARG", started, _json_error(exc.status, exc.reason))
+        except ConnectionError:
+            # The connection went while its body was read (the client left, or it gave way to a
+            # new one): nobody reads an answer, so give aiohttp a closing one, without a log.
+            response = web.Response(status=400)
+            response.force_close()
+            return self._done(name, "INVALID_ARG", started, response)
         except Exception as exc:  # noqa: BLE001 - every request gets an answer
             logger.exception("lmshm: HTTP %s %s failed", request.method, clip(request.path, 120))
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
+        finally:
+            if conn is not None:
+                conn.answered()
+
+    async def _read_body(self, request: web.Request, conn: Optional["_Conn"]) -> bool:
+        """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
+        request's deadline; False if it did not arrive in time. Over the size limit raises
+        ``HTTPRequestEntityTooLarge``."""
+        if not request.body_exists or request.content.is_eof():
+            await request.read()  # all here already: no timer needed (the usual case)
+            return True
+        left = conn.time_left() if conn is not None else self.request_timeout_s
+        try:
+            await asyncio.wait_for(request.read(), max(left, 0.05))
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def _done(self, name: str, code: str, started: float, response: web.StreamResponse) -> web.StreamResponse:
         self.server.metrics.observe("http", name, code, time.monotonic() - started)
@@ -189,6 +256,9 @@ class HttpEndpoint:
         except (ValueError, UnicodeDecodeError) as exc:
             raise ServerError(ErrorCode.INVALID_ARG, f"the request body is not valid JSON: {clip(str(exc), 200)}"
                               ) from None
+        except RecursionError:  # json's C parser counts its depth against the recursion limit
+            raise ServerError(ErrorCode.INVALID_ARG, "the request body nests arrays or objects too deeply; a request "
+                                                     "is one flat JSON object") from None
         if not isinstance(body, dict):
             raise ServerError(ErrorCode.INVALID_ARG, f"the request body must be a JSON object, got "
                                                      f"{type(body).__name__}")
@@ -241,51 +311,274 @@ class HttpEndpoint:
         return web.Response(status=200)
 
 
-class _Capped:
-    """aiohttp's protocol factory, with at most ``limit`` connections open at once: one more is
-    closed as soon as it is accepted, so a flood of connections cannot take the server's fds
-    (every other endpoint and every mapping needs them too)."""
+class _Connections:
+    """The endpoint's listening socket and connections: the cap, the deadlines, who gives way.
 
-    def __init__(self, factory: Callable[[], asyncio.Protocol], limit: int) -> None:
-        self._factory, self._limit, self.open = factory, limit, 0
+    Each connection is *idle* (new, or kept alive after an answer), *reading* (a request's
+    bytes are arriving), or *in progress* (its handler runs). Idle and reading connections wait
+    in ``_waiting``, oldest first (by when they entered that state); those in progress are in
+    ``_busy``. At the cap, a new connection makes the first waiting one close; if none waits, the
+    new one is closed. ``sweep_forever`` closes waiting connections past their deadline. Each
+    connection's protocol wraps aiohttp's (``factory``). All of it runs on the endpoint's event
+    loop only, so it needs no lock."""
 
-    def __call__(self) -> asyncio.Protocol:
-        if self.open >= self._limit:
-            return _Refuse()
-        proto = _Counted(self._factory(), self)
-        self.open += 1
-        return proto
+    def __init__(self, factory: Callable[[], Any], limit: int, idle_s: float, request_s: float,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._factory, self.limit = factory, limit
+        self.idle_s, self.request_s = idle_s, request_s
+        self._loop = loop
+        self._waiting: "OrderedDict[_Conn, None]" = OrderedDict()
+        self._busy: set[_Conn] = set()
+        self._by_handler: dict[Any, _Conn] = {}
+        self.closed = {"evicted": 0, "idle": 0, "slow": 0, "refused": 0}
+        self._listeners: list[socket.socket] = []
+        self._paused = True                 # not accepting (until listen())
+        self._closing = 0   # connections closed by this side whose fd is not released yet
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._busy)
+
+    # ---- accepting: our own loop, so that the fds stay within the budget ----------------------
+    def listen(self, host: str, port: int) -> int:
+        """Bind and listen on ``host:port`` (every address ``host`` resolves to, as asyncio's
+        ``create_server`` does); returns the port."""
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        try:
+            for family, kind, proto, _, address in dict.fromkeys(infos):
+                sock = socket.socket(family, kind, proto)
+                self._listeners.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+                sock.listen(BACKLOG)
+                sock.setblocking(False)
+        except BaseException:
+            self.close_listener()
+            raise
+        self._resume_all()
+        return self._listeners[0].getsockname()[1]
+
+    def close_listener(self) -> None:
+        if not self._paused:
+            for sock in self._listeners:
+                if sock.fileno() >= 0:
+                    self._loop.remove_reader(sock.fileno())
+        self._paused = True
+        for sock in self._listeners:
+            sock.close()
+        self._listeners = []
+
+    def _accept(self, listener: socket.socket) -> None:
+        """Accept what is pending, a burst at a time. Connections made to give way close on the
+        loop's next turn; while ``CLOSING_MAX`` of them have not, accepting waits, so the fds
+        never exceed the cap by more than that."""
+        for _ in range(ACCEPT_BURST):
+            if self._closing >= CLOSING_MAX:
+                self._pause()
+                return
+            try:
+                sock, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    logger.warning("lmshm: the HTTP endpoint cannot accept (%s); trying again in a second",
+                                   exc.strerror)
+                    self._pause(1.0)
+                return
+            conn = self.admit()
+            if conn is None:
+                sock.close()
+                continue
+            self._loop.create_task(self._adopt(sock, conn))
+
+    async def _adopt(self, sock: socket.socket, conn: "_Conn") -> None:
+        try:
+            await self._loop.connect_accepted_socket(lambda: conn, sock)
+        except Exception:  # noqa: BLE001 - the peer left before its transport existed
+            sock.close()
+            conn.connection_lost(None)
+
+    def _pause(self, retry_s: Optional[float] = None) -> None:
+        if not self._paused:
+            self._paused = True
+            for sock in self._listeners:
+                self._loop.remove_reader(sock.fileno())
+        if retry_s is not None:
+            self._loop.call_later(retry_s, self._resume)
+
+    def _resume(self) -> None:
+        if self._paused and self._listeners:
+            self._resume_all()
+
+    def _resume_all(self) -> None:
+        self._paused = False
+        for sock in self._listeners:
+            self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def admit(self) -> Optional["_Conn"]:
+        """A new connection's place: the oldest waiting connection gives way at the cap; None if
+        every connection has a request in progress."""
+        if len(self) >= self.limit:
+            if not self._waiting:
+                self.closed["refused"] += 1
+                return None
+            next(iter(self._waiting)).close("evicted")
+        conn = _Conn(self._factory(), self)
+        self._waiting[conn] = None
+        return conn
+
+    def closing(self, conn: "_Conn", why: str) -> None:
+        """This side closes ``conn`` (``why``: a key of ``closed``); its fd goes on the loop's next turn."""
+        self._closing += 1
+        self.closed[why] += 1
+        self.forget(conn)
+
+    def released(self) -> None:
+        """A connection this side closed has let its fd go."""
+        self._closing -= 1
+        if self._closing < CLOSING_MAX // 2:
+            self._resume()
+
+    def of(self, request: web.Request) -> Optional["_Conn"]:
+        return self._by_handler.get(request.protocol)
+
+    def now(self) -> float:
+        return self._loop.time()
+
+    # ---- bookkeeping, called by _Conn -----------------------------------------------------
+    def moved(self, conn: "_Conn") -> None:
+        """``conn`` entered a waiting state now: it goes to the back of the line."""
+        self._busy.discard(conn)
+        self._waiting[conn] = None
+        self._waiting.move_to_end(conn)
+
+    def busy(self, conn: "_Conn") -> None:
+        self._waiting.pop(conn, None)
+        self._busy.add(conn)
+
+    def attach(self, conn: "_Conn") -> None:
+        self._by_handler[conn.inner] = conn
+
+    def forget(self, conn: "_Conn") -> None:
+        self._waiting.pop(conn, None)
+        self._busy.discard(conn)
+        self._by_handler.pop(conn.inner, None)
+
+    # ---- deadlines ------------------------------------------------------------------------
+    def sweep(self) -> None:
+        now = self.now()
+        for conn in list(self._waiting):
+            if now >= conn.deadline():
+                conn.close("idle" if conn.state == _IDLE else "slow")
+
+    async def sweep_forever(self) -> None:
+        reported = dict(self.closed)
+        next_report = self.now() + 10
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                self.sweep()
+                if self.now() >= next_report and self.closed != reported:
+                    logger.info("lmshm: the HTTP endpoint closed connections (%s so far; %d open, at most %d): "
+                                "see --http-max-connections, --http-idle-timeout, --http-request-timeout",
+                                ", ".join(f"{n} {why}" for why, n in self.closed.items()), len(self), self.limit)
+                    reported, next_report = dict(self.closed), self.now() + 10
+            except Exception:  # noqa: BLE001 - the sweeper must outlive any one bad connection
+                logger.exception("lmshm: the HTTP connection sweep failed")
 
 
-class _Counted(asyncio.Protocol):
-    """Passes every event to aiohttp's protocol; counts the connection out when it ends."""
+_IDLE, _READING, _BODY, _BUSY = "idle", "reading", "body", "busy"
 
-    def __init__(self, inner: asyncio.Protocol, cap: _Capped) -> None:
-        self._inner, self._cap = inner, cap
 
+class _Conn(asyncio.Protocol):
+    """One connection: passes every event to aiohttp's protocol (``inner``) and keeps the
+    connection's state and deadline in its ``_Connections``."""
+
+    def __init__(self, inner: asyncio.Protocol, table: _Connections) -> None:
+        self.inner, self._table = inner, table
+        self.transport: Optional[asyncio.BaseTransport] = None
+        self.state, self.since = _IDLE, table.now()
+        self.gone = False
+        self._made = False               # aiohttp's protocol saw connection_made
+        self._closed_here = False        # closed by close(): its fd is counted as closing
+
+    def deadline(self) -> float:
+        if self.state == _IDLE:
+            return self.since + self._table.idle_s
+        if self.state == _READING:
+            return self.since + self._table.request_s
+        return self.since + self._table.request_s + 1.0  # _BODY: the middleware answers 408 first
+
+    def time_left(self) -> float:
+        return self.since + self._table.request_s - self._table.now()
+
+    def _enter(self, state: str) -> None:
+        if self.gone:
+            return
+        self.state, self.since = state, self._table.now()
+        self._table.moved(self)
+
+    # ---- the middleware's marks -------------------------------------------------------------
+    def reading_body(self) -> None:
+        """The request's headers were parsed (its deadline runs from its first byte)."""
+        if self.state == _IDLE:          # a pipelined request: its bytes came while the last one ran
+            self._enter(_READING)
+        if not self.gone:
+            self.state = _BODY
+
+    def in_progress(self) -> None:
+        if not self.gone:
+            self.state = _BUSY
+            self._table.busy(self)
+
+    def answered(self) -> None:
+        self._enter(_IDLE)
+
+    # ---- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._inner.connection_made(transport)
+        self.transport = transport
+        if self.gone:                    # it gave way before the loop got to it
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self._table.attach(self)
+        self._made = True
+        self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
+        if self.state == _IDLE:
+            self._enter(_READING)
+        self.inner.data_received(data)
 
     def eof_received(self) -> Optional[bool]:
-        return self._inner.eof_received()
+        return self.inner.eof_received()
 
     def pause_writing(self) -> None:
-        self._inner.pause_writing()
+        self.inner.pause_writing()
 
     def resume_writing(self) -> None:
-        self._inner.resume_writing()
+        self.inner.resume_writing()
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
-        self._cap.open -= 1
-        self._inner.connection_lost(exc)
+        if self._closed_here:
+            self._closed_here = False
+            self._table.released()
+        self.gone = True
+        self._table.forget(self)
+        if self._made:
+            self._made = False
+            self.inner.connection_lost(exc)
 
-
-class _Refuse(asyncio.Protocol):
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.abort()  # type: ignore[attr-defined]
+    def close(self, why: str) -> None:
+        """Close now (reset: nothing more is read or written) and stop counting it."""
+        if self.gone:
+            return
+        self.gone = True
+        self._closed_here = True
+        self._table.closing(self, why)
+        if self.transport is not None:
+            self.transport.abort()  # type: ignore[attr-defined]
 
 
 async def _drain(request: web.Request, limit: int) -> None:

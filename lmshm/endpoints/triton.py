@@ -1,4 +1,5 @@
-"""What the HTTP and gRPC endpoints share: Triton's status codes, the restricted API, rows.
+"""What the HTTP and gRPC endpoints share: Triton's status codes, the restricted API, rows, and
+each endpoint's fd budget (``connection_budget``).
 
 Both endpoints are thin: they decode a request, call one ``lmshm.Server`` method, and encode
 the answer or the ``ServerError``. The code -> status tables follow Triton's own mapping of its
@@ -10,12 +11,16 @@ Triton lacks (``PERMISSION_DENIED``, ``LAYOUT``, ``DATA_LOSS``).
 from __future__ import annotations
 
 import hmac
+import logging
+import resource
 from typing import Any, Callable, Optional
 
 import grpc
 
 from lmshm.core.errors import ErrorCode
 from lmshm.multiprocess.config import parse_restriction
+
+logger = logging.getLogger("lmshm.endpoints")
 
 HTTP_STATUS = {
     ErrorCode.INVALID_ARG: 400,
@@ -71,6 +76,27 @@ class Restriction:
         if isinstance(got, str) and hmac.compare_digest(got.encode("utf-8", "surrogatepass"), self._value.encode()):
             return None
         return f"This {self._word} is restricted, expecting header '{self.header}'"
+
+
+#: The most connections (so fds) one endpoint may hold, as a fraction of RLIMIT_NOFILE: the two
+#: endpoints together never take more than a quarter of the process's fds, whatever floods them,
+#: so the ZeroMQ listener, the fd channel and the mappings keep theirs.
+FD_BUDGET_DIVISOR = 8
+MIN_CONNECTIONS = 16
+
+
+def connection_budget(configured: int, flag: str, fds_per_connection: int = 1) -> int:
+    """``configured`` connections, or fewer if that would take more than 1/``FD_BUDGET_DIVISOR``
+    of the open-file limit (logged, naming ``flag``)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return configured
+    budget = max(MIN_CONNECTIONS, soft // FD_BUDGET_DIVISOR // fds_per_connection)
+    if configured > budget:
+        logger.warning("lmshm: %s %d would let one endpoint take more than 1/%d of the open-file limit (%d); "
+                       "using %d", flag, configured, FD_BUDGET_DIVISOR, soft, budget)
+        return budget
+    return configured
 
 
 def system_row(reg: Any) -> dict[str, Any]:

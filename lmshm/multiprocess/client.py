@@ -249,10 +249,19 @@ class MPClient:
 
     def _say_hello(self) -> protocol.HelloReply:
         resume = self._hello.session_token if self._hello is not None else ""
-        reply = _exchange(self._dealer, protocol.Hello(
-            protocol_version=protocol.PROTOCOL_VERSION, protocol_minor=protocol.PROTOCOL_MINOR,
-            isolated_ipc=ipc_policy.is_isolated_ipc(),
-            client_name=self.client_name, resume_token=resume))
+        hello = protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, protocol_minor=protocol.PROTOCOL_MINOR,
+                               isolated_ipc=ipc_policy.is_isolated_ipc(), client_name=self.client_name,
+                               resume_token=resume)
+        deadline, pause = time.monotonic() + self.timeout_s, 0.01
+        while True:  # a busy server (out of fds or sessions, a flood) is asked again until the timeout
+            try:
+                reply = _exchange(self._dealer, hello)
+                break
+            except Unavailable:
+                if time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
         if not (reply.resumed and self._link is not None and not self._link.broken()):
             self._open_link(reply)
         self._hello = reply
@@ -266,10 +275,18 @@ class MPClient:
             self._link = None
         path = self._fd_socket_override or hello.fd_socket
         expected = ExpectedServer(pid=hello.server_pid, uid=hello.server_uid, pid_ns=hello.server_pid_ns)
-        try:
-            self._link = FdChannelClient(path, hello.session_token, expected=expected, timeout_s=self.timeout_s)
-        except FdChannelError as exc:
-            raise LmshmError(f"cannot prove this worker's identity to the lmshm server at {self.url}: {exc}") from None
+        deadline, pause = time.monotonic() + self.timeout_s, 0.01
+        while True:  # a busy server (out of fds, a full backlog, a flood of connections) is retried
+            try:
+                self._link = FdChannelClient(path, hello.session_token, expected=expected,
+                                             timeout_s=max(0.1, deadline - time.monotonic()))
+                return
+            except FdChannelError as exc:
+                if not exc.retry or time.monotonic() + pause > deadline:
+                    raise LmshmError(f"cannot prove this worker's identity to the lmshm server at {self.url}: "
+                                     f"{exc}") from None
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
 
     def _request(self, msg: Any, timeout_s: Optional[float] = None) -> Any:
         """One exchange; a lost session (server restarted) is re-established once."""

@@ -49,6 +49,8 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     auth_timeout_s: Positive = 5.0
     max_pending_auth: Count = 64
     sweep_interval_s: NonNegative = 10.0
+    # lmshm's own transport (multiprocess/mq.py): loop time for peers without a verified session
+    unverified_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
     # the data plane
     capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 2 << 30   # bytes; 0 = no pool
     copy_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
@@ -56,6 +58,11 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096
+    # the pool's accounting and per-tenant (uid) caps (lmshm/core/pool.py; docs/design/dataplane.md)
+    max_objects: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 1 << 18   # 0 = only --capacity bounds them
+    max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    max_pins_per_uid: Count = 1 << 20
+    max_leases_per_uid: Count = 16384
     # Triton-compatible endpoints (lmshm.endpoints): off unless a port is given; 0 = a free port
     http_port: Optional[Annotated[int, msgspec.Meta(ge=0, le=65535)]] = None
     http_host: str = "127.0.0.1"
@@ -68,6 +75,12 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
     max_regions: Count = 4096
     http_max_connections: Count = 256
+    # Triton endpoints' deadlines and connection budget (lmshm/endpoints; docs/triton.md)
+    http_idle_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    http_request_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0
+    grpc_max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
+    grpc_idle_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 10.0
+    grpc_request_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 5.0
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -110,7 +123,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_message_bytes", "--max-message-bytes", "LMSHM_MAX_MESSAGE_BYTES", "max_message_bytes",
             f"largest request accepted (default {mq.DEFAULT_MAX_MESSAGE_BYTES})", "N"),
     Setting("receive_queue", "--receive-queue", "LMSHM_RECEIVE_QUEUE", "receive_queue",
-            "requests queued per peer before libzmq drops more (ZMQ_RCVHWM; default 1000)", "N"),
+            "replies that may wait for a peer that does not read them; more are dropped (as libzmq's ZMQ_SNDHWM; "
+            "default 1000). A peer's requests are read only as fast as the server takes them", "N"),
     Setting("max_sessions", "--max-sessions", "LMSHM_MAX_SESSIONS", "max_sessions",
             "sessions in total (default 1024; also capped by the open-file limit)", "N"),
     Setting("max_sessions_per_uid", "--max-sessions-per-uid", "LMSHM_MAX_SESSIONS_PER_UID", "max_sessions_per_uid",
@@ -130,6 +144,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("sweep_interval_s", "--sweep-interval", "LMSHM_SWEEP_INTERVAL", "sweep_interval",
             "seconds between sweeps of /dev/shm names left by dead workers of the server's uid (default 10; "
             "0 = only at start)", "SECONDS"),
+    Setting("unverified_share", "--unverified-share", "LMSHM_UNVERIFIED_SHARE", "unverified_share",
+            "fraction of the server loop's time that requests of peers without a verified session (HELLO, PING, "
+            "STATUS before the fd channel proved who they are) may use while verified workers send requests; they "
+            "get the rest when none do. They wait their turn, least-served connection first, 2 per connection; more "
+            "are answered UNAVAILABLE at once. The fd channel is served at least every 10 ms either way (default "
+            "0.25; 1 = no limit)", "FRACTION"),
     Setting("capacity", "--capacity", "LMSHM_CAPACITY", "capacity",
             "bytes of the server's KV pool, e.g. 4GiB or 512MiB (default 2GiB; reserved at start, memory is used "
             "only as blocks are stored; 0 turns the data plane off)", "SIZE", "size"),
@@ -145,6 +165,22 @@ SETTINGS: tuple[Setting, ...] = (
             "max_inflight_per_session", "STORE/RETRIEVE requests one session may have queued (default 256)", "N"),
     Setting("max_leases_per_session", "--max-leases-per-session", "LMSHM_MAX_LEASES", "max_leases_per_session",
             "LOOKUP leases one session may hold at once (default 4096)", "N"),
+    Setting("max_objects", "--max-objects", "LMSHM_MAX_OBJECTS", "max_objects",
+            "objects (stored chunks) the pool holds at most; more evict as a full pool does (default 262144: 2GiB of "
+            "8KiB chunks; raise it for large pools of small chunks, at the price of longer rare stalls, see "
+            "docs/design/dataplane.md; 0 = only --capacity bounds them). Each object is charged its bytes rounded "
+            "up to 64 plus 640 bytes of bookkeeping against --capacity", "N"),
+    Setting("max_pinned_fraction_per_uid", "--max-pinned-fraction-per-uid", "LMSHM_MAX_PINNED_FRACTION_PER_UID",
+            "max_pinned_fraction_per_uid",
+            "share of the pool one uid's pinned (looked-up) objects may take: this fraction of what the other uids "
+            "leave unpinned (alone: of the whole pool). A LOOKUP past it pins only the leading chunks that fit, so "
+            "the uids together never pin the whole pool and a STORE can always evict (default 0.5)",
+            "FRACTION"),
+    Setting("max_pins_per_uid", "--max-pins-per-uid", "LMSHM_MAX_PINS_PER_UID", "max_pins_per_uid",
+            "object pins one uid's leases hold at once, over all its sessions (a lease pins each object once; "
+            "default 1048576, about 8 bytes each)", "N"),
+    Setting("max_leases_per_uid", "--max-leases-per-uid", "LMSHM_MAX_LEASES_PER_UID", "max_leases_per_uid",
+            "LOOKUP leases one uid may hold at once, over all its sessions (default 16384)", "N"),
     Setting("http_port", "--http-port", "LMSHM_HTTP_PORT", "http_port",
             "serve Triton's HTTP/REST health, metadata and shared-memory routes and Prometheus /metrics on this "
             "port (default off; 0 picks a free port)", "N"),
@@ -169,12 +205,31 @@ SETTINGS: tuple[Setting, ...] = (
             "Triton's --grpc-restricted-protocol does; without it they answer UNAVAILABLE (default: unrestricted)",
             "HEADER=VALUE"),
     Setting("http_max_connections", "--http-max-connections", "LMSHM_HTTP_MAX_CONNECTIONS", "http_max_connections",
-            "HTTP connections open at once; more are closed as soon as they are accepted (default 256)", "N"),
+            "HTTP connections open at once, and so the HTTP endpoint's fd budget (default 256, at most 1/8 of the "
+            "open-file limit). When full, a new connection makes the oldest one without a request in progress close; "
+            "if every one has a request in progress, the new one is closed", "N"),
+    Setting("http_idle_timeout_s", "--http-idle-timeout", "LMSHM_HTTP_IDLE_TIMEOUT", "http_idle_timeout",
+            "seconds an HTTP connection may stay open without sending a request (new, or kept alive after a "
+            "response) before the server closes it (default 5)", "SECONDS"),
+    Setting("http_request_timeout_s", "--http-request-timeout", "LMSHM_HTTP_REQUEST_TIMEOUT", "http_request_timeout",
+            "seconds from the first byte of an HTTP request until its headers and body have all arrived; a slower "
+            "request gets 408 or its connection closed (default 5)", "SECONDS"),
+    Setting("grpc_max_connections", "--grpc-max-connections", "LMSHM_GRPC_MAX_CONNECTIONS", "grpc_max_connections",
+            "gRPC connections open at once, and so the gRPC endpoint's fd budget (default 64, at most 1/8 of the "
+            "open-file limit); more are closed as soon as they are accepted. Each connection may carry 4 calls at "
+            "once", "N"),
+    Setting("grpc_idle_timeout_s", "--grpc-idle-timeout", "LMSHM_GRPC_IDLE_TIMEOUT", "grpc_idle_timeout",
+            "seconds a gRPC connection may stay open with no call in progress before the server closes it (GOAWAY; "
+            "clients reconnect on their next call) (default 10)", "SECONDS"),
+    Setting("grpc_request_timeout_s", "--grpc-request-timeout", "LMSHM_GRPC_REQUEST_TIMEOUT", "grpc_request_timeout",
+            "seconds a new gRPC connection has to send the HTTP/2 preface and SETTINGS, and a call to send its "
+            "request message, before the server closes or cancels it (default 5)", "SECONDS"),
     Setting("max_regions", "--max-regions", "LMSHM_MAX_REGIONS", "max_regions",
             "system and CUDA shared-memory regions registered at once, over HTTP, gRPC and in-process (default "
             "4096; each is one mapping)", "N"),
     Setting("endpoint_threads", "--endpoint-threads", "LMSHM_ENDPOINT_THREADS", "endpoint_threads",
-            "threads serving gRPC requests (default 4)", "N"),
+            "gRPC calls handled at once (default 4); a call still waiting for its request message does not take "
+            "one", "N"),
 )
 _BY_TOML = {s.toml: s for s in SETTINGS}
 _BY_FIELD = {s.field: s for s in SETTINGS if s.field}

@@ -46,6 +46,8 @@ from lmshm.quoting import clip
 logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_MESSAGE = 250   # below the kernel's SCM_MAX_FD (253)
+BACKLOG = 512               # connections waiting to be accepted hold no fd of the server
+ACCEPT_BATCH = 16           # accepts per turn of the loop (a quarter of the default --max-pending-auth)
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_TOKEN_CHARS = 256
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
@@ -91,11 +93,13 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 class FdChannelError(RuntimeError):
-    """The fd channel refused a request or could not be reached."""
+    """The fd channel refused a request or could not be reached. ``retry``: the cause passes
+    (the server was out of fds or connections, its backlog was full); trying again may work."""
 
-    def __init__(self, message: str, code: str = "UNAVAILABLE") -> None:
+    def __init__(self, message: str, code: str = "UNAVAILABLE", *, retry: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.retry = retry
 
 
 @dataclass(frozen=True)
@@ -283,7 +287,7 @@ class FdChannelServer:
         max_fds_per_session: int = 1024,
         max_pending: int = 64,
         auth_timeout_s: float = 5.0,
-        fds_available: Callable[[], bool] = lambda: True,
+        fds_available: Callable[[int], bool] = lambda opening: True,
     ) -> None:
         self.path = path
         self._may_connect = may_connect
@@ -295,10 +299,12 @@ class FdChannelServer:
         self.auth_timeout_s = auth_timeout_s
         self._fds_available = fds_available
         self._conns: dict[int, _Conn] = {}
+        self._pending: dict[int, _Conn] = {}     # unauthenticated connections, oldest first
         self._links: dict[Hashable, _Conn] = {}
+        self.displaced = 0
         self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
         self._spare = SpareFd()
-        self._listener.listen(128)
+        self._listener.listen(BACKLOG)
         self._listener.setblocking(False)
         self._watch(self._listener.fileno(), self._accept)
 
@@ -309,23 +315,34 @@ class FdChannelServer:
 
     @property
     def pending(self) -> int:
-        return sum(1 for c in self._conns.values() if c.session is None)
+        return len(self._pending)
 
     def _refuse(self, sock: socket.socket, code: str, error: str) -> None:
         self._send(sock, Refused(code, error))
         sock.close()
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-            return
-        except OSError as exc:
-            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                raise
-            logger.error("lmshm: fd channel cannot accept a connection: %s", exc.strerror)
-            self._refuse_with_spare()
-            return
+        """Accept what waits, ``ACCEPT_BATCH`` at most. Past ``max_pending`` unauthenticated
+        connections the oldest gives way -- but only one accepted before this batch, which has
+        had its turn to be read: a newcomer always gets in, and an honest worker (it sends its
+        token right after connecting) is read before ``max_pending`` newer ones displace it."""
+        batch_start = time.monotonic()
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    raise
+                logger.error("lmshm: fd channel cannot accept a connection: %s", exc.strerror)
+                self._refuse_with_spare()
+                return
+            self._admit(sock, batch_start)
+
+    def _admit(self, sock: socket.socket, batch_start: float) -> None:
         try:
             creds = peer_credentials(sock)
         except OSError:
@@ -335,14 +352,22 @@ class FdChannelServer:
         if refusal is not None:
             logger.warning("lmshm: fd channel refused pid %d (uid %d): %s", creds.pid, creds.uid, refusal)
             return self._refuse(sock, "PERMISSION_DENIED", refusal)
-        if self.pending >= self.max_pending or not self._fds_available():
-            logger.warning("lmshm: fd channel refused pid %d: %d unauthenticated connections pending or "
-                           "out of file descriptors", creds.pid, self.pending)
-            return self._refuse(sock, "UNAVAILABLE", "the server is out of connections or file descriptors; "
-                                                     "try again later")
+        if len(self._pending) >= self.max_pending:
+            oldest = next(iter(self._pending.values()))
+            if oldest.accepted >= batch_start:
+                return self._refuse(sock, "UNAVAILABLE", "the server has too many connections waiting to "
+                                                         "authenticate; try again")
+            self.displaced += 1
+            self._send(oldest.sock, Refused("UNAVAILABLE", "displaced by a newer connection before it "
+                                                           "authenticated; try again"))
+            self._forget(oldest)
+        if not self._fds_available(2):  # this socket and the peer's pidfd
+            logger.warning("lmshm: fd channel refused pid %d: out of file descriptors", creds.pid)
+            return self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
         sock.setblocking(False)
         conn = _Conn(sock, creds, peer_pidfd(sock, creds.pid), time.monotonic())
         self._conns[sock.fileno()] = conn
+        self._pending[sock.fileno()] = conn
         self._watch(sock.fileno(), lambda: self._readable(conn))
 
     @staticmethod
@@ -399,6 +424,8 @@ class FdChannelServer:
             raise FdChannelError(f"expected one token per fd, got {len(fds)} fds and {len(msg.tokens)} tokens",
                                  "INVALID_ARG")
         held = FD_INBOX.count(conn.session)
+        if fds and not self._fds_available(len(fds)):  # they arrived already: closed with the refusal
+            raise FdChannelError("the server is out of file descriptors; try again later", "UNAVAILABLE")
         if held + len(fds) > self.max_fds_per_session:
             raise FdChannelError(
                 f"this session would hold {held + len(fds)} undelivered fds, more than the server's limit of "
@@ -420,13 +447,14 @@ class FdChannelServer:
         if old is not None and old is not conn:
             self._forget(old)  # the client reconnected its link: the old one is stale
         conn.session = session
+        self._pending.pop(conn.sock.fileno(), None)
         self._links[session] = conn
         return Ack(pid=conn.creds.pid, uid=conn.creds.uid)
 
     def expire(self, now: Optional[float] = None) -> int:
         """Close connections that did not authenticate within ``auth_timeout_s``."""
         now = time.monotonic() if now is None else now
-        late = [c for c in self._conns.values() if c.session is None and now - c.accepted > self.auth_timeout_s]
+        late = [c for c in self._pending.values() if now - c.accepted > self.auth_timeout_s]
         for conn in late:
             logger.info("lmshm: fd channel dropped pid %d: no auth within %g s", conn.creds.pid,
                         self.auth_timeout_s)
@@ -437,6 +465,7 @@ class FdChannelServer:
     def _forget(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()
         if fd >= 0 and self._conns.pop(fd, None) is not None:
+            self._pending.pop(fd, None)
             self._unwatch(fd)
         conn.sock.close()
         if conn.pidfd is not None:
@@ -528,10 +557,11 @@ class FdChannelClient:
             self.verified_pid = ack.pid
         except OSError as exc:
             self._sock.close()
+            busy = exc.errno in (errno.EAGAIN, errno.ECONNRESET, errno.EPIPE)  # a full backlog, a refused newcomer
             raise FdChannelError(
                 f"cannot reach the lmshm fd socket {path}: {exc.strerror or exc}. The worker must reach the "
                 "server's fd socket to prove who it is (same host; mount the socket's directory into the "
-                "container, and pass fd_socket=... / LMSHM_FD_SOCKET where it has another path)") from None
+                "container, and pass fd_socket=... / LMSHM_FD_SOCKET where it has another path)", retry=busy) from None
         except FdChannelError:
             self._sock.close()
             raise
@@ -550,7 +580,8 @@ class FdChannelClient:
         except msgspec.DecodeError as exc:
             raise FdChannelError(f"fd channel {self.path}: undecodable answer: {exc}", "INTERNAL") from None
         if isinstance(reply, Refused):
-            raise FdChannelError(f"fd channel {self.path}: {reply.error}", reply.code)
+            raise FdChannelError(f"fd channel {self.path}: {reply.error}", reply.code,
+                                 retry=reply.code == "UNAVAILABLE")
         return reply
 
     def send_fds(self, fds: dict[str, int]) -> None:

@@ -1,42 +1,51 @@
-"""ZeroMQ transport: the server's ROUTER loop and the worker's DEALER with timeouts.
+"""ZeroMQ transport: the server's endpoint and poll loop, and the worker's DEALER with timeouts.
 
-Frames. A request is ``[request_id, body]`` (the ROUTER adds the peer's identity in front);
-the reply is ``[request_id, body]``. ``request_id`` is 8 bytes chosen by the client; the
-client ignores any reply whose id is not the one it waits for, so a late answer to a request
-it gave up on can never be taken for the answer to the next one. This module moves bytes and
-knows nothing of msgpack or the protocol.
+Frames. A request is ``[request_id, body]`` (the server adds the peer's routing id in front,
+as a ROUTER does); the reply is ``[request_id, body]``. ``request_id`` is 8 bytes chosen by the
+client; the client ignores any reply whose id is not the one it waits for, so a late answer to
+a request it gave up on can never be taken for the answer to the next one. This module moves
+bytes and knows nothing of msgpack or the protocol.
 
-The server loop is single-threaded: one ``zmq.Poller`` watches the ROUTER and any raw file
-descriptors the server adds (the fd channel's sockets, pidfds of watched workers, the
-signal wake-up pipe), and calls back. Nothing here blocks for longer than one tick.
+The server side speaks ZeroMQ's wire protocol itself (``zmtp.ZmtpListener``) on ``tcp://`` and
+``ipc://``; workers use libzmq's DEALER. libzmq's own listeners accept in libzmq's I/O thread
+whenever a connection waits -- the ipc one aborts the process on EMFILE, and the tcp one fills
+the fd table to its last slot, so that the fd channel, mappings and the loop itself find none.
+Here the loop accepts, and only while ``fd_reserve`` fds stay free (``RouterServer``).
 
-Limits. ``max_message_bytes`` is set as ZMQ_MAXMSGSIZE on the ROUTER, so libzmq drops the
-*connection* of a peer that sends a larger frame before the bytes are buffered (the peer
-sees no reply; lmshm's client checks the limit before sending and fails with a clear
-error instead). A message that passes libzmq but is malformed -- wrong number of frames,
-an id that is not 8 bytes, more bytes in total than the limit -- is handed to the server as
-a *problem* so that it still gets an ``INVALID_ARG`` reply.
+The server loop is single-threaded: one epoll set (no fd-number limit) watches
+the listening socket, every connection, and the raw fds the server adds (the fd channel's
+sockets, pidfds of watched workers, the signal wake-up pipe), and calls back. Requests run in
+slices of ``SLICE_S``; between two slices every readable fd is served. Requests of peers
+without a verified session wait their turn in ``UnverifiedShare`` and may use a bounded share
+of the loop's time. Nothing here blocks for longer than one request.
 
-``ipc://`` endpoints are created mode 0600 by binding the Unix socket here and handing it to
-libzmq (``ZMQ_USE_FD``), so that a live endpoint is never taken over (libzmq's own bind unlinks
-the path first); on close only the file this process created is removed. ``tcp://HOST:0`` binds a free port; ``url`` then reports the real one.
+Limits. A frame larger than ``max_message_bytes`` closes its connection before its bytes are
+buffered (lmshm's client checks the limit before sending and fails with a clear error
+instead). A message that is malformed -- wrong number of frames, an id that is not 8 bytes,
+more bytes in total than the limit -- is handed to the server as a *problem* so that it still
+gets an ``INVALID_ARG`` reply.
+
+``ipc://`` endpoints are bound here, mode 0600, so that a live endpoint is never taken over;
+on close only the file this process created is removed. ``tcp://HOST:0`` binds a free port;
+``url`` then reports the real one.
 """
 
 from __future__ import annotations
 
-import errno
+import collections
+import heapq
 import itertools
 import logging
 import os
+import select
 import socket
-import struct
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import zmq
 
-from lmshm.platform.base.files import fd_id, unlink_if_same
+from lmshm.multiprocess import zmtp
+from lmshm.platform.base.files import unlink_if_same
 
 logger = logging.getLogger(__name__)
 
@@ -82,39 +91,6 @@ def ipc_path(url: str) -> Optional[str]:
 # ---- server side ------------------------------------------------------------------------
 
 
-@dataclass
-class _Connection:
-    socket_id: Optional[tuple[int, int]]   # (st_dev, st_ino) of the accepted socket
-    since: float                         # accepted, or last seen with a session
-    identity: Optional[bytes] = None     # the ROUTER identity its messages carry
-
-
-def _shutdown_if(fd: int, socket_id: Optional[tuple[int, int]]) -> bool:
-    """``shutdown()`` the socket behind ``fd`` if it is still ``socket_id``. libzmq then sees
-    EOF and closes the connection itself (its fd is never closed behind its back)."""
-    if socket_id is None:
-        return False
-    try:
-        dup = os.dup(fd)  # hold it: from here on the number cannot come to mean another socket
-    except OSError:
-        return False
-    try:
-        if fd_id(dup) != socket_id:
-            return False
-        sock = socket.socket(fileno=dup)
-        dup = -1
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return False
-        finally:
-            sock.close()
-        return True
-    finally:
-        if dup >= 0:
-            os.close(dup)
-
-
 def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
     """Run one callback of the loop; a failure is logged, and the loop goes on."""
     try:
@@ -125,185 +101,233 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
 
 #: on_request(identity, request_id, body, problem): problem is None for a well-formed frame.
 RequestHandler = Callable[[bytes, bytes, Optional[bytes], Optional[str]], None]
+#: on_busy(identity, request_id): answer at once that the server will not run this request now.
+BusyHandler = Callable[[bytes, bytes], None]
+
+#: The longest the loop spends on requests before it serves the fd channel, pidfds and its
+#: wake-up pipe again (a request that runs longer is not cut short).
+SLICE_S = 0.01
+#: Listen backlog (the kernel caps it at net.core.somaxconn, 4096 by default): connections
+#: waiting there hold no fd of the server, and a full TCP backlog drops SYNs, which a client
+#: retries only after 1, 3, 7 ... s.
+BACKLOG = 4096
+#: A connection this young is never shed (``RouterServer.shed``): it has not had its turn yet.
+SHED_GRACE_S = 0.25
 
 
-class AcceptGate:
-    """Keeps libzmq's ipc listener from ever meeting EMFILE, which aborts the process.
+def bind_tcp(url: str) -> socket.socket:
+    """A listening TCP socket for ``tcp://HOST:PORT`` (``*`` = every interface, port 0 = a free
+    one), with SO_REUSEADDR as libzmq sets it."""
+    host, _, port = url[len("tcp://"):].rpartition(":")
+    host = "0.0.0.0" if host == "*" else host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # IPv4 for names, as libzmq (ZMQ_IPV6 off)
+    try:
+        infos = socket.getaddrinfo(host, int(port), family, socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise TransportError(f"cannot listen on {url}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise TransportError(f"cannot listen on {url}: {exc.strerror}") from None
+    return sock
 
-    libzmq 4.3.5 asserts when ``accept`` on an ipc listener fails with EMFILE
-    (src/ipc_listener.cpp; its tcp listener tolerates it). We own that listening socket
-    (``ZMQ_USE_FD``), so when free fds run low the gate *closes*: ``dup2`` puts a private,
-    empty listening socket under the fd number libzmq accepts on (its accepts then answer
-    EAGAIN), while this process drains the real listener's backlog itself, closing each pending
-    connection (the client's ZeroMQ socket retries later). When fds are free again the real
-    listener goes back under libzmq. ``check()`` runs on every accepted connection (a socket
-    monitor) and on every tick. The easy thing to get wrong: libzmq must see its own listener
-    again before it closes the socket (``open()`` in ``close()``), or its epoll removal fails.
+
+class UnverifiedShare:
+    """Requests of peers without a verified session wait here, and use the loop's time only as
+    verified sessions leave it.
+
+    Anyone who reaches the endpoint may send HELLO, PING and STATUS; a flood of them must not
+    delay the fd channel (where workers prove who they are) or verified sessions. So those
+    requests wait here -- at most ``per_peer`` per routing id, none larger than ``max_item``
+    (a larger one runs only when nothing waits), at most ``max_count`` in all; more are
+    answered "busy" at once -- and run in the second half of each slice of the loop. While
+    verified sessions have requests, they may use ``share`` of the loop's time: a token bucket
+    in seconds, filled at ``share`` seconds per second up to ``burst_s`` and charged what each
+    request took; when no verified request came in a slice, they may use the rest of it. The
+    peer that has used the least time so far goes first, so a newcomer's HELLO does not queue
+    behind a flood of expensive requests of peers already served. Verified sessions' requests
+    never wait here.
     """
 
-    def __init__(self, listen_fd: int, *, fd_limit: int, low: int, high: int,
-                 count_fds: Callable[[], int]) -> None:
-        self.listen_fd = listen_fd                      # the number libzmq accepts on
-        self._real = socket.socket(fileno=os.dup(listen_fd))  # our reference to the real listener
-        self._real.setblocking(False)
-        self._dummy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._dummy.setblocking(False)
-        self._dummy.bind("")                            # autobind: an abstract address nobody knows
-        self._dummy.listen(1)
-        self.fd_limit, self.low, self.high = fd_limit, low, high
-        self._count_fds = count_fds
-        self.closed = False
+    def __init__(self, share: float, *, burst_s: float = 0.1, per_peer: int = 2, max_item: int = 16 << 10,
+                 max_count: int = 8192) -> None:
+        self.share = share
+        self.burst_s = burst_s
+        self.per_peer = per_peer
+        self.max_item = max_item
+        self.max_count = max_count
+        self.credit = burst_s
+        self._at = time.monotonic()
+        self._waiting: dict[bytes, collections.deque] = {}
+        self._turns: list[tuple[float, int, bytes]] = []      # heap: (time used, arrival, peer)
+        self._used: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # recent peers' time
+        self._seq = itertools.count()
+        self.count = 0
         self.refused = 0
-        from lmshm.multiprocess.fdchannel import SpareFd
 
-        self._spare = SpareFd()
+    def refill(self, now: float) -> None:
+        self.credit = min(self.burst_s, self.credit + (now - self._at) * self.share)
+        self._at = now
 
-    @property
-    def real_fd(self) -> int:
-        return self._real.fileno()
-
-    def check(self) -> Optional[bool]:
-        """Close or open the gate by the free fd count; returns the new state if it changed."""
-        free = self.fd_limit - self._count_fds()
-        if not self.closed and free < self.low:
-            os.dup2(self._dummy.fileno(), self.listen_fd, inheritable=False)
-            self.closed = True
-            logger.warning("lmshm: %d of %d file descriptors in use: refusing new ipc connections until "
-                           "some are free", self.fd_limit - free, self.fd_limit)
-            return True
-        if self.closed and free > self.high:
-            self.open()
-            logger.warning("lmshm: file descriptors free again (%d in use): accepting ipc connections "
-                           "(%d refused meanwhile)", self.fd_limit - free, self.refused)
+    def offer(self, identity: bytes, item: tuple, size: int) -> bool:
+        """Queue a request; False if this peer has ``per_peer`` waiting, the request is larger
+        than ``max_item`` while others wait, or ``max_count`` wait already."""
+        queue = self._waiting.get(identity)
+        if ((queue is not None and len(queue) >= self.per_peer) or (size > self.max_item and self.count)
+                or self.count >= self.max_count):
+            self.refused += 1
             return False
+        if queue is None:
+            queue = self._waiting[identity] = collections.deque()
+            heapq.heappush(self._turns, (self._used.get(identity, 0.0), next(self._seq), identity))
+        queue.append(item)
+        self.count += 1
+        return True
+
+    def take(self) -> Optional[tuple[bytes, tuple]]:
+        """(peer, request) of the waiting peer that has used the least time."""
+        while self._turns:
+            _, _, identity = heapq.heappop(self._turns)
+            queue = self._waiting.get(identity)
+            if not queue:
+                continue
+            item = queue.popleft()
+            self.count -= 1
+            if not queue:
+                del self._waiting[identity]
+            return identity, item
         return None
 
-    def open(self) -> None:
-        if self.closed:
-            os.dup2(self._real.fileno(), self.listen_fd, inheritable=False)
-            self.closed = False
+    def charge(self, identity: bytes, seconds: float) -> None:
+        """``identity``'s request took ``seconds`` of the loop: the credit pays, the peer's
+        turn moves back."""
+        self.credit = max(-self.burst_s, self.credit - seconds)  # a long quiet spell cannot bank a debt
+        used = self._used.pop(identity, 0.0) + seconds
+        self._used[identity] = used
+        if len(self._used) > self.max_count:
+            self._used.popitem(last=False)
+        if identity in self._waiting:
+            heapq.heappush(self._turns, (used, next(self._seq), identity))
 
-    def refuse_pending(self) -> None:
-        """While closed: accept and close what waits on the real listener."""
-        for _ in range(64):
-            try:
-                conn, _ = self._real.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EMFILE, errno.ENFILE):
-                    return
-                conn = self._spare.accept(self._real)
-                if conn is None:
-                    return
-            conn.close()
-            self.refused += 1
+    def waiting(self, identity: bytes) -> bool:
+        return identity in self._waiting
 
-    def close(self) -> None:
-        self.open()
-        self._real.close()
-        self._dummy.close()
-        self._spare.close()
+    def runnable(self, verified_busy: bool = True) -> bool:
+        return self.count > 0 and (self.credit > 0 or not verified_busy)
 
 
 class RouterServer:
-    """A bound ROUTER socket and the poll loop around it."""
+    """The server's endpoint and its poll loop: lmshm's own ZMTP listener (``zmtp.ZmtpListener``)
+    on ``tcp://`` or ``ipc://``, and the raw fds the server adds. Connections are accepted only
+    while more than ``fd_reserve`` fds are free (``count_fds`` may cache; ``fds_opened`` tells it
+    of accepts). Requests of verified peers run as they come; the others share
+    ``unverified_share`` of the loop's time (``UnverifiedShare``)."""
 
     def __init__(self, url: str, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  receive_queue: int = 1000, fd_limit: int = 0, fd_reserve: int = 64,
-                 count_fds: Optional[Callable[[], int]] = None, idle_timeout_s: float = 0.0) -> None:
+                 count_fds: Optional[Callable[[], int]] = None, fds_opened: Optional[Callable[[int], None]] = None,
+                 idle_timeout_s: float = 0.0, unverified_share: float = 1.0) -> None:
         check_url(url)
         if max_message_bytes < 1024:
             raise TransportError(f"max_message_bytes={max_message_bytes} is too small (minimum 1024)")
         self.max_message_bytes = max_message_bytes
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self._sock.setsockopt(zmq.RCVHWM, receive_queue)
-        self._sock.setsockopt(zmq.SNDHWM, receive_queue)
-        if idle_timeout_s > 0:  # a connection that never completes the ZMTP handshake goes too
-            self._sock.setsockopt(zmq.HANDSHAKE_IVL, max(1, int(idle_timeout_s * 1000)))
+        self.receive_queue = receive_queue
+        self.fd_limit, self.fd_reserve = fd_limit, fd_reserve
+        self._count_fds = count_fds
         self.idle_timeout_s = idle_timeout_s
-        self._conns: dict[int, _Connection] = {}  # fd -> what we know of that ZeroMQ connection
+        self.share = UnverifiedShare(unverified_share)
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
-        self._ipc_listener = None
-        self._listen_fd: Optional[int] = None
-        self.gate: Optional[AcceptGate] = None
-        self._monitor = None
-        try:
-            self.url = self._bind(url)
-            if self._listen_fd is not None and fd_limit and count_fds is not None:
-                # Backlog 64 bounds a burst; the gate closes with room for two bursts to spare.
-                self.gate = AcceptGate(self._listen_fd, fd_limit=fd_limit, low=fd_reserve + 128,
-                                       high=fd_reserve + 192, count_fds=count_fds)
-            if self.gate is not None or idle_timeout_s > 0:
-                self._monitor = self._sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        except BaseException:
-            self.close()
-            raise
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        if self._monitor is not None:
-            self._poller.register(self._monitor, zmq.POLLIN)
+        self._next_idle_check = 0.0
+        self._polled: dict[int, int] = {}          # fd -> epoll flags registered
         self._fd_callbacks: dict[int, Callable[[], None]] = {}
-
-    def _bind(self, url: str) -> str:
-        path = ipc_path(url)
-        bind_to = url
-        if url.startswith("tcp://") and url.endswith(":0"):
-            bind_to = url[:-2] + ":*"
-        if path:
-            # Bind the Unix socket ourselves and hand it to libzmq (ZMQ_USE_FD): the kernel's
-            # bind refuses an existing path, where libzmq's own bind would first unlink it --
-            # and with it a live server's endpoint.
-            from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
-
-            try:
-                self._ipc_listener, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")
-            except FdChannelError as exc:
-                raise TransportError(f"cannot listen on {url}: {exc}") from None
-            self._ipc_listener.listen(64)
-            self._ipc_path = path
-            self._listen_fd = self._ipc_listener.fileno()
-            self._sock.setsockopt(zmq.USE_FD, self._listen_fd)
+        sock = self._bind(url)
         try:
-            self._sock.bind(bind_to)
-        except zmq.ZMQError as exc:
-            raise TransportError(f"cannot listen on {url}: {exc.strerror}") from None
-        if self._ipc_listener is not None:
-            self._ipc_listener.detach()  # libzmq owns (and closes) the listening fd now
-            self._ipc_listener = None
-            return url
-        return self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._epoll = select.epoll()
+            self.listener = zmtp.ZmtpListener(sock, max_message_bytes=max_message_bytes, send_queue=receive_queue,
+                                              headroom=self._headroom, set_poll=self._set_poll,
+                                              accepted=fds_opened or (lambda n: None))
+        except BaseException:
+            sock.close()
+            if getattr(self, "_epoll", None) is not None:
+                self._epoll.close()
+            if self._ipc_path and self._ipc_inode:
+                unlink_if_same(self._ipc_path, self._ipc_inode)
+            raise
+
+    def _bind(self, url: str) -> socket.socket:
+        path = ipc_path(url)
+        if path is None:
+            sock = bind_tcp(url)
+            host, port = sock.getsockname()[:2]
+            self.url = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+            return sock
+        # The kernel's bind refuses an existing path (libzmq's own bind would first unlink it,
+        # and with it a live server's endpoint).
+        from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+
+        try:
+            sock, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")
+        except FdChannelError as exc:
+            raise TransportError(f"cannot listen on {url}: {exc}") from None
+        self._ipc_path = path
+        sock.listen(BACKLOG)
+        self.url = url
+        return sock
+
+    def _set_poll(self, fd: int, flags: int) -> None:
+        """Poll ``fd`` for ``flags`` (zmtp.READABLE | zmtp.WRITABLE), or not at all (0). Every
+        fd leaves the set before it is closed."""
+        events = (select.EPOLLIN if flags & 1 else 0) | (select.EPOLLOUT if flags & 2 else 0)
+        old = self._polled.get(fd)
+        if not events:
+            if old is not None:
+                del self._polled[fd]
+                self._epoll.unregister(fd)
+        elif old is None:
+            self._epoll.register(fd, events)
+            self._polled[fd] = events
+        elif old != events:
+            self._epoll.modify(fd, events)
+            self._polled[fd] = events
+
+    def free_fds(self) -> int:
+        if not self.fd_limit or self._count_fds is None:
+            return 1 << 30
+        return self.fd_limit - self._count_fds()
+
+    def _headroom(self) -> int:
+        return self.free_fds() - self.fd_reserve
 
     def watch_fd(self, fd: int, callback: Callable[[], None]) -> None:
         """Call ``callback()`` from the loop whenever ``fd`` is readable."""
-        self._poller.register(fd, zmq.POLLIN)
+        self._set_poll(fd, 1)
         self._fd_callbacks[fd] = callback
 
     def unwatch_fd(self, fd: int) -> None:
         if self._fd_callbacks.pop(fd, None) is not None:
-            self._poller.unregister(fd)
+            self._set_poll(fd, 0)
 
     def reply(self, identity: bytes, request_id: bytes, body: bytes) -> None:
-        try:
-            self._sock.send_multipart([identity, request_id, body], flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:  # peer gone or its queue full: the reply is lost, not us
-            logger.warning("lmshm: could not reply to a peer: %s", exc.strerror)
+        if not self.listener.send(identity, [request_id, body]) and self.listener.connection(identity) is not None:
+            logger.warning("lmshm: could not reply to a peer: %d replies wait unread", self.receive_queue)
 
-    def _receive_one(self, on_request: RequestHandler) -> bool:
-        try:
-            frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
-        if self.idle_timeout_s > 0:
-            self._saw(frames[0])
-        identity, rest = frames[0].bytes, [f.bytes for f in frames[1:]]
+    def alive(self, identity: bytes) -> bool:
+        """False once the connection of ``identity`` is gone (its reply would be lost)."""
+        return self.listener.connection(identity) is not None
+
+    # ---- requests -----------------------------------------------------------------------------
+    def _handle(self, on_request: RequestHandler, identity: bytes, rest: list[bytes], problem: Optional[str]) -> None:
         total = sum(len(f) for f in rest)
         request_id = rest[0] if rest and len(rest[0]) == REQUEST_ID_BYTES else b""
-        if total > self.max_message_bytes:
+        if problem is not None:
+            on_request(identity, request_id, None, problem)
+        elif total > self.max_message_bytes:
             on_request(identity, request_id, None,
                        f"message of {total} bytes exceeds the server's limit of {self.max_message_bytes} bytes")
         elif len(rest) != 2 or len(rest[0]) != REQUEST_ID_BYTES:
@@ -312,7 +336,43 @@ class RouterServer:
                        f"malformed message: expected 2 frames [8-byte request id, body], got frame sizes {shape}")
         else:
             on_request(identity, request_id, rest[1], None)
-        return True
+
+    def _serve_requests(self, on_request: RequestHandler, trusted: Callable[[bytes], bool],
+                        on_busy: Optional[BusyHandler]) -> None:
+        """One slice: take what arrived (verified peers' requests run at once, the others wait
+        in ``share``), then run waiting requests while the share's credit lasts."""
+        share = self.share
+        start = time.monotonic()
+        share.refill(start)
+        half, deadline = start + SLICE_S / 2, start + SLICE_S
+        verified_busy = False
+        while True:
+            msg = self.listener.next_message()
+            if msg is None:
+                break
+            identity, rest, problem = msg
+            if share.share >= 1.0 or trusted(identity):
+                verified_busy = True
+                _guarded("a request", self._handle, on_request, *msg)
+            elif not share.offer(identity, msg, sum(len(f) for f in rest)):
+                rid = rest[0] if rest and len(rest[0]) == REQUEST_ID_BYTES else b""
+                if on_busy is not None:
+                    _guarded("a busy reply", on_busy, identity, rid)
+            if time.monotonic() >= (half if share.count else deadline):
+                break
+        while share.runnable(verified_busy) and time.monotonic() < deadline:
+            identity, msg = share.take()
+            if not self.alive(identity):   # its connection was closed meanwhile: nobody would hear
+                share.charge(identity, 0.0)
+                continue
+            t0 = time.perf_counter()
+            _guarded("a request", self._handle, on_request, *msg)
+            share.charge(identity, time.perf_counter() - t0)
+
+    def _poll_timeout_ms(self, next_tick: float) -> int:
+        if self.listener.has_messages() or self.share.count:
+            return 0
+        return max(0, int((next_tick - time.monotonic()) * 1000))
 
     def serve(
         self,
@@ -321,110 +381,101 @@ class RouterServer:
         on_tick: Callable[[], None],
         tick_s: float,
         stop: Callable[[], bool],
-        batch: int = 64,
+        trusted: Callable[[bytes], bool] = lambda identity: True,
+        on_busy: Optional[BusyHandler] = None,
     ) -> None:
         """Poll until ``stop()``; ``on_tick()`` runs at least every ``tick_s`` seconds."""
+        listener = self.listener
         next_tick = time.monotonic() + tick_s
         while not stop():
-            timeout_ms = max(0, int((next_tick - time.monotonic()) * 1000))
             try:
-                events = dict(self._poller.poll(timeout_ms))
-            except zmq.ZMQError as exc:
-                if exc.errno != errno.EINTR:
-                    logger.error("lmshm: poll failed: %s", exc.strerror)
-                    time.sleep(tick_s)
-                events = {}
-            if self._monitor is not None and self._monitor in events:
-                _guarded("the accept gate", self._on_accepted)
-            if self._sock in events:
-                for _ in range(batch):  # bounded, so fds and ticks are never starved
-                    if self._monitor is not None and self._monitor.poll(0):
-                        _guarded("the accept gate", self._on_accepted)  # a burst: react between requests
-                    if not _guarded("a request", self._receive_one, on_request):
-                        break
-            for fd, callback in list(self._fd_callbacks.items()):
-                if fd in events and fd in self._fd_callbacks:
+                events = self._epoll.poll(self._poll_timeout_ms(next_tick) / 1000, 4096)
+            except InterruptedError:
+                events = []
+            except OSError as exc:
+                logger.error("lmshm: poll failed: %s", exc.strerror)
+                time.sleep(tick_s)
+                events = []
+            callbacks = []
+            for fd, flags in events:
+                if fd == listener.listen_fd:
+                    _guarded("accepting connections", listener.on_listener)
+                elif fd in listener.conns:
+                    _guarded("a connection", listener.on_event, fd,
+                             (zmtp.WRITABLE if flags & select.EPOLLOUT else 0)
+                             | (zmtp.READABLE if flags & ~select.EPOLLOUT else 0))
+                else:
+                    callbacks.append(fd)
+            _guarded("requests", self._serve_requests, on_request, trusted, on_busy)
+            for fd in callbacks:
+                callback = self._fd_callbacks.get(fd)
+                if callback is not None:
                     _guarded(f"the callback of fd {fd}", callback)
             if time.monotonic() >= next_tick:
-                if self.gate is not None:
-                    _guarded("the accept gate", self._check_gate)
                 _guarded("the periodic tick", on_tick)
                 next_tick = time.monotonic() + tick_s
+            if listener.paused:
+                _guarded("the listener", listener.resume)
 
-    def _on_accepted(self) -> None:
-        """Drain the monitor (connections accepted and gone), then look at the fd headroom once."""
-        while True:
-            try:
-                event = self._monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if self.idle_timeout_s > 0 and len(event[0]) == 6:
-                kind, fd = struct.unpack("=HI", event[0])
-                if kind == zmq.EVENT_ACCEPTED:
-                    self._conns[fd] = _Connection(fd_id(fd), time.monotonic())
-                elif kind == zmq.EVENT_DISCONNECTED:
-                    self._conns.pop(fd, None)
-        if self.gate is not None:
-            self._check_gate()
-
-    def _saw(self, identity_frame: Any) -> None:
-        """A message came in: remember which connection (fd) carries which peer identity."""
-        try:
-            fd = identity_frame.get(zmq.SRCFD)
-        except zmq.ZMQError:
-            return
-        conn = self._conns.get(fd)
-        if conn is not None:
-            conn.identity = identity_frame.bytes
-
+    # ---- connections --------------------------------------------------------------------------
     def drop_idle(self, has_session: Callable[[bytes], bool]) -> int:
-        """Shut down connections that have had no session for ``idle_timeout_s``: a peer must
-        not hold server fds with connections that do nothing. A connection is dropped only if
-        its fd still names the very socket that was accepted (same socket inode)."""
+        """Close connections that have had no session for ``idle_timeout_s``, or did not finish
+        their handshake by then: a peer must not hold server fds with connections that do
+        nothing. A verified session's connection stays however quiet it is."""
         now, dropped = time.monotonic(), 0
-        for fd, conn in list(self._conns.items()):
-            if conn.identity is not None and has_session(conn.identity):
+        if self.idle_timeout_s <= 0 or now < self._next_idle_check:
+            return 0
+        self._next_idle_check = now + min(0.25, self.idle_timeout_s / 4)
+        for conn in list(self.listener.conns.values()):
+            if conn.open and has_session(conn.identity):
                 conn.since = now
-                continue
-            if now - conn.since <= self.idle_timeout_s:
-                continue
-            del self._conns[fd]
-            if _shutdown_if(fd, conn.socket_id):
+            elif now - conn.since > self.idle_timeout_s:
+                self.listener.close(conn)
                 dropped += 1
         return dropped
 
-    def _check_gate(self) -> None:
-        changed = self.gate.check()
-        if changed is True:
-            self.watch_fd(self.gate.real_fd, self.gate.refuse_pending)
-        elif changed is False:
-            self.unwatch_fd(self.gate.real_fd)
+    def shed(self, keep: Callable[[bytes], bool], low: int, high: int) -> int:
+        """When fewer than ``low`` fds are free and a connection waits to be accepted, close
+        connections that are only holding fds, the longest-standing first, until ``high`` would
+        be free: a flood of connections must not keep a worker from connecting until the idle
+        timeout clears it. Spared: a connection younger than ``SHED_GRACE_S``, one whose first
+        request still waits its turn (every connection gets one answer), and one whose peer
+        ``keep(identity)`` (a verified session). A worker whose connection is shed between its
+        HELLO and its proof still verifies (the session is its token's), and its client resumes
+        the session over a new connection."""
+        free = self.free_fds()
+        if free >= low or not self.listener.pending():
+            return 0
+        now = time.monotonic()
+        victims = heapq.nsmallest(high - free, (
+            c for c in self.listener.conns.values()
+            if now - c.accepted >= SHED_GRACE_S
+            and not (c.open and (keep(c.identity) or (not c.replies and (c.ready or self.share.waiting(c.identity)))))),
+            key=lambda c: c.accepted)
+        for conn in victims:
+            self.listener.close(conn)
+        return len(victims)
 
-    def drain(self, on_request: RequestHandler, limit: int = 1024) -> int:
-        """Hand every message already queued to ``on_request`` (used at shutdown)."""
+    def drain(self, on_request: RequestHandler, limit: int = 4096) -> int:
+        """Hand every message already received (and waiting in the share) to ``on_request``
+        (used at shutdown)."""
         n = 0
-        while n < limit and self._receive_one(on_request):
+        while n < limit:
+            waiting = self.share.take()
+            msg = waiting[1] if waiting is not None else self.listener.next_message()
+            if msg is None:
+                break
+            _guarded("a request", self._handle, on_request, *msg)
+            if waiting is not None:
+                self.share.charge(waiting[0], 0.0)  # its next request takes its turn
             n += 1
+        self.listener.flush_all()
         return n
 
     def close(self) -> None:
-        if self.gate is not None:
-            self.gate.open()  # libzmq must find its own listener when it closes (epoll removal)
-        if self._monitor is not None:
-            self._sock.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
-        self._sock.close(0)
-        self._ctx.term()
-        if self.gate is not None:
-            self.gate.close()
-            self.gate = None
-        if self._ipc_listener is not None:  # bind failed before libzmq took it
-            self._ipc_listener.close()
-            self._ipc_listener = None
-        if self._ipc_listener is not None:
-            self._ipc_listener.close()
-            self._ipc_listener = None
+        self.listener.flush_all()  # last replies (shutdown's UNAVAILABLE), as far as they go without waiting
+        self.listener.close_all()
+        self._epoll.close()
         if self._ipc_path and self._ipc_inode:
             unlink_if_same(self._ipc_path, self._ipc_inode)  # only the file this process created
             self._ipc_path = None

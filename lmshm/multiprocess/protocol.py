@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 3.2: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.3: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -66,7 +66,7 @@ else:
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 
 #: Hard caps of the wire (the server's settings may be tighter).
 MAX_TEXT = 4096          # characters of any name or free-text field
@@ -373,7 +373,7 @@ class ReleaseReply(_Message, tag=int(MsgType.RELEASE_REPLY)):
 
 class PoolInfo(msgspec.Struct, frozen=True):
     capacity: int            # bytes; 0 = no data plane
-    used: int                # bytes held by objects (stored and in flight)
+    used: int                # bytes charged for objects, stored and in flight: extents and bookkeeping
     objects: int             # visible objects
     in_flight: int           # objects whose copy has not completed
     pinned: int              # objects pinned by leases or copies
@@ -386,6 +386,13 @@ class PoolInfo(msgspec.Struct, frozen=True):
     evicted_bytes: int
     retrieved: int           # chunks copied into workers
     failed: int              # STOREs and RETRIEVEs that failed
+    # 3.3: what counts against the capacity and the per-uid caps (docs/design/dataplane.md)
+    max_objects: int = 0     # the object cap (lmshm-server --max-objects); 0 = none
+    metadata_bytes: int = 0  # the part of ``used`` charged for bookkeeping (objects x its cost per object)
+    pinned_bytes: int = 0    # bytes charged for the pinned objects
+    lease_pins: int = 0      # pins the leases hold (each lease pins each of its objects once)
+    pins_capped: int = 0     # chunks LOOKUP found but did not pin: a per-uid cap
+    uids: int = 0            # uids holding objects or leases
 
 
 class ErrorReply(_Message, tag=int(MsgType.ERROR)):

@@ -2,12 +2,20 @@
 
 ``ZmqEndpoint`` is one of the thin adapters over the in-process server (``lmshm.core.server``):
 the registry, the data plane and the metrics are the server's; this file owns only what is
-ZeroMQ's -- the ROUTER socket, the sessions and their kernel-verified identities (the fd
-channel), and the loop. One thread runs the loop: ``mq.RouterServer`` polls the ZeroMQ socket,
-the fd channel's Unix sockets, one pidfd per watched worker and a wake-up pipe (signals, copier
-replies, ``stop()``), and calls the handlers below. Handlers are short (decoding, mapping,
-bookkeeping). The loop's tick is also the server's clock: lease expiry, reclaim of silent
-sessions, the orphan sweep.
+ZeroMQ's -- the endpoint (lmshm's own ZMTP listener, ``zmtp.py``), the sessions and their
+kernel-verified identities (the fd channel), and the loop. One thread runs the loop:
+``mq.RouterServer`` polls the listener and its connections, the fd channel's Unix sockets, one
+pidfd per watched worker and a wake-up pipe (signals, copier replies, ``stop()``), and calls the
+handlers below. Handlers are short (decoding, mapping, bookkeeping). The loop's tick is also the
+server's clock: lease expiry, reclaim of silent sessions, the orphan sweep, and the fd budget
+(idle connections closed; when fds run short and connections wait, those without a verified
+session shed, oldest first).
+
+Floods: requests of peers without a verified session wait their turn and run only in the
+time verified sessions leave, at most ``--unverified-share`` of it while they are busy
+(``mq.UnverifiedShare``); the fd channel is served at least every 10 ms of requests. File
+descriptors: ``FD_RESERVE`` stay free for the server's own work, ``LINK_ROOM`` more for the fd
+channel; ZeroMQ connections are accepted only above both.
 
 The trust boundary is this file's ``_on_request``: every byte a peer sends becomes either the
 reply it asked for or an ``ErrorReply`` with a code -- never an exception that reaches the
@@ -69,13 +77,21 @@ from lmshm.quoting import clip, quote
 logger = logging.getLogger("lmshm.server")
 
 TICK_S = 0.05
-#: File descriptors kept free for the server's own work (mapping, logging, accepting).
+#: File descriptors kept free for the server's own work (mapping, logging, accepting); an
+#: eighth of the open-file limit if that is less, as are LINK_ROOM and SHED_TO (SHED_BELOW: a 16th).
 FD_RESERVE = 64
 #: File descriptors a verified session costs: its ZeroMQ connection, fd-channel link, pidfd.
 FDS_PER_SESSION = 3
 MAX_REPLY_MESSAGE = 1024
 #: A ZeroMQ connection without a session is closed after this long (or --auth-timeout, if longer).
 IDLE_CONNECTION_S = 5.0
+#: ZeroMQ connections are accepted only while more than FD_RESERVE + LINK_ROOM fds are free:
+#: the last LINK_ROOM above the reserve are the fd channel's (a verified session's link and pidfd).
+LINK_ROOM = 64
+#: When fewer than FD_RESERVE + LINK_ROOM + SHED_BELOW fds are free and a connection waits to be
+#: accepted, connections without a verified session are closed, oldest first, until
+#: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
+SHED_BELOW, SHED_TO = 32, 96
 
 __all__ = ["ConfigError", "ServerConfig", "ZmqEndpoint", "build_arg_parser", "main", "resolve_config"]
 
@@ -100,6 +116,26 @@ def open_fd_count(limit: int = 1 << 30) -> int:
         return limit
 
 
+class _FdCount:
+    """``open_fd_count`` at most once per ``ttl_s``: listing /proc/self/fd costs ~0.8 ms at
+    1,000 fds, and the loop asks on every HELLO and accept. The fd reserve absorbs what a
+    count this old can miss."""
+
+    def __init__(self, limit: int, ttl_s: float = 0.05) -> None:
+        self.limit, self.ttl_s = limit, ttl_s
+        self._value, self._at = 0, float("-inf")
+
+    def __call__(self) -> int:
+        now = time.monotonic()
+        if now - self._at > self.ttl_s:
+            self._value, self._at = open_fd_count(self.limit), now
+        return self._value
+
+    def opened(self, n: int) -> None:
+        """``n`` fds were opened since the last count (accepts): count them until the next one."""
+        self._value += n
+
+
 class _Refusal(Exception):
     """A request refused with ``code``: raised inside handlers, answered by ``_on_request``."""
 
@@ -121,6 +157,12 @@ class ZmqEndpoint:
         self.server_id = core.server_id
         self.started = core.started
         self.fd_limit = raise_fd_limit()
+        self._fd_count = _FdCount(self.fd_limit)
+        # The fd budget (scaled down for small limits): kept free, the fd channel's, shedding marks.
+        self.fd_reserve = min(FD_RESERVE, self.fd_limit // 8)
+        link_room = min(LINK_ROOM, self.fd_limit // 8)
+        self._shed_below = self.fd_reserve + link_room + min(SHED_BELOW, self.fd_limit // 16)
+        self._shed_to = self.fd_reserve + link_room + min(SHED_TO, self.fd_limit // 8)
         self.registry = core.registry
         self.metrics = core.metrics
         self.dataplane: Any = None      # the server's, set once it exists
@@ -142,9 +184,11 @@ class ZmqEndpoint:
         self._completions: collections.deque = collections.deque()
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
                                       receive_queue=config.receive_queue, fd_limit=self.fd_limit,
-                                      fd_reserve=FD_RESERVE, count_fds=lambda: open_fd_count(self.fd_limit),
-                                      idle_timeout_s=max(IDLE_CONNECTION_S, config.auth_timeout_s))
-        max_sessions = min(config.max_sessions, max(1, (self.fd_limit - FD_RESERVE) // FDS_PER_SESSION))
+                                      fd_reserve=self.fd_reserve + link_room, count_fds=self._fd_count,
+                                      fds_opened=self._fd_count.opened,
+                                      idle_timeout_s=max(IDLE_CONNECTION_S, config.auth_timeout_s),
+                                      unverified_share=config.unverified_share)
+        max_sessions = min(config.max_sessions, max(1, (self.fd_limit - self.fd_reserve) // FDS_PER_SESSION))
         if max_sessions < config.max_sessions:
             logger.warning("lmshm: the open-file limit (%d) allows %d sessions, fewer than --max-sessions %d",
                            self.fd_limit, max_sessions, config.max_sessions)
@@ -166,8 +210,13 @@ class ZmqEndpoint:
         except BaseException:
             self.router.close()
             raise
+        self._busy_reply = codec.encode(protocol.ErrorReply(
+            ErrorCode.UNAVAILABLE, f"lmshm-server is busy: requests of peers without a verified session may use "
+                                   f"{config.unverified_share:.0%} of its time (lmshm-server --unverified-share) and "
+                                   "more of them are waiting; try again shortly"))
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
+        self._shed, self._shed_log_at = 0, 0.0   # the tick logs shedding once a second
         self._next_sweep = 0.0
         self._sweep()
 
@@ -244,7 +293,7 @@ class ZmqEndpoint:
     def run(self) -> None:
         """Serve until ``request_stop()``, then shut down (``lmshm.Server.start()``'s thread)."""
         try:
-            self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping)
+            self._serve()
         finally:
             self.shutdown()
 
@@ -255,7 +304,7 @@ class ZmqEndpoint:
         old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         old_handlers = {sig: signal.signal(sig, self.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping)
+            self._serve()
         finally:
             try:
                 for sig in old_handlers:  # a second signal must not cut the release short
@@ -266,6 +315,23 @@ class ZmqEndpoint:
                 if restore_signals:
                     for sig, handler in old_handlers.items():
                         signal.signal(sig, handler)
+
+    def _serve(self) -> None:
+        self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping,
+                          trusted=self._verified_identity, on_busy=self._busy)
+
+    def _has_session(self, identity: bytes) -> bool:
+        return identity in self.sessions
+
+    def _verified_identity(self, identity: bytes) -> bool:
+        session = self.sessions.of(identity)
+        return session is not None and session.peer is not None
+
+    def _busy(self, identity: bytes, request_id: bytes) -> None:
+        """A request of a peer without a verified session that cannot even wait (see
+        ``mq.UnverifiedShare``): answered at once, without being decoded."""
+        self.metrics.observe("zmq", "busy", "UNAVAILABLE", 0.0)
+        self.router.reply(identity, request_id, self._busy_reply)
 
     def shutdown(self) -> None:
         """Answer what is queued, release everything, remove socket files. Idempotent."""
@@ -287,15 +353,24 @@ class ZmqEndpoint:
         self.dataplane.tick()
         self.sessions.reap()
         self.fdchannel.expire()
-        dropped = self.router.drop_idle(lambda identity: self.sessions.of(identity) is not None)
+        dropped = self.router.drop_idle(self._has_session)
         if dropped:
             logger.info("lmshm: closed %d ZeroMQ connection(s) without a session for %g s", dropped,
                         self.router.idle_timeout_s)
+        self._shed += self.router.shed(self._verified_identity, low=self._shed_below, high=self._shed_to)
+        if self._shed and time.monotonic() >= self._shed_log_at:
+            logger.warning("lmshm: few file descriptors free: closed %d ZeroMQ connection(s) without a verified "
+                           "session, the oldest first, to accept waiting ones", self._shed)
+            self._shed, self._shed_log_at = 0, time.monotonic() + 1.0
         if time.monotonic() >= self._next_sweep:
             self._sweep()
 
-    def _fds_available(self) -> bool:
-        return open_fd_count(self.fd_limit) + FD_RESERVE < self.fd_limit
+    def _fds_available(self, opening: int = 0) -> bool:
+        """Whether ``opening`` more fds (a new fd-channel connection: 2) leave the reserve free."""
+        if self._fd_count() + self.fd_reserve + opening >= self.fd_limit:
+            return False
+        self._fd_count.opened(opening)
+        return True
 
     def _may_connect(self, creds: Credentials) -> Optional[str]:
         """The uid policy of the fd channel: the server's uid, root, and what was allowed."""

@@ -11,8 +11,10 @@ A session ends -- and its registrations are reclaimed -- on the first of:
 - its pidfd turns readable: the worker exited, however it died (milliseconds after SIGKILL);
 - its fd-channel link closes while the pidfd says the worker still runs (a client that closed),
   after ``LINK_GRACE_S`` -- a dying process closes its sockets a moment before its pidfd fires;
-- it never verified within ``auth_timeout_s`` of its HELLO, or newer unverified sessions
-  displaced it (at most ``max_pending_auth`` wait at a time);
+- it never verified within ``auth_timeout_s`` of its HELLO. At most ``max_pending_auth``
+  unverified sessions hold a slot; newer ones displace the oldest, which is *parked*: it holds
+  nothing, but its token still verifies until then, so a flood of HELLOs cannot void the proof
+  an honest worker is about to give;
 - it cannot be watched (no pidfd) and was silent for ``reap_timeout_s``.
 A pid-watched worker is never reclaimed for being slow or silent: its pidfd decides.
 
@@ -22,6 +24,7 @@ a live worker that merely closed its client keeps its segments.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import secrets
@@ -38,6 +41,9 @@ from lmshm.quoting import quote
 logger = logging.getLogger("lmshm.server")
 
 LINK_GRACE_S = 0.25
+#: Displaced unverified sessions whose token still verifies (``Sessions._make_room``); under
+#: 1 KiB each.
+PARKED_MAX = 4096
 
 
 @dataclass(eq=False)
@@ -87,6 +93,10 @@ class Sessions:
         self._by_id: dict[int, Session] = {}
         self._by_identity: dict[bytes, Session] = {}
         self._by_token: dict[str, Session] = {}
+        self._pending: collections.OrderedDict[int, Session] = collections.OrderedDict()  # unverified, oldest first
+        self._parked: collections.OrderedDict[str, Session] = collections.OrderedDict()   # displaced, by token
+        self.displaced = 0                   # sessions parked so far
+        self._displaced_log_at = 0.0
         self._next = 1
 
     def __len__(self) -> int:
@@ -98,25 +108,70 @@ class Sessions:
     def of(self, identity: bytes) -> Optional[Session]:
         return self._by_identity.get(identity)
 
+    def __contains__(self, identity: bytes) -> bool:
+        """Whether the ZeroMQ connection ``identity`` has a session (verified or not)."""
+        return identity in self._by_identity
+
     # ---- opening and verifying ------------------------------------------------------------
     def open(self, identity: bytes, client_name: str) -> Session:
         """A new, unverified session. Sessions that have not proven their identity yet are
         capped at ``max_pending_auth``; past that, or when the table is full, the oldest of them
-        gives way, so HELLOs alone cannot lock verified workers out (an honest worker proves
-        its identity within milliseconds of its HELLO)."""
-        unverified = [s for s in self._by_id.values() if s.peer is None]
-        if unverified and (len(unverified) >= self.config.max_pending_auth or len(self._by_id) >= self.max_sessions):
-            oldest = min(unverified, key=lambda s: s.opened)
-            self.end(oldest, "displaced by newer sessions while it had not proven its identity", orphaned=False)
+        gives way (``_make_room``), so HELLOs alone cannot lock verified workers out."""
+        self._make_room(for_pending=True)
         if len(self._by_id) >= self.max_sessions:
             raise SessionLimitError(f"the server holds {len(self._by_id)} verified sessions, its limit "
                                     f"(lmshm-server --max-sessions, and the open-file limit)")
         session = Session(self._next, secrets.token_hex(16), identity, client_name)
         self._next += 1
-        self._by_id[session.id] = session
-        self._by_identity[identity] = session
-        self._by_token[session.token] = session
+        self._insert(session)
         logger.debug("lmshm: session %d opened%s", session.id, f" for {quote(client_name, 40)}" if client_name else "")
+        return session
+
+    def _insert(self, session: Session) -> None:
+        self._by_id[session.id] = session
+        self._by_identity[session.identity] = session
+        self._by_token[session.token] = session
+        self._pending[session.id] = session
+
+    def _make_room(self, *, for_pending: bool) -> None:
+        """Park the oldest unverified session if the pending cap (``for_pending``) or the table
+        is full. A parked session holds no slot, but its token still verifies on the fd channel
+        until ``auth_timeout_s`` after its HELLO (``_unpark``): a flood of HELLOs can displace
+        an honest worker's session between its HELLO and its proof, but cannot void the proof."""
+        while self._pending and ((for_pending and len(self._pending) >= self.config.max_pending_auth)
+                                 or len(self._by_id) >= self.max_sessions):
+            _, oldest = self._pending.popitem(last=False)
+            del self._by_id[oldest.id]
+            del self._by_token[oldest.token]
+            if self._by_identity.get(oldest.identity) is oldest:
+                del self._by_identity[oldest.identity]
+            self._parked[oldest.token] = oldest
+            if len(self._parked) > PARKED_MAX:
+                self._parked.popitem(last=False)
+            self.displaced += 1
+            now = time.monotonic()
+            if now >= self._displaced_log_at:  # a flood displaces thousands a second: one line a second
+                logger.info("lmshm: %s displaced by newer sessions while it had not proven its identity (parked: its "
+                            "token still verifies until --auth-timeout; %d displaced so far)", oldest.describe(),
+                            self.displaced)
+                self._displaced_log_at = now + 1.0
+
+    def _unpark(self, token: str) -> Optional[Session]:
+        """A displaced session whose worker now proves its identity takes a slot again (see
+        ``_make_room``); None if its token is unknown, too old, or its connection has opened
+        another session meanwhile. Raises ``FdChannelError`` if verified sessions fill the table."""
+        session = self._parked.pop(token, None)
+        if session is None or time.monotonic() - session.opened > self.config.auth_timeout_s:
+            return None
+        if session.identity in self._by_identity:
+            return None
+        self._make_room(for_pending=False)
+        if len(self._by_id) >= self.max_sessions:
+            self._parked[token] = session
+            raise FdChannelError(f"the server holds {len(self._by_id)} verified sessions, its limit (lmshm-server "
+                                 "--max-sessions, and the open-file limit)", "UNAVAILABLE")
+        self._insert(session)
+        logger.debug("lmshm: session %d came back from the parked ones to prove its identity", session.id)
         return session
 
     def resume(self, identity: bytes, token: str) -> Optional[Session]:
@@ -131,7 +186,7 @@ class Sessions:
 
     def verify(self, token: str, creds: Credentials, pidfd: Optional[int]) -> int:
         """Bind the kernel's ``creds`` (and ``pidfd``, now ours) to the session holding ``token``."""
-        session = self._by_token.get(token)
+        session = self._by_token.get(token) or self._unpark(token)
         try:
             if session is None:
                 raise FdChannelError("unknown session token: say HELLO on the ZeroMQ endpoint first",
@@ -154,6 +209,7 @@ class Sessions:
                 raise FdChannelError("the connecting process exited", "UNAVAILABLE")
             session.peer = Peer(session=session.id, pid=creds.pid, uid=creds.uid, gid=creds.gid,
                                 ns_pid=ns_pid, pid_ns=pid_ns)
+            self._pending.pop(session.id, None)
             session.pidfd, pidfd = pidfd, None
             session.link_lost = None
             if session.pidfd is not None:
@@ -179,13 +235,16 @@ class Sessions:
 
     def reap(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
+        timeout = self.config.auth_timeout_s
+        while self._parked and now - next(iter(self._parked.values())).opened > timeout:
+            self._parked.popitem(last=False)
+        for session in list(self._pending.values()):
+            if now - session.opened > timeout:
+                self.end(session, f"identity not proven on the fd channel within {timeout:g} s", orphaned=False)
         for session in list(self._by_id.values()):
             if session.link_lost is not None and now - session.link_lost > LINK_GRACE_S:
                 self.end(session, "fd-channel connection closed by a live worker",
                          orphaned=not pid_alive(session.pidfd))
-            elif not session.verified and now - session.opened > self.config.auth_timeout_s:
-                self.end(session, f"identity not proven on the fd channel within {self.config.auth_timeout_s:g} s",
-                         orphaned=False)
             elif session.pidfd is None and now - session.last_seen > self.config.reap_timeout_s:
                 self.end(session, f"no message for {self.config.reap_timeout_s:g} s", orphaned=False)
 
@@ -193,6 +252,7 @@ class Sessions:
         if self._by_id.pop(session.id, None) is None:
             return
         session.ended = True
+        self._pending.pop(session.id, None)
         if self._by_identity.get(session.identity) is session:
             del self._by_identity[session.identity]
         self._by_token.pop(session.token, None)

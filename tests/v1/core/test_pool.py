@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from lmshm.core.copier import BlockLayout, LayoutError
-from lmshm.core.pool import ALIGN, Pool, Reservation, parse_size
+from lmshm.core.pool import ALIGN, Pool, Reservation, _Extents, cost_of, parse_size
+
+ONE = cost_of(ALIGN)   # what an object of 64 bytes is charged: its extent and its bookkeeping
 
 
 def stored(pool: Pool, uid: int, key: bytes, n: int = ALIGN):
@@ -25,18 +27,22 @@ def test_sizes_parse_in_binary_units_and_refuse_nonsense():
 
 
 def test_freed_space_is_merged_and_reused():
-    pool = Pool(4 * ALIGN)
+    pool = Pool(4 * ONE)
     objs = [stored(pool, 0, bytes([i])) for i in range(4)]
     outcome, new = pool.reserve(0, b"x", ALIGN, b"L", 1)                    # evicts the LRU one
-    assert outcome == Reservation.STORED and pool.evictions == 1 and new.offset == objs[0].offset
-    pool2 = Pool(4 * ALIGN)
-    a, b, c, d = (stored(pool2, 0, bytes([i])) for i in range(4))
-    pool2.reserve(0, b"big", 2 * ALIGN, b"L", 1)      # needs two neighbours evicted: a, then b
-    assert pool2.evictions == 2 and pool2.used == 4 * ALIGN
+    assert outcome == Reservation.STORED and pool.evictions == 1 and new[0] == objs[0][0]
+    extents = _Extents(0)
+    for start in (0, 128, 64):              # the third fills the gap: one extent remains
+        extents.give(start, 64)
+    assert len(extents) == 1 and extents.take(192) == 0 and extents.take(64) is None
+    extents.give(1024, 256)
+    extents.give(0, 128)
+    assert extents.take(128) == 0           # best fit: the 128-byte extent, not the larger one
+    assert extents.take(192) == 1024 and extents.take(64) == 1216 and len(extents) == 0
 
 
 def test_objects_are_visible_only_once_committed_and_only_to_their_uid():
-    pool = Pool(8 * ALIGN)
+    pool = Pool(8 * ONE)
     outcome, obj = pool.reserve(1000, b"k", ALIGN, b"L", 1)
     assert pool.lookup(1000, [[b"k"]], "s", 10) == (0, b"")         # in flight: invisible
     assert pool.reserve(1000, b"k", ALIGN, b"L", 1)[0] == Reservation.PRESENT
@@ -50,7 +56,7 @@ def test_objects_are_visible_only_once_committed_and_only_to_their_uid():
 
 
 def test_pinned_objects_are_never_evicted_and_leases_end():
-    pool = Pool(2 * ALIGN)
+    pool = Pool(2 * ONE)
     stored(pool, 0, b"a")
     stored(pool, 0, b"b")
     _, lease = pool.lookup(0, [[b"a", b"b"]], "s", 0.0)
@@ -62,12 +68,12 @@ def test_pinned_objects_are_never_evicted_and_leases_end():
 
 
 def test_a_retrieve_takes_over_its_leases_pins():
-    pool = Pool(4 * ALIGN)
+    pool = Pool(4 * ONE)
     stored(pool, 0, b"a")
     stored(pool, 0, b"b")
     _, lease = pool.lookup(0, [[b"a", b"b"]], "s", 30)
     objs, missing = pool.pin_for_copy(0, [b"a"], lease)
-    assert missing is None and [o.pins for o in objs] == [1]
+    assert missing is None and len(objs) == 1 and pool.pinned == 2 and pool.lease_pins == 1
     pool.unpin(objs, retrieved=True)
     assert pool.info()["leases"] == 1                               # b is still pinned by it
     objs, _ = pool.pin_for_copy(0, [b"b"], lease)

@@ -11,10 +11,12 @@ import time
 import pytest
 
 from harness import wait_for
+from lmshm.core.pool import OBJECT_COST
 from lmshm.multiprocess.protocol import ErrorCode, StoreResult
 
 BLOCK_BYTES = 2 * 16 * 8 * 4           # one block of one layer: [2, 16, 8] float32
 CHUNK_BYTES = 2 * BLOCK_BYTES          # two layers, one block per chunk
+CHUNK_COST = CHUNK_BYTES + OBJECT_COST  # what one chunk counts against --capacity
 
 
 def key(i: int, rank: int = 0) -> str:
@@ -97,7 +99,7 @@ def test_a_stored_key_is_skipped_and_reported(start_worker, server):
 
 
 def test_a_full_pool_evicts_in_lru_order_and_counts(start_worker, start_server):
-    server = start_server("--capacity", str(4 * CHUNK_BYTES))
+    server = start_server("--capacity", str(4 * CHUNK_COST), "--max-pinned-fraction-per-uid", "1")
     a, ia = kv_worker(start_worker, server)
     a.ok("fill_blocks", instance_id=ia, blocks=list(range(6)), seed=3)
     assert a.ok("store", instance_id=ia, keys=[key(i) for i in range(4)], blocks=[0, 1, 2, 3],
@@ -109,11 +111,11 @@ def test_a_full_pool_evicts_in_lru_order_and_counts(start_worker, start_server):
     hits = {i: a.ok("lookup", keys=[[key(i)]])["hits"] for i in range(5)}
     assert hits == {0: 1, 1: 0, 2: 1, 3: 1, 4: 1}             # key 1 was the least recently used
     p = pool(a)
-    assert p["evictions"] == 1 and p["evicted_bytes"] == CHUNK_BYTES and p["used"] == 4 * CHUNK_BYTES
+    assert p["evictions"] == 1 and p["evicted_bytes"] == CHUNK_BYTES and p["used"] == 4 * CHUNK_COST
 
 
 def test_when_nothing_can_be_evicted_a_store_is_skipped_not_failed(start_worker, start_server):
-    server = start_server("--capacity", str(2 * CHUNK_BYTES))
+    server = start_server("--capacity", str(2 * CHUNK_COST), "--max-pinned-fraction-per-uid", "1")
     a, ia = kv_worker(start_worker, server)
     a.ok("store", instance_id=ia, keys=[key(0), key(1)], blocks=[0, 1], chunk_blocks=1)
     lease = a.ok("lookup", keys=[[key(0), key(1)]])["lease"]          # both pinned
@@ -152,7 +154,7 @@ def test_a_killed_worker_leaves_nothing_in_flight(start_worker, server):
     wait_for(lambda: not b.ok("pool")["pool"]["in_flight"] and server_registrations(server) == 0, 10,
              what="the dead worker's copies and registration to be reclaimed")
     p = pool(b)
-    assert p["objects"] * 2 * 4 * 64 * 64 * 4 == p["used"] and p["pinned"] == 0   # only whole chunks remain
+    assert p["objects"] * (2 * 4 * 64 * 64 * 4 + OBJECT_COST) == p["used"] and p["pinned"] == 0  # whole chunks only
     _, ib = kv_worker(start_worker, server, blocks=64, shape=[4, 64, 64])       # and the server still works
     assert b.ok("lookup", keys=[[key(0)]])["hits"] in (0, 1)
 
@@ -246,4 +248,5 @@ def test_status_shows_the_pool(start_worker, server):
     out = subprocess.run([sys.executable, "-m", "lmshm.cli", "status", "--url", server.url],
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    assert "pool:" in out.stdout and "1 object" in out.stdout and "2.0 KiB of 2.0 GiB" in out.stdout, out.stdout
+    used = f"{(CHUNK_BYTES + OBJECT_COST) / 1024:.1f} KiB of 2.0 GiB used ({OBJECT_COST} B of it bookkeeping)"
+    assert "pool:" in out.stdout and "1 object" in out.stdout and used in out.stdout, out.stdout

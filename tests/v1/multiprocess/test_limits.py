@@ -127,7 +127,9 @@ def test_a_long_client_name_is_refused_at_hello(limited, baseline):
     _error(_raw(limited.url, body), ErrorCode.INVALID_ARG, "client name", "--max-name-bytes")
 
 
-def test_the_fifth_unauthenticated_fd_channel_connection_is_refused(limited, baseline):
+def test_a_fifth_unauthenticated_fd_channel_connection_displaces_the_oldest(limited, baseline):
+    # Past --max-pending-auth the oldest connection that has not authenticated gives way, so a
+    # flood of such connections cannot lock a new worker out (issue 15, finding 8).
     conns = []
     try:
         for _ in range(4):
@@ -137,17 +139,18 @@ def test_the_fifth_unauthenticated_fd_channel_connection_is_refused(limited, bas
         wait_for(lambda: proc_fd_count(limited.proc.pid) >= baseline["open_fds"] + 4, 3, 0.02, "accepts")
         fifth = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         conns.append(fifth)
-        fifth.settimeout(5)
         fifth.connect(limited.fd_socket)
-        answer = msgspec.msgpack.decode(fifth.recv(65536), type=fdchannel.Refused)
-        assert answer.code == "UNAVAILABLE" and "out of connections" in answer.error
-        assert fifth.recv(100) == b""
-        # The four pending ones are still served: one of them authenticates fine.
-        with RawSession(limited.url, verify=False) as honest:
-            conns[0].settimeout(5)
-            conns[0].send(msgspec.msgpack.encode({"op": "auth", "token": honest.hello.session_token}))
-            assert isinstance(msgspec.msgpack.decode(conns[0].recv(65536), type=fdchannel.Ack), fdchannel.Ack)
-            assert isinstance(honest.request(protocol.Ping()), protocol.Pong)
+        conns[0].settimeout(5)
+        answer = msgspec.msgpack.decode(conns[0].recv(65536), type=fdchannel.Refused)
+        assert answer.code == "UNAVAILABLE" and "displaced by a newer connection" in answer.error
+        assert conns[0].recv(100) == b""
+        # The other pending ones, and the newcomer, are still served: they authenticate fine.
+        for conn in (conns[1], fifth):
+            with RawSession(limited.url, verify=False) as honest:
+                conn.settimeout(5)
+                conn.send(msgspec.msgpack.encode({"op": "auth", "token": honest.hello.session_token}))
+                assert isinstance(msgspec.msgpack.decode(conn.recv(65536), type=fdchannel.Ack), fdchannel.Ack)
+                assert isinstance(honest.request(protocol.Ping()), protocol.Pong)
     finally:
         for s in conns:
             s.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import shutil
 import subprocess
@@ -20,14 +21,18 @@ HERE = Path(__file__).parent
 
 
 class EmbeddedApp:
-    def __init__(self, **settings: Any) -> None:
+    """``nofile``: run the application with that open-file limit (soft and hard)."""
+
+    def __init__(self, *, nofile: Optional[int] = None, **settings: Any) -> None:
         self.tmp = Path(tempfile.mkdtemp(prefix="lmshm-triton-test."))
         settings = {"url": f"ipc://{self.tmp}/s.ipc", "fd_socket": str(self.tmp / "s.fds"), "http_port": 0,
                     "grpc_port": 0, "capacity": 0, "log_level": "WARNING", **settings}
         self.log_path = self.tmp / "app.log"
         self._log = open(self.log_path, "w")
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen([sys.executable, str(HERE / "embedded_app.py"), json.dumps(settings)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     preexec_fn=limit)
         hello = self._reply(60)
         assert hello["ok"], hello
         self.pid, self.url = hello["pid"], hello["url"]
