@@ -18,8 +18,11 @@ Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 Connections (``_Connections``) are the endpoint's fd budget and have deadlines:
 - at most ``--http-max-connections`` are open. A new one past that makes the oldest connection
   *without a request in progress* close (idle, or still sending its request), so connections
-  that send nothing, or half a request, cannot lock honest clients out. Only when every
-  connection has a request in its handler is the new one closed;
+  that send nothing, or half a request, cannot lock honest clients out. A connection gives way
+  only once it has waited ``GIVE_WAY_AFTER_S`` in that state: until one has, new connections
+  wait in the kernel's backlog, first come first served, rather than displace one another (a
+  flood that keeps reopening connections would otherwise displace an honest client before its
+  request is even read). The wait is about the flood's connections / cap * ``GIVE_WAY_AFTER_S``;
 - a connection with no request (new, or kept alive after a response) closes after
   ``--http-idle-timeout``; a request's headers and body must all arrive within
   ``--http-request-timeout`` of its first byte (the connection closes; a late body gets 408).
@@ -57,11 +60,16 @@ _OP_NAMES = {"system": "SystemSharedMemory", "cuda": "CudaSharedMemory"}
 MAX_ERROR = 1024
 #: How often deadlines are checked (seconds): a deadline may be overrun by this much.
 SWEEP_S = 0.25
-#: The kernel's queue of connections not accepted yet (they hold no fd of ours).
-BACKLOG = 128
+#: The kernel's queue of connections not accepted yet (they hold no fd of ours); as deep as
+#: net.core.somaxconn allows, so that under a flood a client waits its turn there instead of
+#: losing its SYN (TCP tries again only after 1, 3, 7 ... s).
+BACKLOG = 4096
 #: Connections accepted per turn of the loop, and connections closed by the endpoint that may
 #: still hold their fd (they close on the loop's next turn): the fd budget is the cap plus this.
 ACCEPT_BURST = CLOSING_MAX = 32
+#: A connection without a request in progress gives way to a new one only after waiting this
+#: long (see the module docstring).
+GIVE_WAY_AFTER_S = 0.25
 
 
 def _json_error(status: int, message: str) -> web.Response:
@@ -377,6 +385,10 @@ class _Connections:
             if self._closing >= CLOSING_MAX:
                 self._pause()
                 return
+            wait_s = self.room_in()
+            if wait_s > 0:   # the cap is full and nobody may give way yet: the backlog waits
+                self._pause(wait_s)
+                return
             try:
                 sock, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -416,6 +428,17 @@ class _Connections:
         self._paused = False
         for sock in self._listeners:
             self._loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def room_in(self) -> float:
+        """Seconds until a new connection can have a place: 0 below the cap or when the first
+        waiting connection has waited ``GIVE_WAY_AFTER_S``; a short wait when every connection has
+        a request in progress."""
+        if len(self) < self.limit:
+            return 0.0
+        if not self._waiting:
+            return 0.05
+        first = next(iter(self._waiting))
+        return max(0.0, first.since + GIVE_WAY_AFTER_S - self.now())
 
     def admit(self) -> Optional["_Conn"]:
         """A new connection's place: the oldest waiting connection gives way at the cap; None if

@@ -44,7 +44,7 @@ from lmshm.core.errors import (  # noqa: F401 - re-exported: lmshm.MPClient rais
     error,
 )
 from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.fdchannel import ExpectedServer, FdChannelClient, FdChannelError
+from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, ExpectedServer, FdChannelClient, FdChannelError
 from lmshm.platform import ipc_policy
 
 if TYPE_CHECKING:  # torch and the wrappers load when something is registered, not for status
@@ -71,6 +71,10 @@ class ServerTimeout(LmshmError, TimeoutError):
     def __init__(self, url: str, message: str) -> None:
         super().__init__(message)
         self.url = url
+
+
+class _TokenExpired(Exception):
+    """The fd channel no longer knew this HELLO's token (it came after --auth-timeout)."""
 
 
 class MessageTooLarge(LmshmError, ValueError):
@@ -256,18 +260,25 @@ class MPClient:
         while True:  # a busy server (out of fds or sessions, a flood) is asked again until the timeout
             try:
                 reply = _exchange(self._dealer, hello)
-                break
             except Unavailable:
                 if time.monotonic() + pause > deadline:
                     raise
-            time.sleep(pause)
-            pause = min(2 * pause, 0.2)
-        if not (reply.resumed and self._link is not None and not self._link.broken()):
-            self._open_link(reply)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
+                continue
+            if reply.resumed and self._link is not None and not self._link.broken():
+                break
+            try:
+                self._open_link(reply, deadline)
+                break
+            except _TokenExpired as exc:  # the proof came after --auth-timeout (a flood): a new session
+                if time.monotonic() + pause > deadline:
+                    raise LmshmError(f"cannot prove this worker's identity to the lmshm server at {self.url}: "
+                                     f"{exc}") from None
         self._hello = reply
         return reply
 
-    def _open_link(self, hello: protocol.HelloReply) -> None:
+    def _open_link(self, hello: protocol.HelloReply, deadline: float) -> None:
         """Connect the fd channel: it proves this process's identity to the server (the kernel
         reports our pid and uid there), carries fds, and tells the server when we die."""
         if self._link is not None:
@@ -275,13 +286,15 @@ class MPClient:
             self._link = None
         path = self._fd_socket_override or hello.fd_socket
         expected = ExpectedServer(pid=hello.server_pid, uid=hello.server_uid, pid_ns=hello.server_pid_ns)
-        deadline, pause = time.monotonic() + self.timeout_s, 0.01
+        pause = 0.01
         while True:  # a busy server (out of fds, a full backlog, a flood of connections) is retried
             try:
                 self._link = FdChannelClient(path, hello.session_token, expected=expected,
                                              timeout_s=max(0.1, deadline - time.monotonic()))
                 return
             except FdChannelError as exc:
+                if str(exc).startswith(f"fd channel {path}: {UNKNOWN_TOKEN}"):
+                    raise _TokenExpired(str(exc)) from None
                 if not exc.retry or time.monotonic() + pause > deadline:
                     raise LmshmError(f"cannot prove this worker's identity to the lmshm server at {self.url}: "
                                      f"{exc}") from None

@@ -29,6 +29,7 @@ import array
 import errno
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -46,8 +47,13 @@ from lmshm.quoting import clip
 logger = logging.getLogger(__name__)
 
 MAX_FDS_PER_MESSAGE = 250   # below the kernel's SCM_MAX_FD (253)
-BACKLOG = 512               # connections waiting to be accepted hold no fd of the server
-ACCEPT_BATCH = 16           # accepts per turn of the loop (a quarter of the default --max-pending-auth)
+#: Connections waiting to be accepted hold no fd of the server. As deep as the kernel allows
+#: (net.core.somaxconn caps it), so that a flood of connections leaves a worker room to queue.
+BACKLOG = 4096
+#: Accepts per turn of the loop, at most: enough to drain a flood's backlog quickly (an honest
+#: worker's token is read as it is accepted), few enough to keep the loop's turn short
+#: (~30 us each).
+ACCEPT_BATCH = 64
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_TOKEN_CHARS = 256
 _ANCILLARY = socket.CMSG_SPACE(MAX_FDS_PER_MESSAGE * array.array("i").itemsize)
@@ -90,6 +96,11 @@ class Refused(_FdMessage, tag="refused"):
 _to_server = msgspec.msgpack.Decoder(Union[Auth, SendFds])
 _to_client = msgspec.msgpack.Decoder(Union[Ack, Refused])
 _encode = msgspec.msgpack.Encoder().encode
+
+
+#: How a refusal of a token the server does not know (any more) begins; the client then says
+#: HELLO again.
+UNKNOWN_TOKEN = "unknown session token"
 
 
 class FdChannelError(RuntimeError):
@@ -302,6 +313,8 @@ class FdChannelServer:
         self._pending: dict[int, _Conn] = {}     # unauthenticated connections, oldest first
         self._links: dict[Hashable, _Conn] = {}
         self.displaced = 0
+        self.refused = 0
+        self._refusal_log_at = 0.0
         self._listener, self._inode = bind_unix(path, socket.SOCK_SEQPACKET, "fd socket")
         self._spare = SpareFd()
         self._listener.listen(BACKLOG)
@@ -313,6 +326,14 @@ class FdChannelServer:
         if sock is not None:
             self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
 
+    def _log_refusal(self, line: str) -> None:
+        """A refusal's warning, at most one line a second (a flood of refusals must not flood the log)."""
+        self.refused += 1
+        now = time.monotonic()
+        if now >= self._refusal_log_at:
+            logger.warning("lmshm: %s (%d refused so far; logged at most once a second)", line, self.refused)
+            self._refusal_log_at = now + 1.0
+
     @property
     def pending(self) -> int:
         return len(self._pending)
@@ -322,10 +343,11 @@ class FdChannelServer:
         sock.close()
 
     def _accept(self) -> None:
-        """Accept what waits, ``ACCEPT_BATCH`` at most. Past ``max_pending`` unauthenticated
-        connections the oldest gives way -- but only one accepted before this batch, which has
-        had its turn to be read: a newcomer always gets in, and an honest worker (it sends its
-        token right after connecting) is read before ``max_pending`` newer ones displace it."""
+        """Accept what waits, ``ACCEPT_BATCH`` at most, reading each newcomer at once: an honest
+        worker sends its token right after connecting, so it is usually verified as it is
+        accepted and never waits. A connection that has sent nothing yet waits among at most
+        ``max_pending``; past that (or when fds are short) the oldest of them gives way -- but only
+        one accepted before this batch, which has had its turn to be read."""
         batch_start = time.monotonic()
         for _ in range(ACCEPT_BATCH):
             try:
@@ -342,6 +364,17 @@ class FdChannelServer:
                 return
             self._admit(sock, batch_start)
 
+    def _give_way(self, batch_start: float) -> bool:
+        """Close the oldest unauthenticated connection if it was accepted before ``batch_start``."""
+        oldest = next(iter(self._pending.values()), None)
+        if oldest is None or oldest.accepted >= batch_start:
+            return False
+        self.displaced += 1
+        self._send(oldest.sock, Refused("UNAVAILABLE", "displaced by a newer connection before it "
+                                                       "authenticated; try again"))
+        self._forget(oldest)
+        return True
+
     def _admit(self, sock: socket.socket, batch_start: float) -> None:
         try:
             creds = peer_credentials(sock)
@@ -350,25 +383,29 @@ class FdChannelServer:
             return
         refusal = self._may_connect(creds)
         if refusal is not None:
-            logger.warning("lmshm: fd channel refused pid %d (uid %d): %s", creds.pid, creds.uid, refusal)
+            self._log_refusal(f"fd channel refused pid {creds.pid} (uid {creds.uid}): {refusal}")
             return self._refuse(sock, "PERMISSION_DENIED", refusal)
-        if len(self._pending) >= self.max_pending:
-            oldest = next(iter(self._pending.values()))
-            if oldest.accepted >= batch_start:
-                return self._refuse(sock, "UNAVAILABLE", "the server has too many connections waiting to "
-                                                         "authenticate; try again")
-            self.displaced += 1
-            self._send(oldest.sock, Refused("UNAVAILABLE", "displaced by a newer connection before it "
-                                                           "authenticated; try again"))
-            self._forget(oldest)
-        if not self._fds_available(2):  # this socket and the peer's pidfd
-            logger.warning("lmshm: fd channel refused pid %d: out of file descriptors", creds.pid)
+        # 2 fds: this socket and the peer's pidfd; when they are short, the oldest unauthenticated
+        # connection's become this one's.
+        if not self._fds_available(2) and not self._give_way(batch_start):
+            self._log_refusal(f"fd channel refused pid {creds.pid}: out of file descriptors")
             return self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
         sock.setblocking(False)
+        fd = sock.fileno()
         conn = _Conn(sock, creds, peer_pidfd(sock, creds.pid), time.monotonic())
-        self._conns[sock.fileno()] = conn
-        self._pending[sock.fileno()] = conn
-        self._watch(sock.fileno(), lambda: self._readable(conn))
+        self._conns[fd] = conn
+        self._readable(conn)
+        if self._conns.get(fd) is not conn:      # it closed, or was refused and dropped
+            return
+        if conn.session is None:                  # nothing (valid) yet: it waits for its turn
+            if len(self._pending) >= self.max_pending and not self._give_way(batch_start):
+                self._log_refusal(f"fd channel refused pid {creds.pid}: too many connections waiting")
+                self._send(sock, Refused("UNAVAILABLE", "the server has too many connections waiting to "
+                                                        "authenticate; try again"))
+                self._forget(conn)
+                return
+            self._pending[fd] = conn
+        self._watch(fd, lambda: self._readable(conn))
 
     @staticmethod
     def _send(sock: socket.socket, msg: Union[Ack, Refused]) -> bool:
@@ -592,10 +629,16 @@ class FdChannelClient:
             self._call(SendFds([t for t, _ in chunk]), [fd for _, fd in chunk])
 
     def broken(self) -> bool:
-        """True if the server end is gone (EOF or error pending on the socket)."""
+        """True if the server end is gone (EOF or error pending on the socket). Never waits: the
+        socket has a timeout, and Python waits that long for data before any ``recv``, whatever
+        its flags."""
+        poll = select.poll()
+        poll.register(self._sock.fileno(), select.POLLIN)
+        if not poll.poll(0):
+            return False
         try:
             return self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
+        except (BlockingIOError, TimeoutError):
             return False
         except OSError:
             return True
@@ -604,5 +647,5 @@ class FdChannelClient:
         self._sock.close()
 
 
-__all__ = ["Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
+__all__ = ["UNKNOWN_TOKEN", "Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
            "FdChannelServer", "Refused", "SendFds", "bind_unix", "default_path"]

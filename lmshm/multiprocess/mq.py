@@ -113,6 +113,9 @@ SLICE_S = 0.01
 BACKLOG = 4096
 #: A connection this young is never shed (``RouterServer.shed``): it has not had its turn yet.
 SHED_GRACE_S = 0.25
+#: A peer process (``Connection.account``) with more connections than this gets none spared by
+#: ``RouterServer.shed`` for a request waiting its turn.
+SPARED_PER_ACCOUNT = 4
 
 
 def bind_tcp(url: str) -> socket.socket:
@@ -150,12 +153,13 @@ class UnverifiedShare:
     in seconds, filled at ``share`` seconds per second up to ``burst_s`` and charged what each
     request took; when no verified request came in a slice, they may use the rest of it. The
     peer that has used the least time so far goes first, so a newcomer's HELLO does not queue
-    behind a flood of expensive requests of peers already served. Verified sessions' requests
-    never wait here.
+    behind a flood of expensive requests of peers already served. Time is charged to the peer's
+    ``account`` (on ipc:// its process, which the kernel names: a flood that reconnects stays
+    charged; on tcp:// its connection). Verified sessions' requests never wait here.
     """
 
     def __init__(self, share: float, *, burst_s: float = 0.1, per_peer: int = 2, max_item: int = 16 << 10,
-                 max_count: int = 8192) -> None:
+                 max_count: int = 8192, account: Callable[[bytes], bytes] = lambda identity: identity) -> None:
         self.share = share
         self.burst_s = burst_s
         self.per_peer = per_peer
@@ -163,6 +167,8 @@ class UnverifiedShare:
         self.max_count = max_count
         self.credit = burst_s
         self._at = time.monotonic()
+        self._account = account
+        self._accounts: dict[bytes, bytes] = {}           # waiting peer -> its account
         self._waiting: dict[bytes, collections.deque] = {}
         self._turns: list[tuple[float, int, bytes]] = []      # heap: (time used, arrival, peer)
         self._used: collections.OrderedDict[bytes, float] = collections.OrderedDict()  # recent peers' time
@@ -184,7 +190,8 @@ class UnverifiedShare:
             return False
         if queue is None:
             queue = self._waiting[identity] = collections.deque()
-            heapq.heappush(self._turns, (self._used.get(identity, 0.0), next(self._seq), identity))
+            account = self._accounts[identity] = self._account(identity)
+            heapq.heappush(self._turns, (self._used.get(account, 0.0), next(self._seq), identity))
         queue.append(item)
         self.count += 1
         return True
@@ -207,12 +214,15 @@ class UnverifiedShare:
         """``identity``'s request took ``seconds`` of the loop: the credit pays, the peer's
         turn moves back."""
         self.credit = max(-self.burst_s, self.credit - seconds)  # a long quiet spell cannot bank a debt
-        used = self._used.pop(identity, 0.0) + seconds
-        self._used[identity] = used
+        account = self._accounts.get(identity, identity)
+        used = self._used.pop(account, 0.0) + seconds
+        self._used[account] = used
         if len(self._used) > self.max_count:
             self._used.popitem(last=False)
         if identity in self._waiting:
             heapq.heappush(self._turns, (used, next(self._seq), identity))
+        else:
+            self._accounts.pop(identity, None)
 
     def waiting(self, identity: bytes) -> bool:
         return identity in self._waiting
@@ -240,7 +250,7 @@ class RouterServer:
         self.fd_limit, self.fd_reserve = fd_limit, fd_reserve
         self._count_fds = count_fds
         self.idle_timeout_s = idle_timeout_s
-        self.share = UnverifiedShare(unverified_share)
+        self.share = UnverifiedShare(unverified_share, account=self._account)
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
         self._next_idle_check = 0.0
@@ -317,6 +327,10 @@ class RouterServer:
         if not self.listener.send(identity, [request_id, body]) and self.listener.connection(identity) is not None:
             logger.warning("lmshm: could not reply to a peer: %d replies wait unread", self.receive_queue)
 
+    def _account(self, identity: bytes) -> bytes:
+        conn = self.listener.connection(identity)
+        return identity if conn is None else conn.account
+
     def alive(self, identity: bytes) -> bool:
         """False once the connection of ``identity`` is gone (its reply would be lost)."""
         return self.listener.connection(identity) is not None
@@ -338,7 +352,8 @@ class RouterServer:
             on_request(identity, request_id, rest[1], None)
 
     def _serve_requests(self, on_request: RequestHandler, trusted: Callable[[bytes], bool],
-                        on_busy: Optional[BusyHandler]) -> None:
+                        on_busy: Optional[BusyHandler],
+                        vouched: Optional[Callable[[bytes, list[bytes]], bool]] = None) -> None:
         """One slice: take what arrived (verified peers' requests run at once, the others wait
         in ``share``), then run waiting requests while the share's credit lasts."""
         share = self.share
@@ -351,7 +366,8 @@ class RouterServer:
             if msg is None:
                 break
             identity, rest, problem = msg
-            if share.share >= 1.0 or trusted(identity):
+            if share.share >= 1.0 or trusted(identity) or (problem is None and vouched is not None
+                                                            and vouched(identity, rest)):
                 verified_busy = True
                 _guarded("a request", self._handle, on_request, *msg)
             elif not share.offer(identity, msg, sum(len(f) for f in rest)):
@@ -383,8 +399,11 @@ class RouterServer:
         stop: Callable[[], bool],
         trusted: Callable[[bytes], bool] = lambda identity: True,
         on_busy: Optional[BusyHandler] = None,
+        vouched: Optional[Callable[[bytes, list[bytes]], bool]] = None,
     ) -> None:
-        """Poll until ``stop()``; ``on_tick()`` runs at least every ``tick_s`` seconds."""
+        """Poll until ``stop()``; ``on_tick()`` runs at least every ``tick_s`` seconds. Requests of
+        ``trusted`` peers run at once, and so does one that ``vouched(identity, frames)`` for
+        (a message that carries its own proof); the rest share ``unverified_share``."""
         listener = self.listener
         next_tick = time.monotonic() + tick_s
         while not stop():
@@ -406,7 +425,7 @@ class RouterServer:
                              | (zmtp.READABLE if flags & ~select.EPOLLOUT else 0))
                 else:
                     callbacks.append(fd)
-            _guarded("requests", self._serve_requests, on_request, trusted, on_busy)
+            _guarded("requests", self._serve_requests, on_request, trusted, on_busy, vouched)
             for fd in callbacks:
                 callback = self._fd_callbacks.get(fd)
                 if callback is not None:
@@ -439,18 +458,21 @@ class RouterServer:
         connections that are only holding fds, the longest-standing first, until ``high`` would
         be free: a flood of connections must not keep a worker from connecting until the idle
         timeout clears it. Spared: a connection younger than ``SHED_GRACE_S``, one whose first
-        request still waits its turn (every connection gets one answer), and one whose peer
-        ``keep(identity)`` (a verified session). A worker whose connection is shed between its
+        request still waits its turn (every connection gets one answer) unless its peer process
+        holds more than ``SPARED_PER_ACCOUNT`` connections (a flood from one process, on ipc://),
+        and one whose peer ``keep(identity)`` (a verified session). A worker whose connection is shed between its
         HELLO and its proof still verifies (the session is its token's), and its client resumes
         the session over a new connection."""
         free = self.free_fds()
         if free >= low or not self.listener.pending():
             return 0
         now = time.monotonic()
+        per_account = collections.Counter(c.account for c in self.listener.conns.values())
         victims = heapq.nsmallest(high - free, (
             c for c in self.listener.conns.values()
             if now - c.accepted >= SHED_GRACE_S
-            and not (c.open and (keep(c.identity) or (not c.replies and (c.ready or self.share.waiting(c.identity)))))),
+            and not (c.open and (keep(c.identity) or (not c.replies and per_account[c.account] <= SPARED_PER_ACCOUNT
+                                                      and (c.ready or self.share.waiting(c.identity)))))),
             key=lambda c: c.accepted)
         for conn in victims:
             self.listener.close(conn)

@@ -83,11 +83,15 @@ FD_RESERVE = 64
 #: File descriptors a verified session costs: its ZeroMQ connection, fd-channel link, pidfd.
 FDS_PER_SESSION = 3
 MAX_REPLY_MESSAGE = 1024
+#: A HELLO this long at most is looked at for a resume token (``_resumes_verified``).
+MAX_RESUME_HELLO = 1024
 #: A ZeroMQ connection without a session is closed after this long (or --auth-timeout, if longer).
 IDLE_CONNECTION_S = 5.0
 #: ZeroMQ connections are accepted only while more than FD_RESERVE + LINK_ROOM fds are free:
 #: the last LINK_ROOM above the reserve are the fd channel's (a verified session's link and pidfd).
-LINK_ROOM = 64
+#: Connections that have not authenticated yet (2 fds each) may hold at most half of it, so
+#: --max-pending-auth is lowered to LINK_ROOM / 4 where the room is smaller than it needs.
+LINK_ROOM = 256
 #: When fewer than FD_RESERVE + LINK_ROOM + SHED_BELOW fds are free and a connection waits to be
 #: accepted, connections without a verified session are closed, oldest first, until
 #: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
@@ -203,7 +207,7 @@ class ZmqEndpoint:
                 watch=self.router.watch_fd,
                 unwatch=self.router.unwatch_fd,
                 max_fds_per_session=config.max_fds_per_session,
-                max_pending=config.max_pending_auth,
+                max_pending=max(1, min(config.max_pending_auth, link_room // 4)),
                 auth_timeout_s=config.auth_timeout_s,
                 fds_available=self._fds_available,
             )
@@ -318,7 +322,7 @@ class ZmqEndpoint:
 
     def _serve(self) -> None:
         self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping,
-                          trusted=self._verified_identity, on_busy=self._busy)
+                          trusted=self._verified_identity, on_busy=self._busy, vouched=self._resumes_verified)
 
     def _has_session(self, identity: bytes) -> bool:
         return identity in self.sessions
@@ -326,6 +330,20 @@ class ZmqEndpoint:
     def _verified_identity(self, identity: bytes) -> bool:
         session = self.sessions.of(identity)
         return session is not None and session.peer is not None
+
+    def _resumes_verified(self, identity: bytes, frames: list[bytes]) -> bool:
+        """Whether this message, from a connection without a verified session, is a HELLO that
+        resumes a verified session: its token proves it, so it runs at once rather than wait
+        among the floods of unverified peers (a worker whose connection was shed before its
+        proof comes back this way). Anything else costs a substring test; a small message
+        naming a resume token, one decode."""
+        if len(frames) != 2 or len(frames[1]) > MAX_RESUME_HELLO or b"resume_token" not in frames[1]:
+            return False
+        try:
+            msg = codec.decode_request(frames[1])
+        except Exception:  # noqa: BLE001 - anything a hostile payload triggers: not vouched for
+            return False
+        return isinstance(msg, protocol.Hello) and self.sessions.is_verified_token(msg.resume_token)
 
     def _busy(self, identity: bytes, request_id: bytes) -> None:
         """A request of a peer without a verified session that cannot even wait (see

@@ -12,9 +12,10 @@ A session ends -- and its registrations are reclaimed -- on the first of:
 - its fd-channel link closes while the pidfd says the worker still runs (a client that closed),
   after ``LINK_GRACE_S`` -- a dying process closes its sockets a moment before its pidfd fires;
 - it never verified within ``auth_timeout_s`` of its HELLO. At most ``max_pending_auth``
-  unverified sessions hold a slot; newer ones displace the oldest, which is *parked*: it holds
-  nothing, but its token still verifies until then, so a flood of HELLOs cannot void the proof
-  an honest worker is about to give;
+  unverified sessions hold a slot; newer ones displace the oldest, which is *parked*: the server
+  keeps nothing of it, but its token still verifies until then (a token carries its session's
+  number, HELLO time and connection, sealed with a key only the server knows), so no flood of
+  HELLOs, however fast, can void the proof an honest worker is about to give;
 - it cannot be watched (no pidfd) and was silent for ``reap_timeout_s``.
 A pid-watched worker is never reclaimed for being slow or silent: its pidfd decides.
 
@@ -25,6 +26,8 @@ a live worker that merely closed its client keeps its segments.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
 import os
 import secrets
@@ -34,16 +37,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 from lmshm.multiprocess.config import ServerConfig
-from lmshm.multiprocess.fdchannel import Credentials, FdChannelError
+from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, Credentials, FdChannelError
 from lmshm.platform.base.peer import Peer, namespace_view
 from lmshm.quoting import quote
 
 logger = logging.getLogger("lmshm.server")
 
 LINK_GRACE_S = 0.25
-#: Displaced unverified sessions whose token still verifies (``Sessions._make_room``); under
-#: 1 KiB each.
-PARKED_MAX = 4096
+_MAC_BYTES = 16
 
 
 @dataclass(eq=False)
@@ -94,7 +95,7 @@ class Sessions:
         self._by_identity: dict[bytes, Session] = {}
         self._by_token: dict[str, Session] = {}
         self._pending: collections.OrderedDict[int, Session] = collections.OrderedDict()  # unverified, oldest first
-        self._parked: collections.OrderedDict[str, Session] = collections.OrderedDict()   # displaced, by token
+        self._key = secrets.token_bytes(32)  # seals tokens (``_seal``); never leaves this process
         self.displaced = 0                   # sessions parked so far
         self._displaced_log_at = 0.0
         self._next = 1
@@ -121,11 +122,32 @@ class Sessions:
         if len(self._by_id) >= self.max_sessions:
             raise SessionLimitError(f"the server holds {len(self._by_id)} verified sessions, its limit "
                                     f"(lmshm-server --max-sessions, and the open-file limit)")
-        session = Session(self._next, secrets.token_hex(16), identity, client_name)
+        issued_ns = time.monotonic_ns()
+        session = Session(self._next, self._seal(self._next, issued_ns, identity), identity, client_name,
+                          opened=issued_ns / 1e9)
         self._next += 1
         self._insert(session)
         logger.debug("lmshm: session %d opened%s", session.id, f" for {quote(client_name, 40)}" if client_name else "")
         return session
+
+    def _seal(self, session_id: int, issued_ns: int, identity: bytes) -> str:
+        """A session's token: its number, HELLO time and connection, and a MAC over them under
+        ``_key``. Unforgeable and unguessable without the key; ``_unseal`` reads it back."""
+        body = session_id.to_bytes(8, "big") + issued_ns.to_bytes(8, "big") + identity
+        return (body + hashlib.blake2b(body, key=self._key, digest_size=_MAC_BYTES).digest()).hex()
+
+    def _unseal(self, token: str) -> Optional[tuple[int, int, bytes]]:
+        """(session id, issued_ns, identity) of a token this server sealed; None otherwise."""
+        try:
+            raw = bytes.fromhex(token)
+        except ValueError:
+            return None
+        if not 16 + _MAC_BYTES <= len(raw) <= 16 + 32 + _MAC_BYTES:
+            return None
+        body, mac = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+        if not hmac.compare_digest(mac, hashlib.blake2b(body, key=self._key, digest_size=_MAC_BYTES).digest()):
+            return None
+        return int.from_bytes(body[:8], "big"), int.from_bytes(body[8:16], "big"), body[16:]
 
     def _insert(self, session: Session) -> None:
         self._by_id[session.id] = session
@@ -135,9 +157,10 @@ class Sessions:
 
     def _make_room(self, *, for_pending: bool) -> None:
         """Park the oldest unverified session if the pending cap (``for_pending``) or the table
-        is full. A parked session holds no slot, but its token still verifies on the fd channel
-        until ``auth_timeout_s`` after its HELLO (``_unpark``): a flood of HELLOs can displace
-        an honest worker's session between its HELLO and its proof, but cannot void the proof."""
+        is full. A parked session holds no slot and nothing is kept of it, but its sealed token
+        still verifies on the fd channel until ``auth_timeout_s`` after its HELLO (``_unpark``):
+        a flood of HELLOs can displace an honest worker's session between its HELLO and its
+        proof, but cannot void the proof."""
         while self._pending and ((for_pending and len(self._pending) >= self.config.max_pending_auth)
                                  or len(self._by_id) >= self.max_sessions):
             _, oldest = self._pending.popitem(last=False)
@@ -145,9 +168,6 @@ class Sessions:
             del self._by_token[oldest.token]
             if self._by_identity.get(oldest.identity) is oldest:
                 del self._by_identity[oldest.identity]
-            self._parked[oldest.token] = oldest
-            if len(self._parked) > PARKED_MAX:
-                self._parked.popitem(last=False)
             self.displaced += 1
             now = time.monotonic()
             if now >= self._displaced_log_at:  # a flood displaces thousands a second: one line a second
@@ -158,21 +178,33 @@ class Sessions:
 
     def _unpark(self, token: str) -> Optional[Session]:
         """A displaced session whose worker now proves its identity takes a slot again (see
-        ``_make_room``); None if its token is unknown, too old, or its connection has opened
-        another session meanwhile. Raises ``FdChannelError`` if verified sessions fill the table."""
-        session = self._parked.pop(token, None)
-        if session is None or time.monotonic() - session.opened > self.config.auth_timeout_s:
+        ``_make_room``); None if its token is not one this server sealed, too old, or its
+        connection has opened another session meanwhile. Raises ``FdChannelError`` if verified
+        sessions fill the table. (A session that ended can come back this way too, within
+        ``auth_timeout_s`` of its HELLO and only to the holder of its token: it comes back empty,
+        its registrations reclaimed, and must prove its identity again.)"""
+        sealed = self._unseal(token)
+        if sealed is None:
             return None
-        if session.identity in self._by_identity:
+        session_id, issued_ns, identity = sealed
+        opened = issued_ns / 1e9
+        if time.monotonic() - opened > self.config.auth_timeout_s or session_id in self._by_id:
+            return None
+        if identity in self._by_identity:
             return None
         self._make_room(for_pending=False)
         if len(self._by_id) >= self.max_sessions:
-            self._parked[token] = session
             raise FdChannelError(f"the server holds {len(self._by_id)} verified sessions, its limit (lmshm-server "
                                  "--max-sessions, and the open-file limit)", "UNAVAILABLE")
+        session = Session(session_id, token, identity, "", opened=opened)
         self._insert(session)
         logger.debug("lmshm: session %d came back from the parked ones to prove its identity", session.id)
         return session
+
+    def is_verified_token(self, token: str) -> bool:
+        """Whether ``token`` is that of a live session that has proven its identity."""
+        session = self._by_token.get(token) if token else None
+        return session is not None and session.peer is not None
 
     def resume(self, identity: bytes, token: str) -> Optional[Session]:
         old = self._by_token.get(token) if token else None
@@ -189,7 +221,7 @@ class Sessions:
         session = self._by_token.get(token) or self._unpark(token)
         try:
             if session is None:
-                raise FdChannelError("unknown session token: say HELLO on the ZeroMQ endpoint first",
+                raise FdChannelError(f"{UNKNOWN_TOKEN}: say HELLO on the ZeroMQ endpoint first",
                                      "PERMISSION_DENIED")
             if session.peer is not None:
                 if (creds.pid, creds.uid) != (session.peer.pid, session.peer.uid):
@@ -236,8 +268,6 @@ class Sessions:
     def reap(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
         timeout = self.config.auth_timeout_s
-        while self._parked and now - next(iter(self._parked.values())).opened > timeout:
-            self._parked.popitem(last=False)
         for session in list(self._pending.values()):
             if now - session.opened > timeout:
                 self.end(session, f"identity not proven on the fd channel within {timeout:g} s", orphaned=False)

@@ -40,6 +40,7 @@ import itertools
 import logging
 import select
 import socket
+import struct
 import time
 from typing import Callable, Optional
 
@@ -103,13 +104,17 @@ class ProtocolError(Exception):
 class Connection:
     """One accepted peer: bytes not parsed yet, whole messages not taken yet, bytes not written."""
 
-    __slots__ = ("sock", "fd", "identity", "accepted", "since", "state", "inbuf", "ready", "out", "parts", "part_bytes",
+    __slots__ = ("sock", "fd", "identity", "account", "accepted", "since", "state", "inbuf", "ready", "out", "parts", "part_bytes",
                  "frames", "oversized", "closed", "polled", "replies", "big", "big_got", "big_more")
 
     def __init__(self, sock: socket.socket, identity: bytes) -> None:
         self.sock = sock
         self.fd = sock.fileno()
         self.identity = identity
+        #: Whom this connection's unverified requests are charged to: on ipc:// the peer process
+        #: (its pid, from the kernel), so that reconnecting does not start a flood afresh; on
+        #: tcp:// (no kernel identity for the peer) the connection itself.
+        self.account = identity
         self.accepted = self.since = time.monotonic()    # since: accepted, or last seen with a session
         self.state = "greeting"                  # greeting -> ready (awaiting READY) -> open
         self.inbuf = bytearray()
@@ -319,6 +324,13 @@ class ZmtpListener:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as libzmq: a reply goes out at once
         identity = b"\x00" + (next(self._ids) & 0xFFFFFFFF).to_bytes(4, "big")  # a generated ROUTER id's shape
         conn = Connection(sock, identity)
+        if sock.family == socket.AF_UNIX:
+            try:
+                pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))[0]
+                conn.account = b"pid:%d" % pid
+            except OSError:
+                pass
         self.conns[conn.fd] = conn
         self._by_identity[identity] = conn
         self.accepted += 1

@@ -13,206 +13,39 @@ was on the code before this change.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
 import socket
 import statistics
-import subprocess
-import sys
 import time
-
-import pytest
 
 from lmshm.multiprocess import codec, protocol
 
+from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are fixtures
+    FD_CHANNEL_FLOOD,
+    HELLO_FLOOD,
+    HonestWorker,
+    NOFILE_1024,
+    STATUS_FLOOD,
+    busy_host,
+    ends_well,
+    free_port,
+    hello_body,
+    helper,
+    need_fds,
+    no_worker_outlives_a_test,
+    stop_server,
+    tmp_dir,
+    warm_up,
+)
 from harness import (  # noqa: F401 - the fixture replaces conftest's for this module
-    OUR_PIDS,
     OwnSegments,
     PrefixedServerProcess,
     RawSession,
     ServerProcess,
-    assert_an_honest_worker_registers,
-    assert_back_to,
     narrow_segment_guard as no_segment_outlives_a_test,
     proc_fd_count,
-    server_counts,
     shm_wrapper,
-    wait_for,
 )
-
-NOFILE_1024 = ["prlimit", "--nofile=1024:1024"]
-
-
-def _hello_body() -> bytes:
-    return codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False))
-
-
-def _need_fds(n: int) -> None:
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < n and hard >= n:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if max(soft, hard) < n:
-        pytest.skip(f"the test process needs ~{n} fds; its limit is {hard}")
-
-
-@contextlib.contextmanager
-def busy_host(n: int = 2):
-    """``n`` CPU-bound helper processes, killed (by pid) at the end."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait(10)
-
-
-@contextlib.contextmanager
-def helper(script: str, *args: str):
-    """A helper process running ``script`` (an attacker loop); killed at the end unless done."""
-    proc = subprocess.Popen([sys.executable, "-c", script, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        proc.stdout.close()
-        proc.stderr.close()
-
-
-#: An honest worker: imports torch, says "ready", and on "go" connects with MPClient (HELLO and
-#: the fd channel), registers a CPU cache, unregisters it and reports how long each step took.
-HONEST_WORKER = r"""
-import json, sys, time
-url, timeout = sys.argv[1], float(sys.argv[2])
-import torch
-from lmshm.multiprocess.client import MPClient
-from lmshm.platform.cpu import empty_shared
-print(json.dumps({"ready": True}), flush=True)
-sys.stdin.readline()
-t0 = time.monotonic()
-try:
-    client = MPClient(url, timeout_s=timeout, heartbeat=False)
-    t1 = time.monotonic()
-    iid = client.register_kv_caches({"l0": empty_shared((4, 64), torch.float16)}, "honest")
-    t2 = time.monotonic()
-    client.unregister_kv_caches(iid)
-    client.close()
-    print(json.dumps({"ok": True, "verified_s": t1 - t0, "registered_s": t2 - t0}), flush=True)
-except Exception as exc:
-    print(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "after_s": time.monotonic() - t0}),
-          flush=True)
-"""
-
-
-_WORKERS: list["HonestWorker"] = []
-
-
-@pytest.fixture(autouse=True)
-def no_worker_outlives_a_test():
-    yield
-    while _WORKERS:
-        _WORKERS.pop().kill()
-
-
-class HonestWorker:
-    """A spawned worker process (``HONEST_WORKER``), started ahead so that torch's import is
-    not timed; ``run()`` lets it connect and register and returns its report."""
-
-    def __init__(self, url: str, timeout_s: float = 10.0) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", HONEST_WORKER, url, str(timeout_s)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        OUR_PIDS.add(self.proc.pid)
-        _WORKERS.append(self)
-        self.timeout_s = timeout_s
-        self._ready = False
-
-    def ready(self) -> "HonestWorker":
-        """Wait until torch is imported and the worker waits for ``go``."""
-        if not self._ready:
-            line = self.proc.stdout.readline()
-            assert line and json.loads(line)["ready"], self.proc.stderr.read()
-            self._ready = True
-        return self
-
-    def go(self) -> None:
-        self.ready()
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
-
-    def run(self) -> dict:
-        self.go()
-        return self.report()
-
-    def report(self) -> dict:
-        line = self.proc.stdout.readline()
-        self.proc.wait(30)
-        err = "" if line else self.proc.stderr.read()
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            stream.close()
-        assert line, f"the honest worker said nothing:\n{err}"
-        return json.loads(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            with contextlib.suppress(OSError):
-                stream.close()
-
-
-def _start(server: ServerProcess) -> tuple[dict, HonestWorker]:
-    """The start of every test: an honest worker process (started now, so that its imports
-    overlap the test) and the server's counters once it has served a registration."""
-    assert_an_honest_worker_registers(server.url)  # the server's lazy imports and caches are in
-    worker = HonestWorker(server.url)
-    counts: dict = {}
-    wait_for(lambda: counts.update(server_counts(server.url)) or counts["sessions"] == 0, 10, 0.05,
-             "the warm-up session to end")
-    return counts, worker
-
-
-def _ends_well(server: ServerProcess, before: dict, worker: HonestWorker, *, timeout_s: float = 20) -> dict:
-    """The end of every test: the server lives, its fds and RSS come back, and the honest
-    worker process registers."""
-    assert server.alive, f"lmshm-server exited {server.proc.returncode}:\n{server.log()[-3000:]}"
-    after = assert_back_to(server.url, before, fd_slack=2, timeout_s=timeout_s)
-    report = worker.run()
-    assert report["ok"], report
-    assert_an_honest_worker_registers(server.url)
-    assert server.alive
-    return after
-
-
-@pytest.fixture
-def tmp_dir():
-    from harness import scratch_dir
-
-    with scratch_dir() as path:
-        yield path
-
-
-def _stop(server: ServerProcess) -> None:
-    if server.alive:
-        rc = server.stop()
-        assert rc == 0, f"lmshm-server exited {rc}:\n{server.log()[-3000:]}"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # ---- finding 1: a gRPC connection flood, then a worker over ipc:// -------------------------------
 
@@ -221,14 +54,14 @@ def test_a_grpc_connection_flood_cannot_make_the_ipc_listener_abort_the_server(t
     # Before: 1,100 idle HTTP/2 connections took the server's fds to the limit, and the next
     # ipc:// connection made libzmq abort (src/ipc_listener.cpp:297, exit -6). Now the loop
     # accepts ipc connections itself, only while fds are free; the rest wait in the backlog.
-    _need_fds(3000)
+    need_fds(3000)
     import zmq
 
-    port = _free_port()
+    port = free_port()
     server = PrefixedServerProcess(tmp_dir, "--grpc-port", str(port), "--auth-timeout", "2",
                                    prefix=NOFILE_1024, url=f"ipc://{tmp_dir}/s.ipc")
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         flood = []
         ctx = zmq.Context()
         dealers = []
@@ -261,7 +94,7 @@ def test_a_grpc_connection_flood_cannot_make_the_ipc_listener_abort_the_server(t
                 d = ctx.socket(zmq.DEALER)
                 d.setsockopt(zmq.LINGER, 0)
                 d.connect(server.url)
-                d.send_multipart([b"\x00" * 8, _hello_body()])
+                d.send_multipart([b"\x00" * 8, hello_body()])
                 dealers.append(d)
             time.sleep(2)
             assert server.alive, f"lmshm-server exited {server.proc.returncode}:\n{server.log()[-3000:]}"
@@ -271,9 +104,9 @@ def test_a_grpc_connection_flood_cannot_make_the_ipc_listener_abort_the_server(t
             ctx.term()
             for s in flood:
                 s.close()
-        _ends_well(server, before, closing)
+        ends_well(server, before, closing)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 # ---- finding 2: 2,000 HELLOs at once over ipc:// on a busy host ----------------------------------
@@ -282,12 +115,12 @@ def test_a_grpc_connection_flood_cannot_make_the_ipc_listener_abort_the_server(t
 def test_2000_hellos_at_once_over_ipc_on_a_busy_host_cannot_abort_the_server(tmp_dir):
     # Before: the accept gate closed only after libzmq's I/O thread had accepted a burst, and
     # with two CPU-bound processes running the server aborted 3 times out of 3.
-    _need_fds(6000)
+    need_fds(6000)
     import zmq
 
     server = PrefixedServerProcess(tmp_dir, "--auth-timeout", "2", prefix=NOFILE_1024, url=f"ipc://{tmp_dir}/s.ipc")
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         outcome = {"session": 0, "refused": 0, "no answer": 0}
         with busy_host(2):
             ctx = zmq.Context()
@@ -300,7 +133,7 @@ def test_2000_hellos_at_once_over_ipc_on_a_busy_host_cannot_abort_the_server(tmp
                     sock.connect(server.url)
                     socks.append(sock)
                 for sock in socks:
-                    sock.send_multipart([b"\x00" * 8, _hello_body()], zmq.NOBLOCK)
+                    sock.send_multipart([b"\x00" * 8, hello_body()], zmq.NOBLOCK)
                 poller = zmq.Poller()
                 for sock in socks:
                     poller.register(sock, zmq.POLLIN)
@@ -328,37 +161,13 @@ def test_2000_hellos_at_once_over_ipc_on_a_busy_host_cannot_abort_the_server(tmp
         # ZeroMQ connections are accepted only while 128 fds are free (a few more come and go with the
         # loop's own work); before, libzmq accepted up to the limit and aborted there.
         assert most_fds <= 1024 - 96
-        _ends_well(server, before, closing, timeout_s=30)
+        ends_well(server, before, closing, timeout_s=30)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 # ---- finding 6: requests from peers without a verified session ------------------------------------
 
-#: Peers without a session that keep ``depth`` STATUS requests in flight each, until killed.
-STATUS_FLOOD = r"""
-import sys, time, zmq
-url, peers, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-from lmshm.multiprocess import codec, protocol
-body = codec.encode(protocol.Status())
-ctx = zmq.Context()
-socks = []
-for _ in range(peers):
-    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.connect(url); socks.append(s)
-    for _ in range(depth):
-        s.send_multipart([b"\0" * 8, body])
-poller = zmq.Poller()
-for s in socks:
-    poller.register(s, zmq.POLLIN)
-print("flooding", flush=True)
-sent = 0
-while True:
-    for s, _ in poller.poll(1000):
-        while s.poll(0):
-            s.recv_multipart()
-            s.send_multipart([b"\0" * 8, body])
-            sent += 1
-"""
 
 
 def test_a_status_flood_without_a_session_cannot_delay_verified_sessions_or_the_fd_channel(tmp_dir):
@@ -370,7 +179,7 @@ def test_a_status_flood_without_a_session_cannot_delay_verified_sessions_or_the_
     server = ServerProcess(tmp_dir, "--max-registrations-per-session", "2000", "--log-level", "INFO")
     segments = OwnSegments(4096)
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         seg = segments()
         wrapper = shm_wrapper(seg.name, 4096)
         n = 2000
@@ -414,39 +223,14 @@ def test_a_status_flood_without_a_session_cannot_delay_verified_sessions_or_the_
             for _ in range(n):
                 assert owner.sock.poll(60_000)
                 owner.sock.recv_multipart()
-        _ends_well(server, before, closing)
+        ends_well(server, before, closing)
     finally:
         segments.unlink_all()
-        _stop(server)
+        stop_server(server)
 
 
 # ---- finding 8: a flood of unauthenticated fd-channel connections ---------------------------------
 
-#: Keeps ``count`` connections to the fd socket open that never authenticate: every one the
-#: server closes is opened again at once.
-FD_CHANNEL_FLOOD = r"""
-import select, socket, sys, time
-path, count = sys.argv[1], int(sys.argv[2])
-socks = {}
-opened = 0
-print("flooding", flush=True)
-while True:
-    while len(socks) < count:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        s.setblocking(False)
-        try:
-            s.connect(path)
-        except OSError:
-            s.close()
-            break
-        socks[s.fileno()] = s
-        opened += 1
-    p = select.poll()
-    for fd in socks:
-        p.register(fd, select.POLLIN)
-    for fd, _ in p.poll(20):
-        socks.pop(fd).close()
-"""
 
 
 def test_a_flood_of_unauthenticated_fd_channel_connections_cannot_lock_a_new_worker_out(tmp_dir):
@@ -454,10 +238,10 @@ def test_a_flood_of_unauthenticated_fd_channel_connections_cannot_lock_a_new_wor
     # slots and the backlog, and a new worker failed at once ("out of connections" or a reset)
     # for as long as the flood was renewed. Now the oldest unauthenticated connection gives
     # way to a newcomer, and the worker retries a full backlog.
-    _need_fds(3000)
+    need_fds(3000)
     server = ServerProcess(tmp_dir, "--auth-timeout", "5")
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         worker = HonestWorker(server.url, timeout_s=10).ready()
         try:
             with helper(FD_CHANNEL_FLOOD, server.fd_socket, "1100") as flood:
@@ -471,40 +255,13 @@ def test_a_flood_of_unauthenticated_fd_channel_connections_cannot_lock_a_new_wor
         assert report["ok"], report
         assert report["registered_s"] < 8.0, report   # before: failed within ~0.1 s
         assert "displaced" in server.log() or report["verified_s"] < 1.0
-        _ends_well(server, before, closing)
+        ends_well(server, before, closing)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 # ---- finding 9: lockouts while a flood is held ----------------------------------------------------
 
-#: 2,000 ZeroMQ peers that keep saying HELLO (each every ~0.5 s) and never verify.
-HELLO_FLOOD = r"""
-import random, sys, time, zmq
-url, peers = sys.argv[1], int(sys.argv[2])
-from lmshm.multiprocess import codec, protocol
-body = codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False))
-ctx = zmq.Context()
-ctx.set(zmq.MAX_SOCKETS, peers + 64)
-socks = []
-for _ in range(peers):
-    s = ctx.socket(zmq.DEALER); s.setsockopt(zmq.LINGER, 0); s.setsockopt(zmq.SNDHWM, 4); s.connect(url)
-    socks.append(s)
-print("flooding", flush=True)
-due = [time.monotonic() + random.random() * 0.5 for _ in socks]
-while True:
-    now = time.monotonic()
-    for i, s in enumerate(socks):
-        while s.poll(0):
-            s.recv_multipart()
-        if now >= due[i]:
-            try:
-                s.send_multipart([b"\0" * 8, body], zmq.NOBLOCK)
-            except zmq.Again:
-                pass
-            due[i] = now + 0.5
-    time.sleep(0.01)
-"""
 
 
 def test_an_honest_worker_gets_in_while_2000_peers_keep_saying_hello_over_tcp(tmp_dir):
@@ -513,10 +270,10 @@ def test_an_honest_worker_gets_in_while_2000_peers_keep_saying_hello_over_tcp(tm
     # parked and its token still verifies; HELLOs of peers without a session share a quarter of
     # the loop, the least-served first; connections without a verified session are shed when
     # fds run low. Measured below: how long the worker waits.
-    _need_fds(6000)
+    need_fds(6000)
     server = PrefixedServerProcess(tmp_dir, "--auth-timeout", "2", prefix=NOFILE_1024)
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         workers = [HonestWorker(server.url, timeout_s=10) for _ in range(2)]  # torch imports in parallel
         for worker in workers:
             worker.ready()
@@ -536,9 +293,9 @@ def test_an_honest_worker_gets_in_while_2000_peers_keep_saying_hello_over_tcp(tm
               f"{reports}")
         assert all(r["ok"] for r in reports), reports
         assert max(r["registered_s"] for r in reports) < 10.0, reports
-        _ends_well(server, before, closing, timeout_s=30)
+        ends_well(server, before, closing, timeout_s=30)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 def test_300_sessions_of_the_servers_uid_hold_a_worker_only_while_they_are_held(tmp_dir):
@@ -546,10 +303,10 @@ def test_300_sessions_of_the_servers_uid_hold_a_worker_only_while_they_are_held(
     # server's own uid can hold every slot of that uid for as long as it likes. Before, a new
     # worker of that uid failed at once; now it keeps asking until its timeout, so it gets in
     # as soon as a slot frees.
-    _need_fds(3000)
+    need_fds(3000)
     server = ServerProcess(tmp_dir, "--auth-timeout", "2")
     try:
-        before, closing = _start(server)
+        before, closing = warm_up(server)
         held, refused = [], 0
         blocked, waiting = HonestWorker(server.url, timeout_s=1.0), HonestWorker(server.url, timeout_s=10)
         try:
@@ -578,9 +335,9 @@ def test_300_sessions_of_the_servers_uid_hold_a_worker_only_while_they_are_held(
         finally:
             for s in held:
                 s.close()
-        _ends_well(server, before, closing)
+        ends_well(server, before, closing)
     finally:
-        _stop(server)
+        stop_server(server)
 
 
 # ---- the server's own ZMTP listener ---------------------------------------------------------------
