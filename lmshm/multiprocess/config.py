@@ -140,7 +140,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auth_timeout_s", "--auth-timeout", "LMSHM_AUTH_TIMEOUT", "auth_timeout",
             "seconds a new fd-channel connection, or a session, has to prove its identity (default 5)", "SECONDS"),
     Setting("max_pending_auth", "--max-pending-auth", "LMSHM_MAX_PENDING_AUTH", "max_pending_auth",
-            "fd-channel connections waiting to authenticate (default 64)", "N"),
+            "unverified sessions, and fd-channel connections that have sent nothing yet, held at once; past it "
+            "the oldest gives way (default 64; for fd-channel connections at most 1/32 of the open-file limit)",
+            "N"),
     Setting("sweep_interval_s", "--sweep-interval", "LMSHM_SWEEP_INTERVAL", "sweep_interval",
             "seconds between sweeps of /dev/shm names left by dead workers of the server's uid (default 10; "
             "0 = only at start)", "SECONDS"),
