@@ -429,6 +429,7 @@ def test_fd_channel_fds_sent_before_auth_are_refused_and_closed(srv, baseline):
             _assert_refused(_answer(s), "PERMISSION_DENIED")
             # The connection is still open (pending auth); the three fds must already be gone.
             assert proc_fd_count(srv.proc.pid) <= fds_before + 2  # + this connection and its pidfd
+        wait_for(lambda: proc_fd_count(srv.proc.pid) <= fds_before, 3, 0.02, "the closed connection's fds to go")
         with _fd_conn(srv.fd_socket) as s:  # fds riding on an Auth: refused too
             _send_with_fds(s, msgspec.msgpack.encode({"op": "auth", "token": "x"}), fds)
             _assert_refused(_answer(s), "INVALID_ARG")
