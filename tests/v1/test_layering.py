@@ -27,7 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lmshm"
 #: Rank of each layer: an import may go to a lower rank, or stay within its own layer.
 #: ``endpoints`` and ``integrations`` share a rank and may not import each other.
 LAYERS = {
-    "base": 0,          # lmshm.quoting: quoting peer data for messages; imports nothing of lmshm
+    "base": 0,          # leaves every layer may use (quoting peer data, the version); import nothing
     "platform": 1,
     "core": 2,
     "multiprocess": 3,
@@ -44,6 +44,7 @@ TOP_LEVEL = {
     "lmshm.demo": "top",
     "lmshm.demo_vllm": "top",
     "lmshm.quoting": "base",
+    "lmshm._version": "base",   # lmshm.__version__
 }
 
 
