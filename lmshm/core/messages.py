@@ -4,11 +4,10 @@
 speaks is declared here, so that ``core`` never imports ``multiprocess``: the table of message
 codes (one table for every message, so a code is never used twice), the wire's hard caps,
 ``LayerGroup`` (what a registration is made of), the data plane's requests and replies
-(STORE, LOOKUP, RETRIEVE, RELEASE), the status rows (``RegistrationInfo``, ``PoolInfo``) and
-``ErrorReply``. ``protocol.py`` re-exports every name, so ``protocol.Store`` and
-``messages.Store`` are the same class; read the two files as one spec. Moving a message
-between them changes no byte on the wire (``tests/v1/multiprocess/test_codec.py`` holds every
-message's bytes).
+(STORE, LOOKUP, RETRIEVE, RELEASE), the pool's status (``PoolInfo``) and ``ErrorReply``.
+``protocol.py`` re-exports every name, so ``protocol.Store`` and ``messages.Store`` are the same
+class; read the two files as one spec. Moving a message between them changes no byte on the
+wire (``tests/v1/multiprocess/test_codec.py`` holds every message's bytes).
 
 Limits live next to the fields (msgspec ``Meta``): they bound what decoding may build. The
 server's configurable limits (names, counts) are tighter and checked after decoding.
@@ -169,29 +168,7 @@ class Release(Message, tag=int(MsgType.RELEASE)):
     lease: Lease
 
 
-# ---- replies and status rows ----------------------------------------------------------------
-
-
-class RegistrationInfo(msgspec.Struct, frozen=True):
-    instance_id: str
-    owner_session: int
-    owner_pid: int           # kernel-verified, in the server's PID namespace
-    owner_uid: int
-    client_name: str
-    model_name: str
-    world_size: int
-    worker_rank: int
-    num_layers: int
-    nbytes: int
-    kinds: list[str]         # wrapper kinds, e.g. ["cpu-shm"]
-    devices: list[str]       # device identities, e.g. ["cpu"] or GPU UUIDs
-    age_s: float             # seconds since registration
-    # 3.1: regions registered through the HTTP/gRPC endpoints or the in-process API
-    kind: str = "kv"         # "kv" (a worker's KV cache), "system" or "cuda" (a region)
-    key: str = ""            # a system region's shm key
-    offset: int = 0          # a system region's offset in its object
-    device_id: int = -1      # a CUDA region's device
-    block_dim: int = 0       # 3.2: a KV registration's block dimension
+# ---- the data plane's replies, the pool's status, errors -------------------------------------
 
 
 class StoreResult(IntEnum):

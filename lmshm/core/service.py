@@ -43,7 +43,7 @@ from lmshm.core.clock import Clock
 from lmshm.core.config import CoreConfig
 from lmshm.core.dataplane import DataPlane
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.core.messages import PoolInfo, RegistrationInfo
+from lmshm.core.messages import PoolInfo
 from lmshm.core.metrics import Metrics
 from lmshm.core.registry import Registration, Registry
 from lmshm.platform.shm_orphans import sweep_orphans
@@ -157,25 +157,6 @@ class Core:
     # ---- state ----------------------------------------------------------------------------
     def pool_info(self) -> PoolInfo:
         return self.dataplane.info()
-
-    def registration_infos(self) -> list[RegistrationInfo]:
-        """Every live registration as a status row (what ``lmshm status`` lists), oldest first."""
-        now = time.time()
-        rows = []
-        for r in sorted(self.registry.registrations(), key=lambda r: r.created):
-            region = r.region
-            if region is None:
-                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
-            else:
-                kinds, devices = [f"{r.kind}-region"], [region.device]
-            rows.append(RegistrationInfo(
-                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
-                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
-                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
-                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
-                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
-                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
-        return rows
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition text (what ``GET /metrics`` serves)."""

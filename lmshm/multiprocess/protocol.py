@@ -30,8 +30,8 @@ Limits live next to the fields (msgspec ``Meta``): they bound what decoding may 
 server's configurable limits (names, counts) are tighter and checked after decoding.
 
 Two files, one spec: what the core itself takes and returns -- the table of codes
-(``MsgType``), the wire's hard caps, ``LayerGroup``, the data plane's requests and replies, the
-status rows (``RegistrationInfo``, ``PoolInfo``) and ``ErrorReply`` -- is declared in
+(``MsgType``), the wire's hard caps, ``LayerGroup``, the data plane's requests and replies,
+``PoolInfo`` and ``ErrorReply`` -- is declared in
 ``lmshm/core/messages.py`` (the core imports nothing of ``multiprocess``) and re-exported here
 under the same names. This file adds the session and registration messages and the unions.
 """
@@ -66,7 +66,6 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     Message,
     MsgType,
     PoolInfo,
-    RegistrationInfo,
     Release,
     ReleaseReply,
     Retrieve,
@@ -191,6 +190,28 @@ class RegisterReply(Message, tag=int(MsgType.REGISTER_REPLY)):
 class UnregisterReply(Message, tag=int(MsgType.UNREGISTER_REPLY)):
     instance_id: str
     deferred: bool           # True: released when the last data operation lets go
+
+
+class RegistrationInfo(msgspec.Struct, frozen=True):
+    instance_id: str
+    owner_session: int
+    owner_pid: int           # kernel-verified, in the server's PID namespace
+    owner_uid: int
+    client_name: str
+    model_name: str
+    world_size: int
+    worker_rank: int
+    num_layers: int
+    nbytes: int
+    kinds: list[str]         # wrapper kinds, e.g. ["cpu-shm"]
+    devices: list[str]       # device identities, e.g. ["cpu"] or GPU UUIDs
+    age_s: float             # seconds since registration
+    # 3.1: regions registered through the HTTP/gRPC endpoints or the in-process API
+    kind: str = "kv"         # "kv" (a worker's KV cache), "system" or "cuda" (a region)
+    key: str = ""            # a system region's shm key
+    offset: int = 0          # a system region's offset in its object
+    device_id: int = -1      # a CUDA region's device
+    block_dim: int = 0       # 3.2: a KV registration's block dimension
 
 
 class StatusReply(Message, tag=int(MsgType.STATUS_REPLY)):

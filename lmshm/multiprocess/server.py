@@ -524,13 +524,27 @@ class ZmqEndpoint:
         return self.status_reply()
 
     def status_reply(self) -> protocol.StatusReply:
+        now = time.time()
+        regs = []
+        for r in sorted(self.registry.registrations(), key=lambda r: r.created):
+            region = r.region
+            if region is None:
+                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
+            else:
+                kinds, devices = [f"{r.kind}-region"], [region.device]
+            regs.append(protocol.RegistrationInfo(
+                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
+                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
+                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
+                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
+                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
+                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
         return protocol.StatusReply(
             server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
             isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
             sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
-            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX),
-            registrations=self.core.registration_infos(), pool=self.core.pool_info(),
-            protocol_minor=protocol.PROTOCOL_MINOR)
+            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
+            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)
