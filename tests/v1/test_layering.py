@@ -1,8 +1,8 @@
 """The package's layers import downwards only, and no module imports itself back.
 
 ``platform`` < ``core`` < ``multiprocess`` < ``endpoints``, ``integrations`` < the top
-(``lmshm.Server`` and the command lines, which compose the others). ``lmshm.quoting`` is a leaf
-below them all. docs/design/layers.md says why.
+(``lmshm.Server`` and the command lines, which compose the others). ``lmshm.quoting`` and
+``lmshm._version`` are leaves below them all. docs/design/layers.md says why.
 
 The graph is read from the source with ``ast``, not by importing it, so it sees every import
 statement wherever it is: at module level, inside functions (lazy imports are edges too), under
@@ -126,7 +126,7 @@ def import_graph(root: Path = PACKAGE) -> dict[str, dict[str, int]]:
             while target not in known and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target != module:
-                edges.setdefault(target, line)
+                edges[target] = min(line, edges.get(target, line))
         graph[module] = edges
     return graph
 
