@@ -27,7 +27,7 @@ class BenchServer:
     def __init__(self, *args: str, python: str = sys.executable, log_level: str = "WARNING",
                  quiet: bool = False, timeout_s: float = 60.0) -> None:
         self.dir = tempfile.mkdtemp(prefix="lmshm-bench-")
-        cmd = [python, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
+        cmd = [python, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0",
                "--fd-socket", os.path.join(self.dir, "fds.sock"), "--log-level", log_level, *args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
                                      stderr=subprocess.DEVNULL if quiet else None)

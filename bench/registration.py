@@ -126,7 +126,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=5)
     args = ap.parse_args()
 
-    server = subprocess.Popen([sys.executable, "-m", "lmshm.multiprocess.server", "--port", "0",
+    server = subprocess.Popen([sys.executable, "-m", "lmshm.server", "--port", "0",
                                "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
     try:
         url = re.search(r"listening on (\S+)", server.stdout.readline()).group(1)

@@ -58,7 +58,7 @@ SCRAPE_ROUNDS = 5
 
 def start_server(workdir: str, timeout_s: float = 60.0) -> tuple[subprocess.Popen, re.Match]:
     """``lmshm-server`` (the console script's module, with this interpreter) on free ports."""
-    cmd = [sys.executable, "-m", "lmshm.multiprocess.server", "--port", "0", "--http-port", "0",
+    cmd = [sys.executable, "-m", "lmshm.server", "--port", "0", "--http-port", "0",
            "--grpc-port", "0", "--capacity", "0", "--fd-socket", os.path.join(workdir, "fds.sock"),
            "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+from lmshm._version import __version__
 
 _EXPORTS = {
     "MPClient": "lmshm.multiprocess.client",
@@ -24,10 +24,10 @@ _EXPORTS = {
     "set_use_vmm_api": "lmshm.platform.ipc_policy",
     "is_use_vmm_api": "lmshm.platform.ipc_policy",
     "empty_shared": "lmshm.platform.cpu",
-    "Server": "lmshm.core.server",
-    "View": "lmshm.core.server",
-    "API_VERSION": "lmshm.core.server",
-    "check_api_version": "lmshm.core.server",
+    "Server": "lmshm.server",
+    "View": "lmshm.core.service",
+    "API_VERSION": "lmshm.server",
+    "check_api_version": "lmshm.server",
     "ServerConfig": "lmshm.multiprocess.config",
     "ErrorCode": "lmshm.core.errors",
 }

@@ -90,7 +90,7 @@ def main() -> int:
     print("== starting lmshm-server")
     # PEEK is owner-only; the checker below reads other sessions' layers, so the demo makes
     # its own uid an admin (--admin-uid), as an operator's diagnostic tool would be.
-    server = subprocess.Popen([py, "-m", "lmshm.multiprocess.server", "--port", "0", "--log-level", "WARNING",
+    server = subprocess.Popen([py, "-m", "lmshm.server", "--port", "0", "--log-level", "WARNING",
                                "--admin-uid", str(os.geteuid())], stdout=subprocess.PIPE, text=True)
     workers: list[subprocess.Popen] = []
     try:

@@ -54,7 +54,7 @@ def main() -> int:
         print("== building a tiny random Llama (2 layers, float32; no download)")
         subprocess.run([str(vpy), *ENGINE, "build", str(tmp / "model")], check=True, env=env, capture_output=True)
         print("== starting lmshm-server")
-        server = subprocess.Popen([sys.executable, "-m", "lmshm.multiprocess.server", "--port", "0",
+        server = subprocess.Popen([sys.executable, "-m", "lmshm.server", "--port", "0",
                                    "--capacity", "512MiB", "--log-level", "WARNING"], stdout=subprocess.PIPE,
                                   text=True, env={**os.environ, "TMPDIR": str(tmp)})
         ready, _, _ = select.select([server.stdout], [], [], 60)

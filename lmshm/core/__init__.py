@@ -1,5 +1,7 @@
-"""The server, independent of any endpoint: ``lmshm.Server`` (``server.py``), the registry of
-KV caches and regions, the data plane's pool and copier, metrics, and the one error type.
-The endpoints (ZeroMQ in ``lmshm.multiprocess``, HTTP and gRPC in ``lmshm.endpoints``) are thin
-adapters over ``Server``.
+"""The server as a library, with no endpoint: ``Core`` (``service.py``) owns the registry of KV
+caches and regions, the data plane's pool and copier, the metrics, its settings
+(``CoreConfig``), its clock (timed work on a thread of its own) and the one error type. The
+values it takes and returns are declared in ``messages.py``. Nothing here imports
+``multiprocess``, ``endpoints``, ``integrations`` or the top-level ``lmshm.Server``
+(``lmshm/server.py``), which composes this core with its endpoints (docs/design/layers.md).
 """

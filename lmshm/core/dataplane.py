@@ -32,7 +32,7 @@ from lmshm.core.copier import (
 from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
-from lmshm.multiprocess import protocol
+from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.dataplane")

@@ -6,7 +6,8 @@ application with two) never mix their figures. Two kinds of series:
   histogram, and session reclaims with theirs;
 - state, read from the registry, the mapping table and the data plane at scrape time (a
   collector, so a scrape costs one pass over the registrations and nothing in between; the
-  pool's figures are counters it keeps, so the pool's size costs a scrape nothing).
+  pool's figures are counters it keeps, so the pool's size costs a scrape nothing). An
+  endpoint adds gauges of its own state with ``add_gauge`` (ZeroMQ: ``lmshm_sessions``).
 
 Label values are bounded: endpoints, request types and codes are fixed sets; no series is
 keyed by a name a peer chose.
@@ -14,14 +15,11 @@ keyed by a name a peer chose.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
-
-if TYPE_CHECKING:
-    from lmshm.core.server import Server
 
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
@@ -33,7 +31,9 @@ _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", 
 
 
 class Metrics:
-    def __init__(self, server: "Server") -> None:
+    """``registry``: the core's ``Registry``; ``pool_info``: returns the data plane's ``PoolInfo``."""
+
+    def __init__(self, registry: Any, pool_info: Callable[[], Any]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("lmshm_requests", "Requests answered, by endpoint, request type and result code",
                                 ("endpoint", "request", "code"), registry=self.registry)
@@ -43,7 +43,13 @@ class Metrics:
                                 ("reason",), registry=self.registry)
         self.reclaim_latency = Histogram("lmshm_reclaim_seconds", "Time to release what an ended session held",
                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_StateCollector(server))
+        self._state = _StateCollector(registry, pool_info)
+        self.registry.register(self._state)
+
+    def add_gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        """A gauge read at scrape time: state an endpoint keeps (``read`` runs on the scraping
+        thread, so it must be safe there)."""
+        self._state.gauges.append((name, documentation, read))
 
     def observe(self, endpoint: str, request: str, code: str, seconds: float) -> None:
         self.requests.labels(endpoint, request, code).inc()
@@ -56,8 +62,9 @@ class Metrics:
 class _StateCollector:
     """Gauges (and the data plane's running totals) read when Prometheus scrapes."""
 
-    def __init__(self, server: "Server") -> None:
-        self._server = server
+    def __init__(self, registry: Any, pool_info: Callable[[], Any]) -> None:
+        self._registry, self._pool_info = registry, pool_info
+        self.gauges: list[tuple[str, str, Callable[[], float]]] = []
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: the registry must not call collect() at registration
@@ -65,14 +72,13 @@ class _StateCollector:
     def collect(self) -> Iterator[Any]:
         from lmshm.platform.base.mappings import MAPPINGS
 
-        server = self._server
         regs = GaugeMetricFamily("lmshm_registrations", "Live registrations, by kind (kv, system, cuda)",
                                  labels=("kind",))
         nbytes = GaugeMetricFamily("lmshm_registered_bytes", "Bytes the live registrations map, by kind",
                                    labels=("kind",))
         counts = {"kv": 0, "system": 0, "cuda": 0}
         sizes = dict.fromkeys(counts, 0)
-        for r in server.registry.registrations():
+        for r in self._registry.registrations():
             counts[r.kind] = counts.get(r.kind, 0) + 1
             sizes[r.kind] = sizes.get(r.kind, 0) + r.nbytes
         for kind in counts:
@@ -90,9 +96,10 @@ class _StateCollector:
             maps.add_metric((kind,), n)
         yield maps
         yield GaugeMetricFamily("lmshm_draining", "Unregistered registrations still held by a view or a copy",
-                                value=server.registry.draining)
-        yield GaugeMetricFamily("lmshm_sessions", "ZeroMQ sessions (verified or not)", value=server.session_count())
-        pool = server.pool_info()
+                                value=self._registry.draining)
+        for name, documentation, read in list(self.gauges):
+            yield GaugeMetricFamily(name, documentation, value=read())
+        pool = self._pool_info()
         for name in _POOL_GAUGES:
             yield GaugeMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')}",
                                     value=getattr(pool, name))

@@ -3,7 +3,7 @@
 The registry is the single owner of "what is registered". It does not count mappings:
 each wrapper's ``to_tensor()`` takes its share from the process-wide ``MAPPINGS`` table
 (lmshm.platform.base.mappings), which is the one refcount for every wrapper kind -- named
-shm, memfd, CUDA IPC, VMM. Layers arrive in groups (``protocol.LayerGroup``: one wrapper
+shm, memfd, CUDA IPC, VMM. Layers arrive in groups (``messages.LayerGroup``: one wrapper
 for a run of layers that differ only in storage offset). A registration holds, per group,
 the decoded wrapper and the tensor it mapped; a layer's own tensor is a view of that,
 bounds-checked at register time and built on first use. Releasing a registration drops the
@@ -48,7 +48,7 @@ from lmshm.core.errors import (
     ServerError,
     Unavailable,
 )
-from lmshm.multiprocess.protocol import MAX_LAYERS, LayerGroup
+from lmshm.core.messages import MAX_LAYERS, LayerGroup
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import Peer

@@ -61,8 +61,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code != WRAPPER_EXT_CODE:
         raise CodecError(f"unknown msgpack extension type {code}; lmshm only sends {WRAPPER_EXT_CODE} (wrapper)")
     if _unpickler is None:
-        from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
-        from lmshm.platform.wrapper_registry import safe_loads
+        from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, safe_loads
 
         _unpickler = (safe_loads, WrapperDecodeError)
     safe_loads, decode_error = _unpickler

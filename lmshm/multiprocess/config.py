@@ -2,6 +2,8 @@
 
 Every setting is a field of ``ServerConfig`` (a msgspec Struct whose ``Meta`` constraints are the
 rules) and a row of ``SETTINGS`` (its command-line flag, environment variable and TOML key).
+``ServerConfig`` extends the core's own ``CoreConfig`` (``lmshm.core.config``: the pool, copies,
+leases, regions, the sweep) with what the endpoints read, so the core takes it as it is.
 Layers, lowest first: the field's default, the ``--config`` TOML file (top-level keys or a
 ``[lmshm-server]`` table), the environment, the command line. Strings from the environment are
 converted by ``msgspec.convert(strict=False)`` -- the same library and constraint language as
@@ -18,23 +20,21 @@ from typing import Annotated, Any, Mapping, Optional
 
 import msgspec
 
+from lmshm.core.config import Count, CoreConfig, Ids, Positive
 from lmshm.multiprocess import mq
 from lmshm.platform import ipc_policy
 
-Positive = Annotated[float, msgspec.Meta(gt=0)]
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
-Ids = list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]]
 
+class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of ``lmshm-server``: the core's (``CoreConfig``: ``allowed_uids``,
+    ``max_name_bytes``, ``max_regions``, ``sweep_interval_s`` and the data plane's) and these."""
 
-class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     url: str = mq.DEFAULT_URL
     isolated_ipc: bool = False
     reap_timeout_s: Positive = 10.0
     fd_socket: str = ""                    # "" = derived from the endpoint (fdchannel.default_path)
     log_level: str = "INFO"
-    # who may do what
-    allowed_uids: Ids = []                 # besides the server's own uid (and root)
+    # who may do what (allowed_uids, besides the server's own uid and root, is the core's)
     allowed_gids: Ids = []
     admin_uids: Ids = []                   # may PEEK and unregister any registration
     # limits
@@ -45,24 +45,10 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_registrations_per_session: Count = 64
     max_layers_per_session: Count = 65536
     max_fds_per_session: Count = 1024
-    max_name_bytes: Annotated[int, msgspec.Meta(ge=16, le=4096)] = 256
     auth_timeout_s: Positive = 5.0
     max_pending_auth: Count = 64
-    sweep_interval_s: NonNegative = 10.0
     # lmshm's own transport (multiprocess/mq.py): loop time for peers without a verified session
     unverified_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
-    # the data plane
-    capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 2 << 30   # bytes; 0 = no pool
-    copy_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
-    copy_through_mapping: bool = False     # memmove through the mapping: faster, not SIGBUS-safe
-    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
-    max_inflight_per_session: Count = 256
-    max_leases_per_session: Count = 4096
-    # the pool's accounting and per-tenant (uid) caps (lmshm/core/pool.py; docs/design/dataplane.md)
-    max_objects: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 1 << 18   # 0 = only --capacity bounds them
-    max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
-    max_pins_per_uid: Count = 1 << 20
-    max_leases_per_uid: Count = 16384
     # Triton-compatible endpoints (lmshm.endpoints): off unless a port is given; 0 = a free port
     http_port: Optional[Annotated[int, msgspec.Meta(ge=0, le=65535)]] = None
     http_host: str = "127.0.0.1"
@@ -73,7 +59,6 @@ class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     http_restricted_api: str = ""          # "HEADER=VALUE": required on the shared-memory routes
     grpc_restricted_api: str = ""
     endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
-    max_regions: Count = 4096
     http_max_connections: Count = 256
     # Triton endpoints' deadlines and connection budget (lmshm/endpoints; docs/triton.md)
     http_idle_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 5.0

@@ -1,15 +1,16 @@
-"""``lmshm-server``'s ZeroMQ endpoint: lmshm's own protocol, over ``lmshm.Server``.
+"""``lmshm-server``'s ZeroMQ endpoint: lmshm's own protocol, over the core.
 
-``ZmqEndpoint`` is one of the thin adapters over the in-process server (``lmshm.core.server``):
-the registry, the data plane and the metrics are the server's; this file owns only what is
-ZeroMQ's -- the endpoint (lmshm's own ZMTP listener, ``zmtp.py``), the sessions and their
+``ZmqEndpoint`` is one of the thin adapters over the core (``lmshm.core.service.Core``): the
+registry, the data plane, the metrics and the clock are the core's; this file owns only what
+is ZeroMQ's -- the endpoint (lmshm's own ZMTP listener, ``zmtp.py``), the sessions and their
 kernel-verified identities (the fd channel), and the loop. One thread runs the loop:
 ``mq.RouterServer`` polls the listener and its connections, the fd channel's Unix sockets, one
 pidfd per watched worker and a wake-up pipe (signals, copier replies, ``stop()``), and calls the
-handlers below. Handlers are short (decoding, mapping, bookkeeping). The loop's tick is also the
-server's clock: lease expiry, reclaim of silent sessions, the orphan sweep, and the fd budget
-(idle connections closed; when fds run short and connections wait, those without a verified
-session shed, oldest first).
+handlers below. Handlers are short (decoding, mapping, bookkeeping). The loop's tick keeps the
+transport's own state: reclaim of silent sessions, the fd channel's deadlines, and the fd
+budget (idle connections closed; when fds run short and connections wait, those without a
+verified session shed, oldest first). Lease expiry and the orphan sweep are the core's, on its
+clock's thread. ``lmshm.Server`` (``lmshm/server.py``) composes this endpoint with the core.
 
 Floods: requests of peers without a verified session wait their turn and run only in the
 time verified sessions leave, at most ``--unverified-share`` of it while they are busy
@@ -28,12 +29,13 @@ What each request may do:
   own fds), within the session's limits;
 - UNREGISTER, PEEK: the owning session, or a verified session of an ``--admin-uid``.
 
-Orphans: at start and every ``--sweep-interval`` seconds the server removes ``lmshm-*`` names of
+Orphans: at start and every ``--sweep-interval`` seconds the core removes ``lmshm-*`` names of
 dead workers of its own uid (``shm_orphans.sweep_orphans``, what ``lmshm gc`` runs).
 
-SIGINT/SIGTERM: requests already queued are answered UNAVAILABLE, every registration is
-released, every fd closed, socket files this process created removed, and the process exits 0.
-Further signals during that shutdown are ignored, so the release always completes.
+SIGINT/SIGTERM: requests already queued are answered UNAVAILABLE, the core shuts down (every
+registration released), every fd is closed, socket files this process created are removed, and
+the process exits 0. Further signals during that shutdown are ignored, so the release always
+completes.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ import logging
 import os
 import resource
 import signal
-import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -53,25 +54,13 @@ from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
 from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.config import (
-    ConfigError,
-    ServerConfig,
-    build_arg_parser,
-    resolve_config,
-)
-from lmshm.multiprocess.fdchannel import (
-    Credentials,
-    FdChannelError,
-    FdChannelServer,
-    default_path,
-)
+from lmshm.multiprocess.config import ServerConfig
+from lmshm.multiprocess.fdchannel import Credentials, FdChannelServer, default_path
 from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.multiprocess.sessions import Session, SessionLimitError, Sessions
-from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import own_pid_namespace
-from lmshm.platform.shm_orphans import sweep_orphans
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.server")
@@ -97,7 +86,7 @@ LINK_ROOM = 256
 #: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
 SHED_BELOW, SHED_TO = 32, 96
 
-__all__ = ["ConfigError", "ServerConfig", "ZmqEndpoint", "build_arg_parser", "main", "resolve_config"]
+__all__ = ["ZmqEndpoint"]
 
 
 def raise_fd_limit() -> int:
@@ -149,13 +138,17 @@ class _Refusal(Exception):
 
 
 class ZmqEndpoint:
-    """The ZeroMQ endpoint of ``core`` (an ``lmshm.Server``). ``on_stopping`` runs once, when
-    shutdown begins, before anything is released (the server stops its other endpoints)."""
+    """The ZeroMQ endpoint of ``core`` (a ``lmshm.core.service.Core``), with the settings of
+    ``config`` (default: the core's, which must then be a ``ServerConfig``). ``on_stopping`` runs
+    once, when shutdown begins, before anything is released (the composer stops its other
+    endpoints). The endpoint's shutdown shuts the core down too, between answering what is
+    queued and ending the sessions: copies are answered before the sessions they belong to go."""
 
     protocol_name = "zmq"
 
-    def __init__(self, core: Any, *, on_stopping: Optional[Callable[[], None]] = None) -> None:
-        config = core.config
+    def __init__(self, core: Any, config: Optional[ServerConfig] = None, *,
+                 on_stopping: Optional[Callable[[], None]] = None) -> None:
+        config = config if config is not None else core.config
         self.core = core
         self.config = config
         self.server_id = core.server_id
@@ -169,7 +162,7 @@ class ZmqEndpoint:
         self._shed_to = self.fd_reserve + link_room + min(SHED_TO, self.fd_limit // 8)
         self.registry = core.registry
         self.metrics = core.metrics
-        self.dataplane: Any = None      # the server's, set once it exists
+        self.dataplane = core.dataplane
         self._on_stopping = on_stopping
         self._stopping = False
         self._deferred_t0: dict[tuple[bytes, bytes], tuple[str, float]] = {}
@@ -221,8 +214,7 @@ class ZmqEndpoint:
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
         self._shed, self._shed_log_at = 0, 0.0   # the tick logs shedding once a second
-        self._next_sweep = 0.0
-        self._sweep()
+        self.metrics.add_gauge("lmshm_sessions", "ZeroMQ sessions (verified or not)", lambda: len(self.sessions))
 
     def close_transport(self) -> None:
         """Close the fd channel, the wake-up pipe and the socket (the end of ``shutdown``; also
@@ -233,19 +225,6 @@ class ZmqEndpoint:
         os.close(self._wake_w)
         self.router.close()
         self.router = None  # type: ignore[assignment]
-
-    def _sweep(self) -> None:
-        """Remove /dev/shm names of dead workers of this uid (``lmshm gc`` does the same)."""
-        interval = self.config.sweep_interval_s
-        self._next_sweep = time.monotonic() + interval if interval > 0 else float("inf")
-        try:
-            result = sweep_orphans()
-        except OSError as exc:
-            logger.warning("lmshm: orphan sweep failed: %s", exc)
-            return
-        if result.removed:
-            logger.info("lmshm: removed %d orphaned segment name(s) of dead workers: %s", len(result.removed),
-                        ", ".join(result.removed[:8]) + (" ..." if len(result.removed) > 8 else ""))
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property
@@ -359,16 +338,14 @@ class ZmqEndpoint:
         if self._on_stopping is not None:
             self._on_stopping()  # the HTTP and gRPC endpoints: no new regions from here on
         self.router.drain(self._on_request)
-        self.dataplane.shutdown()  # queued copies are answered UNAVAILABLE, running ones finish
+        released = self.core.shutdown()  # queued copies are answered UNAVAILABLE, running ones finish
         self._send_completions()
-        released = self.registry.release_all()
         for session in self.sessions:
             self.sessions.end(session, "server shutdown", orphaned=False)
         self.close_transport()
         logger.info("lmshm-server stopped; released %d registration(s)", released)
 
     def _tick(self) -> None:
-        self.dataplane.tick()
         self.sessions.reap()
         self.fdchannel.expire()
         dropped = self.router.drop_idle(self._has_session)
@@ -380,8 +357,6 @@ class ZmqEndpoint:
             logger.warning("lmshm: few file descriptors free: closed %d ZeroMQ connection(s) without a verified "
                            "session, the oldest first, to accept waiting ones", self._shed)
             self._shed, self._shed_log_at = 0, time.monotonic() + 1.0
-        if time.monotonic() >= self._next_sweep:
-            self._sweep()
 
     def _fds_available(self, opening: int = 0) -> bool:
         """Whether ``opening`` more fds (a new fd-channel connection: 2) leave the reserve free."""
@@ -699,41 +674,3 @@ def _groups_of(creds: Credentials) -> set[int]:
     except (OSError, ValueError):
         pass
     return groups
-
-
-# ---- command line -----------------------------------------------------------------------
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    args = build_arg_parser().parse_args(argv)
-    try:
-        config = resolve_config(args)
-    except (ConfigError, mq.TransportError) as exc:
-        print(f"lmshm-server: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s lmshm-server %(levelname)s %(message)s")
-    ipc_policy.set_isolated_ipc(config.isolated_ipc)
-    from lmshm.core.server import Server
-
-    try:
-        server = Server(config)
-    except (mq.TransportError, FdChannelError) as exc:
-        print(f"lmshm-server: {exc}", file=sys.stderr)
-        return 1
-    try:
-        server.start_side_endpoints()
-    except Exception as exc:  # noqa: BLE001 - a busy HTTP/gRPC port, a bad host
-        server.stop()
-        print(f"lmshm-server: {exc}", file=sys.stderr)
-        return 1
-    extra = "".join(f", {name} on {host}:{port}" for name, host, port in (
-        ("HTTP", config.http_host, server.http_port), ("gRPC", config.grpc_host, server.grpc_port)) if port is not None)
-    print(f"lmshm-server listening on {server.url} (fd socket {server.fd_socket}{extra}, "
-          f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
-    server.serve_forever(restore_signals=False)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

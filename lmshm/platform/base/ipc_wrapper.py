@@ -13,8 +13,8 @@ under a live tensor.
 
 Wrappers pickle with their concrete class and nothing else: their state is plain data
 (strings, ints, tuples, bytes). ``Deserialize`` uses a restricted unpickler that can only
-name the wrapper classes listed in ``lmshm.platform.wrapper_registry`` (an explicit list:
-subclassing this class does not add to it), so a peer cannot make this process run code.
+name the wrapper classes listed in ``lmshm.platform.wrapper_registry`` (an explicit list of
+names: subclassing this class does not add to it), so a peer cannot make this process run code.
 
 GPU identity travels as a UUID ("GPU-..."); the consumer resolves it to its own ordinal,
 because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process.
@@ -22,6 +22,7 @@ because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process
 
 from __future__ import annotations
 
+import io
 import math
 import pickle
 from typing import Any, ClassVar
@@ -30,6 +31,7 @@ import torch
 
 from lmshm.platform.base.mappings import Lease
 from lmshm.platform.base.peer import Peer
+from lmshm.platform.wrapper_registry import ALLOWED_WRAPPER_CLASSES
 from lmshm.quoting import quote
 
 # Every dtype a wrapper may carry, by the name torch prints without the "torch." prefix.
@@ -64,22 +66,45 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; supported: {', '.join(_DTYPES)}") from None
 
 
-def allowed_wrapper_classes() -> list[str]:
-    """Dotted names of the classes a wrapper payload may name (``wrapper_registry``'s list)."""
-    from lmshm.platform.wrapper_registry import allowed_wrapper_classes
+#: The names a wrapper payload may use (``wrapper_registry``'s list; tests widen it with monkeypatch).
+_ALLOWED: set[tuple[str, str]] = set(ALLOWED_WRAPPER_CLASSES)
 
-    return allowed_wrapper_classes()
+
+def allowed_wrapper_classes() -> list[str]:
+    """Dotted names of the classes a wrapper payload may name, sorted (for error messages)."""
+    return sorted(f"{m}.{n}" for m, n in _ALLOWED)
+
+
+class _WrapperUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise WrapperDecodeError(
+                f"refusing to unpickle {module}.{name}: wrapper payloads may only name lmshm "
+                f"wrapper classes ({', '.join(allowed_wrapper_classes()) or 'none registered'})"
+            )
+        cls = super().find_class(module, name)  # imports the listed module, as pickle does
+        if not (isinstance(cls, type) and issubclass(cls, DeviceIPCWrapper)
+                and (cls.__module__, cls.__qualname__) == (module, name)):
+            raise WrapperDecodeError(f"{module}.{name} is on the allow-list but is not an lmshm wrapper class")
+        return cls
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise WrapperDecodeError("refusing a pickle with persistent ids")
 
 
 def safe_loads(data: bytes) -> "DeviceIPCWrapper":
-    """Unpickle wrapper bytes from a peer: only allowed lmshm wrapper classes and plain data.
-
-    The allow-list and the restricted unpickler live in ``lmshm.platform.wrapper_registry``,
-    above this package (it names the concrete classes of ``cpu`` and ``cuda``).
-    """
-    from lmshm.platform.wrapper_registry import safe_loads
-
-    return safe_loads(data)
+    """Unpickle wrapper bytes from a peer: only allowed lmshm wrapper classes and plain data."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WrapperDecodeError(f"wrapper payload must be bytes, got {type(data).__name__}")
+    try:
+        obj = _WrapperUnpickler(io.BytesIO(bytes(data))).load()
+    except WrapperDecodeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any malformed pickle is a decode error
+        raise WrapperDecodeError(f"malformed wrapper payload: {type(exc).__name__}: {exc}") from None
+    if not isinstance(obj, DeviceIPCWrapper) or not getattr(obj, "_state_checked", False):
+        raise WrapperDecodeError(f"wrapper payload decoded to {type(obj).__name__}, not an lmshm wrapper")
+    return obj
 
 
 #: Largest size, stride or offset a wrapper may carry: far above any real memory, far below

@@ -1,6 +1,6 @@
 """Test harness for the service tests: an ``lmshm-server`` subprocess and worker subprocesses.
 
-``ServerProcess`` runs ``python -m lmshm.multiprocess.server`` on a free port (or an ipc://
+``ServerProcess`` runs ``python -m lmshm.server`` on a free port (or an ipc://
 path) and reads the URL from its ready line. ``WorkerProcess`` runs ``worker.py`` beside this
 file, which owns an ``MPClient`` and obeys one JSON command per stdin line (register, fill,
 unregister, ...), answering one JSON line each. Every helper is bounded in time.
@@ -50,7 +50,7 @@ class ServerProcess:
         self.log_path = tmp / f"server-{time.monotonic_ns()}.log"
         # fd_socket="" leaves the server its default path (read back from its ready line).
         self.fd_socket = str(tmp / "fds.sock") if fd_socket is None else fd_socket
-        cmd = [*(prefix or []), sys.executable, "-m", "lmshm.multiprocess.server", "--url", url or "tcp://127.0.0.1:0",
+        cmd = [*(prefix or []), sys.executable, "-m", "lmshm.server", "--url", url or "tcp://127.0.0.1:0",
                *(["--fd-socket", self.fd_socket] if self.fd_socket else []), "--log-level", "DEBUG", *args]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,

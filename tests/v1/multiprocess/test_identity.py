@@ -67,7 +67,7 @@ def test_a_squatted_per_uid_directory_is_refused(tmp, monkeypatch):
     bad = tmp / f"lmshm-{os.geteuid()}"
     bad.mkdir(mode=0o777)
     os.chmod(bad, 0o777)
-    proc = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "lmshm.server", "--port", "0"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 1
     assert "must be a directory of uid" in proc.stderr and "mode 0700" in proc.stderr

@@ -341,7 +341,7 @@ def test_a_second_server_on_the_same_endpoint_or_fd_socket_exits_1_and_the_first
     first = ServerProcess(tmp, "--reap-timeout", "5", url=f"ipc://{ipc}", fd_socket=str(fds))
     try:
         inodes = {p: os.stat(p).st_ino for p in (ipc, fds)}
-        base = [sys.executable, "-m", "lmshm.multiprocess.server", "--log-level", "DEBUG"]
+        base = [sys.executable, "-m", "lmshm.server", "--log-level", "DEBUG"]
         same_url = subprocess.run([*base, "--url", first.url, "--fd-socket", str(tmp / "other.fds")],
                                   capture_output=True, text=True, timeout=60)
         assert same_url.returncode == 1 and f"cannot listen on {first.url}" in same_url.stderr, same_url.stderr

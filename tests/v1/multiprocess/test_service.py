@@ -22,11 +22,11 @@ from lmshm.multiprocess.client import (
     Unsupported,
     query_status,
 )
+from lmshm.multiprocess.config import ServerConfig, build_arg_parser, resolve_config
 from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.core.server import Server
-from lmshm.multiprocess.server import ServerConfig, build_arg_parser, resolve_config
 from lmshm.platform import ipc_policy
 from lmshm.platform.cpu import empty_shared
+from lmshm.server import Server
 
 from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
@@ -236,7 +236,7 @@ def test_a_signal_releases_everything_and_exits_zero(tmp, start_worker, sig):
 
 
 def test_a_second_server_on_a_busy_endpoint_fails_clearly(shared_server, tmp):
-    proc = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--url", shared_server.url,
+    proc = subprocess.run([sys.executable, "-m", "lmshm.server", "--url", shared_server.url,
                            "--fd-socket", str(tmp / "other.fds")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and f"cannot listen on {shared_server.url}" in proc.stderr
 

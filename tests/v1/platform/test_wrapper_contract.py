@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lmshm.platform import wrapper_registry
+from lmshm.platform.base import ipc_wrapper
 from lmshm.platform.base.ipc_wrapper import (
     DeviceIPCWrapper,
     WrapperDecodeError,
@@ -147,16 +148,20 @@ def test_a_subclass_that_is_not_on_the_list_is_refused():
     payload = _UnlistedWrapper(**_wrapper().__getstate__()).Serialize()
     with pytest.raises(WrapperDecodeError, match=r"refusing to unpickle \S+\._UnlistedWrapper"):
         DeviceIPCWrapper.Deserialize(payload)
-    with pytest.raises(WrapperDecodeError, match="refusing to unpickle"):
-        wrapper_registry.safe_loads(payload)
     assert f"{__name__}._UnlistedWrapper" not in allowed_wrapper_classes()
 
 
 def test_a_subclass_decodes_once_it_is_added_to_the_list(monkeypatch):
     w = _UnlistedWrapper(**_wrapper().__getstate__())
-    monkeypatch.setitem(wrapper_registry._BY_NAME, (__name__, "_UnlistedWrapper"), _UnlistedWrapper)
+    monkeypatch.setattr(ipc_wrapper, "_ALLOWED", ipc_wrapper._ALLOWED | {(__name__, "_UnlistedWrapper")})
     back = DeviceIPCWrapper.Deserialize(w.Serialize())
     assert type(back) is _UnlistedWrapper and back == w
+
+
+def test_a_listed_name_that_is_not_a_wrapper_class_is_refused(monkeypatch):
+    monkeypatch.setattr(ipc_wrapper, "_ALLOWED", ipc_wrapper._ALLOWED | {(os.getcwd.__module__, "getcwd")})
+    with pytest.raises(WrapperDecodeError, match=r"getcwd is on the allow-list but is not an lmshm wrapper"):
+        DeviceIPCWrapper.Deserialize(pickle.dumps(os.getcwd))
 
 
 def test_the_list_names_exactly_the_concrete_wrappers_lmshm_ships():
@@ -170,14 +175,24 @@ def test_the_list_names_exactly_the_concrete_wrappers_lmshm_ships():
             yield from concrete(sub)
 
     shipped = set(concrete(DeviceIPCWrapper))
-    assert set(wrapper_registry.ALLOWED_WRAPPER_CLASSES) == shipped
+    assert set(wrapper_registry.ALLOWED_WRAPPER_CLASSES) == {(c.__module__, c.__qualname__) for c in shipped}
     assert len(shipped) == 5
     assert allowed_wrapper_classes() == sorted(f"{c.__module__}.{c.__qualname__}" for c in shipped)
 
 
 def test_the_base_package_imports_neither_cpu_nor_cuda():
     code = ("import sys, lmshm.platform.base.ipc_wrapper, lmshm.platform.base.mappings, lmshm.platform.base.fds\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('lmshm.platform.cpu', 'lmshm.platform.cuda',"
-            " 'lmshm.platform.wrapper_registry'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('lmshm.platform.cpu', 'lmshm.platform.cuda'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_process_that_imported_only_the_base_decodes_every_listed_kind():
+    # The base names the kinds as data; unpickling a listed name imports its module then.
+    payload = _wrapper().Serialize()
+    code = ("import sys\nfrom lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper\n"
+            "assert 'lmshm.platform.cpu.wrappers' not in sys.modules\n"
+            "w = DeviceIPCWrapper.Deserialize(sys.stdin.buffer.read())\n"
+            "print(type(w).__module__, type(w).__name__, w.segment)")
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, timeout=60, check=True)
+    assert out.stdout.decode().split() == ["lmshm.platform.cpu.wrappers", "CpuShmIPCWrapper", "lmshm-1-abcdef"]

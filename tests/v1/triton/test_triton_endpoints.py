@@ -254,7 +254,7 @@ def test_hello_of_a_newer_minor_or_another_major_is_refused_naming_both(app):
 
 def test_lmshm_server_serves_both_endpoints_shows_regions_in_status_and_releases_them_on_sigterm(tmp_path, shm):
     key, _ = shm()
-    proc = subprocess.Popen([sys.executable, "-m", "lmshm.multiprocess.server", "--url", f"ipc://{tmp_path}/s.ipc",
+    proc = subprocess.Popen([sys.executable, "-m", "lmshm.server", "--url", f"ipc://{tmp_path}/s.ipc",
                              "--fd-socket", str(tmp_path / "s.fds"), "--http-port", "0", "--grpc-port", "0",
                              "--capacity", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -285,7 +285,7 @@ def test_lmshm_server_serves_both_endpoints_shows_regions_in_status_and_releases
 
 
 def test_the_endpoints_are_off_by_default_and_a_busy_port_fails_clearly(tmp_path, app):
-    help_text = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--help"], capture_output=True,
+    help_text = subprocess.run([sys.executable, "-m", "lmshm.server", "--help"], capture_output=True,
                                text=True, timeout=60).stdout
     for flag in ("--http-port", "--http-host", "--grpc-port", "--grpc-host", "--http-restricted-api",
                  "--grpc-restricted-api", "--http-max-body-bytes", "--grpc-max-message-bytes"):
@@ -293,7 +293,7 @@ def test_the_endpoints_are_off_by_default_and_a_busy_port_fails_clearly(tmp_path
     assert lmshm.ServerConfig().http_port is None and lmshm.ServerConfig().grpc_port is None
     assert lmshm.ServerConfig().http_host == "127.0.0.1" == lmshm.ServerConfig().grpc_host
     for flag, port in (("--http-port", app.http_port), ("--grpc-port", app.grpc_port)):
-        proc = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--url", f"ipc://{tmp_path}/b.ipc",
+        proc = subprocess.run([sys.executable, "-m", "lmshm.server", "--url", f"ipc://{tmp_path}/b.ipc",
                                "--fd-socket", str(tmp_path / "b.fds"), flag, str(port), "--capacity", "0"],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 1 and f"127.0.0.1:{port}" in proc.stderr, proc.stderr
@@ -301,10 +301,10 @@ def test_the_endpoints_are_off_by_default_and_a_busy_port_fails_clearly(tmp_path
 
 
 def test_a_bad_restricted_api_setting_is_a_clear_error(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--http-restricted-api", "inference:k=v"],
+    proc = subprocess.run([sys.executable, "-m", "lmshm.server", "--http-restricted-api", "inference:k=v"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "restricts only the 'shared-memory' API" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "lmshm.multiprocess.server", "--grpc-restricted-api", "novalue"],
+    proc = subprocess.run([sys.executable, "-m", "lmshm.server", "--grpc-restricted-api", "novalue"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "expected HEADER=VALUE" in proc.stderr
 

@@ -45,8 +45,8 @@ from worker import vllm_layout_strides  # noqa: E402
 
 
 def _missing() -> str:
-    if importlib.util.find_spec("lmshm.multiprocess.server") is None:
-        return "lmshm.multiprocess.server is not available"
+    if importlib.util.find_spec("lmshm.server") is None:
+        return "lmshm.server is not available"
     if not torch.cuda.is_available():
         return "no CUDA device visible"
     for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):

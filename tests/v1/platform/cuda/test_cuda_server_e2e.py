@@ -26,8 +26,8 @@ READY = re.compile(r"listening on (\S+) \(fd socket (\S+),")
 
 
 def _missing() -> str:
-    if importlib.util.find_spec("lmshm.multiprocess.server") is None:
-        return "lmshm.multiprocess.server is not available"
+    if importlib.util.find_spec("lmshm.server") is None:
+        return "lmshm.server is not available"
     if not torch.cuda.is_available():
         return "no CUDA device visible"
     for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):
@@ -65,7 +65,7 @@ def scratch():
 def start_server(scratch: Path, isolated: bool) -> tuple[subprocess.Popen, str, str, Path]:
     log = scratch / "server.log"
     fd_socket = str(scratch / "fds.sock")
-    cmd = [sys.executable, "-m", "lmshm.multiprocess.server", "--url", "tcp://127.0.0.1:0",
+    cmd = [sys.executable, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0",
            "--fd-socket", fd_socket, "--log-level", "INFO", "--admin-uid", str(os.geteuid()),  # the reader peeks
            "--isolated-ipc" if isolated else "--no-isolated-ipc"]
     with open(log, "w") as err:

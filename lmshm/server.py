@@ -1,12 +1,12 @@
-"""``lmshm.Server``: the cache server as a library, the analogue of Triton's in-process C API.
+"""``lmshm.Server`` and ``lmshm-server``: the core composed with its endpoints.
 
-One object owns everything that outlives a request: the registry (KV-cache registrations and
-Triton-style regions, one namespace), the mapping table's shares, session reclaim, the data
-plane, and the metrics. The endpoints are thin adapters over it and keep no registry state:
-- ZeroMQ (``lmshm.multiprocess.server.ZmqEndpoint``): lmshm's own protocol, always on; its loop
-  also runs the server's periodic work (lease expiry, reclaim of silent sessions, orphan sweep);
-- HTTP (``--http-port``) and gRPC (``--grpc-port``): Triton's health, metadata and
-  shared-memory routes (``lmshm.endpoints``), plus ``/metrics`` on HTTP.
+This module sits above every layer (docs/design/layers.md): it builds the core
+(``lmshm.core.service.Core``: registry, data plane, metrics, clock), the ZeroMQ endpoint over it
+(``lmshm.multiprocess.server.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
+config asks, Triton's HTTP (``--http-port``, with ``/metrics``) and gRPC (``--grpc-port``)
+endpoints (``lmshm.endpoints``), and wires the calls that go up: a copier job's reply goes to the
+ZeroMQ endpoint, and the ZeroMQ endpoint's shutdown first stops the other endpoints. It is the
+analogue of Triton's in-process C API.
 
 Use it in a process of your own::
 
@@ -15,17 +15,16 @@ Use it in a process of your own::
         with server.region_view("input0", offset=0, byte_size=4096) as view:
             view.tensor[:4] = 7          # the client's shm sees it at once
 
-Threads: ``start()`` runs the ZeroMQ loop on a thread of its own and the HTTP and gRPC
+Threads: the core's clock (lease expiry, the orphan sweep) runs on a thread of its own from
+construction on; ``start()`` runs the ZeroMQ loop on a thread of its own and the HTTP and gRPC
 endpoints on theirs; ``serve_forever()`` runs the loop on the calling thread (the command line,
 with SIGINT/SIGTERM handling). Every public method is safe from any thread.
 
 Who releases what:
-- ``stop()`` (or leaving the ``with``) stops the endpoints, answers what is queued, releases
-  every registration and region, closes every fd and removes the socket files;
-- a ``View`` holds its registration: an unregister while it is open takes the name out of the
-  namespace at once and releases the mapping when the last view closes (``close()``, the
-  ``with`` block, or garbage collection). The view's tensor keeps the bytes mapped for as long
-  as it lives, even after that, so a tensor never points at unmapped memory;
+- ``stop()`` (or leaving the ``with``) stops the endpoints, answers what is queued, shuts the
+  core down (every registration and region released), closes every fd and removes the socket
+  files;
+- a ``View`` holds its registration until it is closed (``lmshm.core.service``);
 - regions are the client's objects: the server never creates, truncates or unlinks them.
 
 Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode``, the same code that
@@ -33,22 +32,27 @@ ZeroMQ, HTTP and gRPC callers receive.
 
 Versions: ``API_VERSION`` is ``(major, minor)``. Pass the version your code was written for as
 ``api_version=``; a newer minor, or another major, is refused with ``Unsupported``.
+
+``main()`` is ``lmshm-server``'s command line (``python -m lmshm.server`` runs it too).
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
+import os
+import sys
 import threading
-import time
-import weakref
 from typing import Any, Optional
 
-from lmshm.core import regions
+from lmshm._version import __version__
 from lmshm.core.errors import ErrorCode, ServerError, Unsupported
-from lmshm.core.metrics import Metrics
-from lmshm.core.registry import Registration, Registry
-from lmshm.multiprocess.config import ServerConfig
+from lmshm.core.registry import Registration
+from lmshm.core.service import Core, View
+from lmshm.multiprocess import mq, protocol
+from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
+from lmshm.multiprocess.fdchannel import FdChannelError
+from lmshm.multiprocess.server import ZmqEndpoint
+from lmshm.platform import ipc_policy
 from lmshm.quoting import quote
 
 logger = logging.getLogger("lmshm.server")
@@ -58,7 +62,8 @@ logger = logging.getLogger("lmshm.server")
 API_VERSION = (1, 0)
 #: Triton extensions the HTTP and gRPC endpoints implement (``GET /v2``'s ``extensions``).
 EXTENSIONS = ("system_shared_memory", "cuda_shared_memory")
-REGION_KINDS = ("system", "cuda")
+
+__all__ = ["API_VERSION", "EXTENSIONS", "Server", "View", "check_api_version", "main"]
 
 
 def check_api_version(wanted: Any) -> None:
@@ -79,41 +84,7 @@ def check_api_version(wanted: Any) -> None:
 
 
 def _version() -> str:
-    from lmshm import __version__
-
     return __version__
-
-
-class View:
-    """Bytes of a registration, as a tensor, held open until ``close()``.
-
-    ``tensor`` aliases the registered memory (no copy). While the view is open its
-    registration cannot be released: an unregister is deferred until the last view closes.
-    """
-
-    def __init__(self, registry: Registry, reg: Registration, tensor: Any) -> None:
-        self.name = reg.instance_id
-        self.kind = reg.kind
-        self.tensor = tensor
-        self._finalizer = weakref.finalize(self, registry.let_go, reg)
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def close(self) -> None:
-        """Let the registration go (idempotent). The tensor stays valid while you hold it."""
-        self._finalizer()
-
-    def __enter__(self) -> "View":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        state = "closed" if self.closed else "open"
-        return f"View({self.name!r}, {self.kind}, {tuple(self.tensor.shape)}, {state})"
 
 
 class Server:
@@ -124,32 +95,47 @@ class Server:
     def __init__(self, config: Optional[ServerConfig] = None, *, api_version: Any = None) -> None:
         if api_version is not None:
             check_api_version(api_version)
-        from lmshm.core.dataplane import DataPlane
-        from lmshm.multiprocess.server import ZmqEndpoint
-
         self.config = config if config is not None else ServerConfig()
-        self.server_id = secrets.token_hex(8)
-        self.started = time.monotonic()
-        self.registry = Registry()
-        self.metrics = Metrics(self)
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._side: list[Any] = []      # the HTTP and gRPC endpoints, once started
         self._stopped = False
         self._serving = False
-        self.zmq = ZmqEndpoint(self, on_stopping=self._stop_side_endpoints)
+        self.core = Core(self.config, reply=self._copy_done)
         try:
-            self.dataplane = DataPlane(
-                registry=self.registry, capacity=self.config.capacity, copy_threads=self.config.copy_threads,
-                lease_ttl_s=self.config.lease_ttl_s, max_inflight_per_session=self.config.max_inflight_per_session,
-                max_leases_per_session=self.config.max_leases_per_session, reply=self.zmq.complete,
-                through_files=not self.config.copy_through_mapping, max_objects=self.config.max_objects,
-                max_pinned_fraction_per_uid=self.config.max_pinned_fraction_per_uid,
-                max_pins_per_uid=self.config.max_pins_per_uid, max_leases_per_uid=self.config.max_leases_per_uid)
+            self.zmq = ZmqEndpoint(self.core, self.config, on_stopping=self._stop_side_endpoints)
         except BaseException:
-            self.zmq.close_transport()
+            self.core.shutdown()
             raise
-        self.zmq.dataplane = self.dataplane
+        try:
+            self.core.start()           # the first orphan sweep, then the clock
+        except BaseException:
+            self.zmq.shutdown()
+            raise
+
+    def _copy_done(self, identity: bytes, request_id: bytes, reply: Any) -> None:
+        self.zmq.complete(identity, request_id, reply)  # only ZeroMQ requests queue copies
+
+    # ---- the core's parts ---------------------------------------------------------------
+    @property
+    def server_id(self) -> str:
+        return self.core.server_id
+
+    @property
+    def started(self) -> float:
+        return self.core.started
+
+    @property
+    def registry(self) -> Any:
+        return self.core.registry
+
+    @property
+    def dataplane(self) -> Any:
+        return self.core.dataplane
+
+    @property
+    def metrics(self) -> Any:
+        return self.core.metrics
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property
@@ -247,6 +233,7 @@ class Server:
             self.zmq.request_stop()
             return
         self.zmq.shutdown()  # idempotent: a loop that ended has released everything already
+        self.core.shutdown()  # idempotent: the endpoint's shutdown shut the core down
 
     shutdown = stop
 
@@ -265,8 +252,6 @@ class Server:
         return not self._stopped and not self.zmq.stopped
 
     def metadata(self) -> dict[str, Any]:
-        from lmshm.multiprocess import protocol
-
         return {"name": "lmshm", "version": _version(), "extensions": list(EXTENSIONS),
                 "api_version": list(API_VERSION),
                 "protocol_version": [protocol.PROTOCOL_VERSION, protocol.PROTOCOL_MINOR],
@@ -280,110 +265,84 @@ class Server:
         return len(self.zmq.sessions)
 
     def pool_info(self) -> Any:
-        return self.dataplane.info()
+        return self.core.pool_info()
 
     def metrics_text(self) -> bytes:
         """The Prometheus exposition text (what ``GET /metrics`` serves)."""
-        return self.metrics.text()
+        return self.core.metrics_text()
 
-    # ---- registrations ------------------------------------------------------------------
+    # ---- registrations and regions: the core's (lmshm.core.service.Core) -----------------
     def registrations(self, kind: Optional[str] = None) -> list[Registration]:
         """Live registrations (KV caches and regions), oldest first; only ``kind`` if given."""
-        regs = sorted(self.registry.registrations(), key=lambda r: r.created)
-        return [r for r in regs if kind is None or r.kind == kind]
+        return self.core.registrations(kind)
 
     def unregister(self, instance_id: str) -> bool:
         """Unregister a KV-cache registration, whoever owns it (the application is the
         operator). Returns True if the release waits for open views or copies."""
-        reg = self.registry.get(instance_id)
-        if reg.kind != "kv":
-            raise ServerError(ErrorCode.NOT_FOUND, f"{quote(instance_id, 80)} is a {reg.describe_kind()}; "
-                                                   "unregister it with unregister_region()")
-        return self.registry.unregister(instance_id)
+        return self.core.unregister(instance_id)
 
     def layer_view(self, instance_id: str, layer_name: str) -> View:
         """A worker's KV-cache layer as a tensor (the same memory, no copy), held open."""
-        reg = self.registry.acquire(instance_id)
-        try:
-            found = reg.layer(layer_name) if reg.kind == "kv" else None
-            if found is None:
-                raise ServerError(ErrorCode.NOT_FOUND, f"{quote(instance_id, 80)} has no layer {quote(layer_name, 80)}")
-            return View(self.registry, reg, found[0])
-        except BaseException:
-            self.registry.let_go(reg)
-            raise
-
-    # ---- regions (Triton's shared-memory extension) -----------------------------------
-    def _check_region_name(self, name: Any) -> str:
-        if not isinstance(name, str):
-            raise ServerError(ErrorCode.INVALID_ARG, f"a region name must be a string, got {type(name).__name__}")
-        limit = self.config.max_name_bytes
-        if len(name.encode("utf-8", "surrogatepass")) > limit:
-            raise ServerError(ErrorCode.INVALID_ARG, f"region name {quote(name, 40)} is longer than {limit} bytes "
-                                                     "(lmshm-server --max-name-bytes)")
-        return name
+        return self.core.layer_view(instance_id, layer_name)
 
     def register_system_region(self, name: str, key: str, byte_size: int, offset: int = 0, *,
                                client: str = "in-process") -> Registration:
         """Map ``byte_size`` bytes at ``offset`` of the POSIX shm object ``key`` as ``name``."""
-        self._check_region_name(name)
-        file_name = regions.validate_system(key, offset, byte_size)
-        allowed = tuple(self.config.allowed_uids)
-        reg = self.registry.add_region(
-            name, "system", lambda: regions.open_system(key, file_name, offset, byte_size, allowed), client_name=client,
-            max_regions=self.config.max_regions)
-        logger.debug("lmshm: registered system region %s (%s, %d bytes at %d)", quote(name, 60), quote(key, 60),
-                     byte_size, offset)
-        return reg
+        return self.core.register_system_region(name, key, byte_size, offset, client=client)
 
     def register_cuda_region(self, name: str, raw_handle: bytes, device_id: int, byte_size: int, *,
                              client: str = "in-process") -> Registration:
         """Open a client's ``cudaIpcMemHandle_t`` (64 bytes) on ``device_id`` as ``name``."""
-        self._check_region_name(name)
-        regions.validate_cuda(raw_handle, device_id, byte_size)
-        reg = self.registry.add_region(
-            name, "cuda", lambda: regions.open_cuda(bytes(raw_handle), device_id, byte_size), client_name=client,
-            max_regions=self.config.max_regions)
-        logger.debug("lmshm: registered CUDA region %s (device %d, %d bytes)", quote(name, 60), device_id, byte_size)
-        return reg
+        return self.core.register_cuda_region(name, raw_handle, device_id, byte_size, client=client)
 
     def region_status(self, kind: str, name: str = "") -> list[Registration]:
         """The regions of ``kind`` ("system" or "cuda"), or just ``name`` (NOT_FOUND if it is
         not a region of that kind; the message names the kind it has)."""
-        self._check_kind(kind)
-        if name:
-            return [self.registry.region(self._check_region_name(name), kind)]
-        return sorted(self.registry.regions(kind), key=lambda r: r.instance_id)  # Triton lists by name
+        return self.core.region_status(kind, name)
 
     def unregister_region(self, kind: str, name: str = "") -> int:
         """Unregister region ``name`` of ``kind``, or every region of ``kind`` if ``name`` is
         empty. An unknown name, or a name of another kind, is not an error (Triton's rule).
         Returns how many regions left the namespace."""
-        self._check_kind(kind)
-        if name:
-            return int(self.registry.unregister_region(self._check_region_name(name), kind))
-        return self.registry.unregister_regions(kind)
+        return self.core.unregister_region(kind, name)
 
     def region_view(self, name: str, offset: int = 0, byte_size: Optional[int] = None) -> View:
         """``byte_size`` bytes (default: to the end) at ``offset`` of region ``name`` as a
         uint8 tensor over the same memory, bounds- and overflow-checked; held open."""
-        reg = self.registry.acquire(self._check_region_name(name))
-        try:
-            if reg.region is None:
-                raise ServerError(ErrorCode.NOT_FOUND, f"{quote(name, 80)} is a {reg.describe_kind()}, not a region; "
-                                                       "use layer_view()")
-            size = reg.region.byte_size
-            if byte_size is None:
-                byte_size = size - offset if type(offset) is int else 0
-            tensor = regions.view_of(reg.bases[0], size, offset, byte_size, f"region {quote(name, 80)}")
-            return View(self.registry, reg, tensor)
-        except BaseException:
-            self.registry.let_go(reg)
-            raise
+        return self.core.region_view(name, offset, byte_size)
 
-    @staticmethod
-    def _check_kind(kind: str) -> None:
-        if kind not in REGION_KINDS:
-            raise ServerError(ErrorCode.INVALID_ARG, f"region kind must be one of {', '.join(REGION_KINDS)}, "
-                                                     f"got {quote(kind, 20)}")
 
+# ---- lmshm-server's command line ----------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_arg_parser().parse_args(argv)
+    try:
+        config = resolve_config(args)
+    except (ConfigError, mq.TransportError) as exc:
+        print(f"lmshm-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s lmshm-server %(levelname)s %(message)s")
+    ipc_policy.set_isolated_ipc(config.isolated_ipc)
+    try:
+        server = Server(config)
+    except (mq.TransportError, FdChannelError) as exc:
+        print(f"lmshm-server: {exc}", file=sys.stderr)
+        return 1
+    try:
+        server.start_side_endpoints()
+    except Exception as exc:  # noqa: BLE001 - a busy HTTP/gRPC port, a bad host
+        server.stop()
+        print(f"lmshm-server: {exc}", file=sys.stderr)
+        return 1
+    extra = "".join(f", {name} on {host}:{port}" for name, host, port in (
+        ("HTTP", config.http_host, server.http_port), ("gRPC", config.grpc_host, server.grpc_port)) if port is not None)
+    print(f"lmshm-server listening on {server.url} (fd socket {server.fd_socket}{extra}, "
+          f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
+    server.serve_forever(restore_signals=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The settings the core reads: ``CoreConfig``.
+
+A msgspec Struct whose ``Meta`` constraints are the rules, as the wire's messages are. The
+command line's ``ServerConfig`` (``lmshm.multiprocess.config``) extends it with what the
+endpoints read (addresses, sessions, transport limits, HTTP and gRPC), and its ``SETTINGS`` table
+gives every field, these included, a flag, an environment variable and a TOML key. So the core
+takes any ``CoreConfig`` -- a ``ServerConfig`` too -- and never imports what sits above it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+Ids = list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 32) - 1)]]
+
+
+class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    # who may do what: a system region's object must belong to the server's uid, root, or these
+    allowed_uids: Ids = []
+    # names and regions (lmshm/core/service.py)
+    max_name_bytes: Annotated[int, msgspec.Meta(ge=16, le=4096)] = 256
+    max_regions: Count = 4096
+    # the clock (lmshm/core/clock.py): seconds between orphan sweeps; 0 = only at start
+    sweep_interval_s: NonNegative = 10.0
+    # the data plane
+    capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 2 << 30   # bytes; 0 = no pool
+    copy_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
+    copy_through_mapping: bool = False     # memmove through the mapping: faster, not SIGBUS-safe
+    lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    max_inflight_per_session: Count = 256
+    max_leases_per_session: Count = 4096
+    # the pool's accounting and per-tenant (uid) caps (lmshm/core/pool.py; docs/design/dataplane.md)
+    max_objects: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 1 << 18   # 0 = only --capacity bounds them
+    max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
+    max_pins_per_uid: Count = 1 << 20
+    max_leases_per_uid: Count = 16384

@@ -1,0 +1,230 @@
+"""The values the core takes and returns, which the wire carries as they are.
+
+``lmshm.multiprocess.protocol`` is the wire protocol; the part of it that the core itself
+speaks is declared here, so that ``core`` never imports ``multiprocess``: the table of message
+codes (one table for every message, so a code is never used twice), the wire's hard caps,
+``LayerGroup`` (what a registration is made of), the data plane's requests and replies
+(STORE, LOOKUP, RETRIEVE, RELEASE), the pool's status (``PoolInfo``) and ``ErrorReply``.
+``protocol.py`` re-exports every name, so ``protocol.Store`` and ``messages.Store`` are the same
+class; read the two files as one spec. Moving a message between them changes no byte on the
+wire (``tests/v1/multiprocess/test_codec.py`` holds every message's bytes).
+
+Limits live next to the fields (msgspec ``Meta``): they bound what decoding may build. The
+server's configurable limits (names, counts) are tighter and checked after decoding.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import IntEnum
+from typing import TYPE_CHECKING, Annotated
+
+import msgspec
+
+if TYPE_CHECKING:
+    from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper as WireWrapper
+else:
+
+    class _AnyWrapperType(type):
+        def __instancecheck__(cls, obj: object) -> bool:
+            # No wrapper exists unless the wrapper module was imported: never import it here.
+            module = sys.modules.get("lmshm.platform.base.ipc_wrapper")
+            return module is not None and isinstance(obj, module.DeviceIPCWrapper)
+
+    class WireWrapper(metaclass=_AnyWrapperType):
+        """The type msgspec sees for ``LayerGroup.wrapper``: any lmshm IPC wrapper.
+
+        A stand-in for ``DeviceIPCWrapper`` (which type checkers see), so that the protocol,
+        and ``lmshm status`` with it, never imports the wrapper machinery and torch:
+        ``isinstance(w, WireWrapper)`` is ``isinstance(w, DeviceIPCWrapper)``, looked up lazily.
+        ``codec``'s ``dec_hook`` accepts a wrapper there (ext code 1, decoded by ``safe_loads``)
+        and refuses any other value.
+        """
+
+        __slots__ = ()
+
+
+#: Hard caps of the wire (the server's settings may be tighter).
+MAX_TEXT = 4096          # characters of any name or free-text field
+MAX_LAYERS = 65536       # layers of one registration
+MAX_GROUPS = 65536       # wrapper groups of one registration
+MAX_KEY_BYTES = 64       # one chunk key
+MAX_KEYS = 65536         # chunk keys of one STORE, RETRIEVE or LOOKUP (all ranks together)
+MAX_BLOCK_IDS = 1 << 20  # block ids of one STORE or RETRIEVE
+MAX_WORLD = 1024         # ranks of one LOOKUP
+LEASE_BYTES = 16
+MAX_BLOCK_DIM = 15       # the highest block_dim a registration may name
+
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+
+
+class MsgType(IntEnum):
+    """The ``type`` tag of every message body. Explicit and stable: never renumber."""
+
+    HELLO = 1
+    REGISTER_KV_CACHE = 2
+    UNREGISTER_KV_CACHE = 3
+    STATUS = 4
+    PING = 5
+    PEEK = 6
+    STORE = 7
+    LOOKUP = 8
+    RETRIEVE = 9
+    RELEASE = 10
+
+    HELLO_REPLY = 101
+    REGISTER_REPLY = 102
+    UNREGISTER_REPLY = 103
+    STATUS_REPLY = 104
+    PONG = 105
+    PEEK_REPLY = 106
+    STORE_REPLY = 107
+    LOOKUP_REPLY = 108
+    RETRIEVE_REPLY = 109
+    RELEASE_REPLY = 110
+    ERROR = 199
+
+
+class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
+    """Base of every message: a msgpack map whose ``"type"`` field holds its ``MsgType``."""
+
+
+# ---- what a registration is made of -------------------------------------------------------
+
+
+class LayerGroup(msgspec.Struct, frozen=True, array_like=True):
+    """Consecutive KV-cache layers that one wrapper reaches (ext code 1).
+
+    Layer ``i`` of the group is named ``names[i]`` and is ``wrapper`` with its
+    ``storage_offset`` replaced by ``storage_offsets[i]`` (elements): same memory object,
+    dtype, shape and stride -- typically the per-layer views of one KV pool, so a
+    128-layer pool travels as one wrapper and two lists. Only kinds whose wrapper is
+    ``groupable`` may carry more than one layer; any other group has exactly one layer, at
+    the wrapper's own storage offset.
+    """
+
+    wrapper: WireWrapper     # a DeviceIPCWrapper (see WireWrapper)
+    names: Annotated[list[Text], msgspec.Meta(max_length=MAX_LAYERS)]
+    storage_offsets: Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]],
+                               msgspec.Meta(max_length=MAX_LAYERS)]
+
+
+# ---- the data plane's requests --------------------------------------------------------
+
+
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+ChunkBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+Lease = Annotated[bytes, msgspec.Meta(max_length=LEASE_BYTES)]
+#: A cudaIpcEventHandle (64 bytes), or empty: orders a copy on a CUDA registration (dataplane.md).
+Event = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+
+class Store(Message, tag=int(MsgType.STORE)):
+    """Copy whole chunks of blocks from a registration the caller owns into the server's pool.
+
+    Chunk ``i`` is stored under ``keys[i]`` from the blocks
+    ``block_ids[i * chunk_blocks:(i + 1) * chunk_blocks]``, of every layer, in registration
+    order. A chunk becomes visible to LOOKUP only once its copy has completed.
+    """
+
+    instance_id: Text
+    keys: Keys
+    block_ids: BlockIds
+    chunk_blocks: ChunkBlocks
+    event: Event = b""       # CUDA: the worker's event recorded after the blocks were written
+
+
+class Lookup(Message, tag=int(MsgType.LOOKUP)):
+    """How many leading chunks are stored for every rank; pin them under a lease.
+
+    ``keys[r]`` are rank ``r``'s chunk keys, in prompt order; every rank lists the same number.
+    A chunk counts only if all ranks have it. ``ttl_s`` (capped by the server) bounds the pin.
+    """
+
+    keys: Annotated[list[Keys], msgspec.Meta(min_length=1, max_length=MAX_WORLD)]
+    ttl_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0   # 0 = the server's default
+
+
+class Retrieve(Message, tag=int(MsgType.RETRIEVE)):
+    """Copy stored chunks into blocks of a registration the caller owns. All or nothing.
+
+    ``lease``, if given, is the LOOKUP lease that pinned these keys; its pins of them end with
+    this request, whatever its outcome.
+    """
+
+    instance_id: Text
+    keys: Keys
+    block_ids: BlockIds
+    chunk_blocks: ChunkBlocks
+    lease: Lease = b""
+    event: Event = b""       # CUDA: the worker's event recorded after it last used the blocks
+
+
+class Release(Message, tag=int(MsgType.RELEASE)):
+    """End a LOOKUP lease before its TTL (unknown or expired leases are not an error)."""
+
+    lease: Lease
+
+
+# ---- the data plane's replies, the pool's status, errors -------------------------------------
+
+
+class StoreResult(IntEnum):
+    """What STORE did with one chunk."""
+
+    STORED = 0        # copied now
+    PRESENT = 1       # already stored (or being stored by an earlier request): skipped
+    NO_SPACE = 2      # the pool is full of pinned or in-flight objects: skipped, not an error
+
+
+class StoreReply(Message, tag=int(MsgType.STORE_REPLY)):
+    results: list[int]       # one StoreResult per key
+    nbytes: int              # bytes copied (CUDA: queued; done once ``event`` has completed)
+    event: bytes = b""       # CUDA: the server's event; wait on it before reusing the blocks
+
+
+class LookupReply(Message, tag=int(MsgType.LOOKUP_REPLY)):
+    hits: int                # leading chunks present for every rank
+    lease: bytes             # pins those chunks (all ranks); empty when hits == 0
+    ttl_s: float             # the lease ends this many seconds from now, at the latest
+
+
+class RetrieveReply(Message, tag=int(MsgType.RETRIEVE_REPLY)):
+    chunks: int
+    nbytes: int
+    event: bytes = b""       # CUDA: the server's event; wait on it before reading the blocks
+
+
+class ReleaseReply(Message, tag=int(MsgType.RELEASE_REPLY)):
+    released: bool           # False: the lease had already ended
+
+
+class PoolInfo(msgspec.Struct, frozen=True):
+    capacity: int            # bytes; 0 = no data plane
+    used: int                # bytes charged for objects, stored and in flight: extents and bookkeeping
+    objects: int             # visible objects
+    in_flight: int           # objects whose copy has not completed
+    pinned: int              # objects pinned by leases or copies
+    leases: int
+    hits: int                # chunks LOOKUP found
+    misses: int              # LOOKUPs that found fewer chunks than they asked for
+    stored: int              # chunks stored
+    store_skipped: int       # chunks skipped for lack of space
+    evictions: int
+    evicted_bytes: int
+    retrieved: int           # chunks copied into workers
+    failed: int              # STOREs and RETRIEVEs that failed
+    # 3.3: what counts against the capacity and the per-uid caps (docs/design/dataplane.md)
+    max_objects: int = 0     # the object cap (lmshm-server --max-objects); 0 = none
+    metadata_bytes: int = 0  # the part of ``used`` charged for bookkeeping (objects x its cost per object)
+    pinned_bytes: int = 0    # bytes charged for the pinned objects
+    lease_pins: int = 0      # pins the leases hold (each lease pins each of its objects once)
+    pins_capped: int = 0     # chunks LOOKUP found but did not pin: a per-uid cap
+    uids: int = 0            # uids holding objects or leases
+
+
+class ErrorReply(Message, tag=int(MsgType.ERROR)):
+    code: int                # an ErrorCode
+    message: str             # at most a few hundred characters; peer data in it is quoted and cut

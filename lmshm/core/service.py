@@ -1,0 +1,268 @@
+"""The core: the cache server as a library, with no endpoint -- ``Core``.
+
+One object owns everything that outlives a request: the registry (KV-cache registrations and
+Triton-style regions, one namespace), the data plane (pool, copier threads, leases), the
+metrics, and the clock that runs the core's timed work -- lease expiry and the orphan sweep --
+on a thread of its own (``clock.py``), so that it runs whichever endpoints do, or none.
+
+Above it, endpoints translate their protocols into calls on it and keep no registry state:
+ZeroMQ (``lmshm.multiprocess.server.ZmqEndpoint``: sessions, the fd channel, and the reclaim
+of a session's registrations when it ends) and Triton's HTTP and gRPC (``lmshm.endpoints``).
+``lmshm.Server`` (``lmshm/server.py``) composes them with this object; nothing here imports
+them. Where the core must call up, it takes a callback at composition: ``reply``, through
+which a copier job answers the request that queued it.
+
+Lifecycle: ``Core(config, reply=...)`` builds the tables and the pool; ``start()`` sweeps
+orphaned segment names once and starts the clock; ``shutdown()`` (idempotent) stops the clock,
+answers queued copies UNAVAILABLE, waits for running ones, and releases every registration and
+region.
+
+Who releases what:
+- a ``View`` holds its registration: an unregister while it is open takes the name out of the
+  namespace at once and releases the mapping when the last view closes (``close()``, the
+  ``with`` block, or garbage collection). The view's tensor keeps the bytes mapped for as long
+  as it lives, even after that, so a tensor never points at unmapped memory;
+- regions are the client's objects: the core never creates, truncates or unlinks them.
+
+Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode`` (``errors.py``), the
+same code that ZeroMQ, HTTP and gRPC callers receive. Every public method is safe from any
+thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional
+
+from lmshm.core import regions
+from lmshm.core.clock import Clock
+from lmshm.core.config import CoreConfig
+from lmshm.core.dataplane import DataPlane
+from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.core.messages import PoolInfo
+from lmshm.core.metrics import Metrics
+from lmshm.core.registry import Registration, Registry
+from lmshm.platform.shm_orphans import sweep_orphans
+from lmshm.quoting import quote
+
+logger = logging.getLogger("lmshm.server")
+
+REGION_KINDS = ("system", "cuda")
+#: How often the clock ends expired LOOKUP leases (a lease lives at most this much past its TTL).
+LEASE_TICK_S = 0.05
+
+#: ``reply(identity, request_id, reply)``: how a copier job answers the request that queued it.
+Reply = Callable[[bytes, bytes, Any], None]
+
+
+class View:
+    """Bytes of a registration, as a tensor, held open until ``close()``.
+
+    ``tensor`` aliases the registered memory (no copy). While the view is open its
+    registration cannot be released: an unregister is deferred until the last view closes.
+    """
+
+    def __init__(self, registry: Registry, reg: Registration, tensor: Any) -> None:
+        self.name = reg.instance_id
+        self.kind = reg.kind
+        self.tensor = tensor
+        self._finalizer = weakref.finalize(self, registry.let_go, reg)
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def close(self) -> None:
+        """Let the registration go (idempotent). The tensor stays valid while you hold it."""
+        self._finalizer()
+
+    def __enter__(self) -> "View":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"View({self.name!r}, {self.kind}, {tuple(self.tensor.shape)}, {state})"
+
+
+class Core:
+    """The lmshm cache server without endpoints. See the module documentation."""
+
+    def __init__(self, config: Optional[CoreConfig] = None, *, reply: Optional[Reply] = None) -> None:
+        self.config = config if config is not None else CoreConfig()
+        self.server_id = secrets.token_hex(8)
+        self.started = time.monotonic()
+        self.registry = Registry()
+        self.metrics = Metrics(self.registry, self.pool_info)
+        self.clock = Clock()
+        self._lock = threading.Lock()
+        self._stopped = False
+        c = self.config
+        self.dataplane = DataPlane(
+            registry=self.registry, capacity=c.capacity, copy_threads=c.copy_threads, lease_ttl_s=c.lease_ttl_s,
+            max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
+            reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
+            max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
+            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "Core":
+        """Sweep orphaned segment names once, then start the clock (idempotent)."""
+        with self._lock:
+            if self._stopped:
+                raise ServerError(ErrorCode.UNAVAILABLE, "this lmshm core was shut down; create a new one")
+            if self.clock.running:
+                return self
+            self.sweep()
+            self.clock.every(LEASE_TICK_S, self.dataplane.tick, name="lease expiry")
+            if self.config.sweep_interval_s > 0:
+                self.clock.every(self.config.sweep_interval_s, self.sweep, name="orphan sweep")
+            self.clock.start()
+        return self
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def shutdown(self) -> int:
+        """Stop the clock, answer queued copies UNAVAILABLE (running ones finish), release every
+        registration and region. Returns how many were released; 0 when already shut down."""
+        with self._lock:
+            if self._stopped:
+                return 0
+            self._stopped = True
+            self.clock.stop()
+            self.dataplane.shutdown()
+            released = self.registry.release_all()
+        logger.debug("lmshm: the core is shut down; released %d registration(s)", released)
+        return released
+
+    def sweep(self) -> None:
+        """Remove /dev/shm names of dead workers of this uid (``lmshm gc`` does the same)."""
+        try:
+            result = sweep_orphans()
+        except OSError as exc:
+            logger.warning("lmshm: orphan sweep failed: %s", exc)
+            return
+        if result.removed:
+            logger.info("lmshm: removed %d orphaned segment name(s) of dead workers: %s", len(result.removed),
+                        ", ".join(result.removed[:8]) + (" ..." if len(result.removed) > 8 else ""))
+
+    # ---- state ----------------------------------------------------------------------------
+    def pool_info(self) -> PoolInfo:
+        return self.dataplane.info()
+
+    def metrics_text(self) -> bytes:
+        """The Prometheus exposition text (what ``GET /metrics`` serves)."""
+        return self.metrics.text()
+
+    # ---- registrations ------------------------------------------------------------------
+    def registrations(self, kind: Optional[str] = None) -> list[Registration]:
+        """Live registrations (KV caches and regions), oldest first; only ``kind`` if given."""
+        regs = sorted(self.registry.registrations(), key=lambda r: r.created)
+        return [r for r in regs if kind is None or r.kind == kind]
+
+    def unregister(self, instance_id: str) -> bool:
+        """Unregister a KV-cache registration, whoever owns it (the application is the
+        operator). Returns True if the release waits for open views or copies."""
+        reg = self.registry.get(instance_id)
+        if reg.kind != "kv":
+            raise ServerError(ErrorCode.NOT_FOUND, f"{quote(instance_id, 80)} is a {reg.describe_kind()}; "
+                                                   "unregister it with unregister_region()")
+        return self.registry.unregister(instance_id)
+
+    def layer_view(self, instance_id: str, layer_name: str) -> View:
+        """A worker's KV-cache layer as a tensor (the same memory, no copy), held open."""
+        reg = self.registry.acquire(instance_id)
+        try:
+            found = reg.layer(layer_name) if reg.kind == "kv" else None
+            if found is None:
+                raise ServerError(ErrorCode.NOT_FOUND, f"{quote(instance_id, 80)} has no layer {quote(layer_name, 80)}")
+            return View(self.registry, reg, found[0])
+        except BaseException:
+            self.registry.let_go(reg)
+            raise
+
+    # ---- regions (Triton's shared-memory extension) -----------------------------------
+    def _check_region_name(self, name: Any) -> str:
+        if not isinstance(name, str):
+            raise ServerError(ErrorCode.INVALID_ARG, f"a region name must be a string, got {type(name).__name__}")
+        limit = self.config.max_name_bytes
+        if len(name.encode("utf-8", "surrogatepass")) > limit:
+            raise ServerError(ErrorCode.INVALID_ARG, f"region name {quote(name, 40)} is longer than {limit} bytes "
+                                                     "(lmshm-server --max-name-bytes)")
+        return name
+
+    def register_system_region(self, name: str, key: str, byte_size: int, offset: int = 0, *,
+                               client: str = "in-process") -> Registration:
+        """Map ``byte_size`` bytes at ``offset`` of the POSIX shm object ``key`` as ``name``."""
+        self._check_region_name(name)
+        file_name = regions.validate_system(key, offset, byte_size)
+        allowed = tuple(self.config.allowed_uids)
+        reg = self.registry.add_region(
+            name, "system", lambda: regions.open_system(key, file_name, offset, byte_size, allowed), client_name=client,
+            max_regions=self.config.max_regions)
+        logger.debug("lmshm: registered system region %s (%s, %d bytes at %d)", quote(name, 60), quote(key, 60),
+                     byte_size, offset)
+        return reg
+
+    def register_cuda_region(self, name: str, raw_handle: bytes, device_id: int, byte_size: int, *,
+                             client: str = "in-process") -> Registration:
+        """Open a client's ``cudaIpcMemHandle_t`` (64 bytes) on ``device_id`` as ``name``."""
+        self._check_region_name(name)
+        regions.validate_cuda(raw_handle, device_id, byte_size)
+        reg = self.registry.add_region(
+            name, "cuda", lambda: regions.open_cuda(bytes(raw_handle), device_id, byte_size), client_name=client,
+            max_regions=self.config.max_regions)
+        logger.debug("lmshm: registered CUDA region %s (device %d, %d bytes)", quote(name, 60), device_id, byte_size)
+        return reg
+
+    def region_status(self, kind: str, name: str = "") -> list[Registration]:
+        """The regions of ``kind`` ("system" or "cuda"), or just ``name`` (NOT_FOUND if it is
+        not a region of that kind; the message names the kind it has)."""
+        self._check_kind(kind)
+        if name:
+            return [self.registry.region(self._check_region_name(name), kind)]
+        return sorted(self.registry.regions(kind), key=lambda r: r.instance_id)  # Triton lists by name
+
+    def unregister_region(self, kind: str, name: str = "") -> int:
+        """Unregister region ``name`` of ``kind``, or every region of ``kind`` if ``name`` is
+        empty. An unknown name, or a name of another kind, is not an error (Triton's rule).
+        Returns how many regions left the namespace."""
+        self._check_kind(kind)
+        if name:
+            return int(self.registry.unregister_region(self._check_region_name(name), kind))
+        return self.registry.unregister_regions(kind)
+
+    def region_view(self, name: str, offset: int = 0, byte_size: Optional[int] = None) -> View:
+        """``byte_size`` bytes (default: to the end) at ``offset`` of region ``name`` as a
+        uint8 tensor over the same memory, bounds- and overflow-checked; held open."""
+        reg = self.registry.acquire(self._check_region_name(name))
+        try:
+            if reg.region is None:
+                raise ServerError(ErrorCode.NOT_FOUND, f"{quote(name, 80)} is a {reg.describe_kind()}, not a region; "
+                                                       "use layer_view()")
+            size = reg.region.byte_size
+            if byte_size is None:
+                byte_size = size - offset if type(offset) is int else 0
+            tensor = regions.view_of(reg.bases[0], size, offset, byte_size, f"region {quote(name, 80)}")
+            return View(self.registry, reg, tensor)
+        except BaseException:
+            self.registry.let_go(reg)
+            raise
+
+    @staticmethod
+    def _check_kind(kind: str) -> None:
+        if kind not in REGION_KINDS:
+            raise ServerError(ErrorCode.INVALID_ARG, f"region kind must be one of {', '.join(REGION_KINDS)}, "
+                                                     f"got {quote(kind, 20)}")
+
+
+def _unanswered(identity: bytes, request_id: bytes, reply: Any) -> None:
+    logger.warning("lmshm: a copy finished, but no endpoint was composed to send its reply")
