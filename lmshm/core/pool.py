@@ -41,9 +41,11 @@ Every method takes the pool's one lock; no copy runs under it.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import heapq
 import mmap
+import operator
 import os
 import secrets
 import threading
@@ -63,6 +65,7 @@ ALIGN = 64  # bytes; every object starts on a cache line
 OBJECT_COST = 640
 #: The record of an object: ``(offset, nbytes, layout, blocks, uid, key, cost)``, indexed by these.
 OFFSET, NBYTES, LAYOUT, BLOCKS, UID, KEY, COST = range(7)
+_cost, _key = operator.itemgetter(COST), operator.itemgetter(KEY)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -325,7 +328,16 @@ class Pool:
     def _unpin_all(self, t: _Tenant, objs: Iterable[tuple]) -> None:
         """``_unpin`` for each object, the counters updated once (a lease ends: 64 objects)."""
         pins_of, lru, aside = t.pins_of, t.lru, t.aside
-        freed = freed_bytes = 0
+        if not isinstance(objs, (list, tuple)):
+            objs = list(objs)
+        keys = list(map(_key, objs))
+        if not aside and list(map(pins_of.get, keys)).count(1) == len(keys):
+            # Each one's last pin, none set aside (the usual case): in C, no move (its pin moved it).
+            collections.deque(map(pins_of.__delitem__, keys), maxlen=0)
+            freed, freed_bytes = len(keys), sum(map(_cost, objs))
+            objs = ()
+        else:
+            freed = freed_bytes = 0
         for obj in objs:
             key = obj[KEY]
             pins = pins_of.get(key, 0)
@@ -438,58 +450,79 @@ class Pool:
         """Leading chunks that every rank has; pins them under a new lease (b"" if none), each
         distinct object once, as many leading chunks as the uid's pin caps allow.
 
-        This runs on the request loop for every new request of an engine, so it is written for
-        speed: one comprehension per rank finds the objects, and when the caps allow every
-        chunk found (the usual case) the per-chunk cap walk is skipped."""
+        Every new request of an engine waits for this, on the request loop, so it is written for
+        speed: the per-key work runs in C (``map``, ``dict.fromkeys``, ``dict.update``), and
+        when the caps allow every chunk found (the usual case) the per-chunk walk is skipped."""
         with self._lock:
             n = min(len(k) for k in keys)
             t = self._tenants.get(uid)
             if t is None or n == 0:
                 self.misses += 1 if n else 0
                 return 0, b""
-            lru_get, aside_get = t.lru.get, t.aside.get
+            lru, aside = t.lru, t.aside
             found = n
             per_rank = []
             for rank_keys in keys:
-                objs = [lru_get(k) or aside_get(k) for k in (rank_keys if len(rank_keys) == found
-                                                                 else rank_keys[:found])]
-                if None in objs:
-                    found = objs.index(None)
-                    del objs[found:]
-                per_rank.append(objs)
+                if rank_keys[0] not in lru and rank_keys[0] not in aside:   # the usual miss: a new prefix
+                    found = 0
+                    break
+                rank_keys = rank_keys if len(rank_keys) == found else rank_keys[:found]
+                objs = list(map(lru.get, rank_keys))
+                if not all(objs):               # (records are non-empty tuples: all() is a C loop)
+                    if aside:
+                        objs = [o or aside.get(k) for o, k in zip(objs, rank_keys)]
+                    if not all(objs):
+                        found = objs.index(None)
+                per_rank.append((rank_keys, objs))
             if found == 0:
                 self.misses += 1
                 return 0, b""
-            pins_of = t.pins_of
             if len(per_rank) == 1:
-                chosen = {o[KEY]: o for o in per_rank[0][:found]}     # a lease holds each object once
+                rank_keys, objs = per_rank[0]
+                if len(objs) > found:
+                    rank_keys, objs = rank_keys[:found], objs[:found]
+                ones = dict.fromkeys(rank_keys, 1)          # a lease pins each object once
+                if len(ones) < found:
+                    objs = list(dict(zip(rank_keys, objs)).values())
             else:
-                chosen = {o[KEY]: o for i in range(found) for objs in per_rank for o in (objs[i],)}
-            new_bytes = sum(o[COST] for k, o in chosen.items() if k not in pins_of)
+                chosen = {o[KEY]: o for i in range(found) for _, objs in per_rank for o in (objs[i],)}
+                ones, objs = dict.fromkeys(chosen, 1), list(chosen.values())
+            pins_of = t.pins_of
+            unpinned = not pins_of or pins_of.keys().isdisjoint(ones)    # none pinned yet: the usual case
+            new_bytes = (sum(map(_cost, objs)) if unpinned
+                         else sum(o[COST] for o in objs if o[KEY] not in pins_of))
             mine = t.pinned_bytes     # its share: of what the other uids leave unpinned
             share = self.max_pinned_fraction_per_uid * (self.capacity - self.pinned_bytes + mine)
-            if mine + new_bytes <= share and t.lease_pins + len(chosen) <= self.max_pins_per_uid:
+            if mine + new_bytes <= share and t.lease_pins + len(objs) <= self.max_pins_per_uid:
                 hits = found
             else:
-                hits, chosen = self._capped(t, per_rank, found, share)
+                hits, chosen = self._capped(t, [objs for _, objs in per_rank], found, share)
+                ones, objs, unpinned = dict.fromkeys(chosen, 1), list(chosen.values()), False
             self.hits += hits
             self.misses += 1 if hits < n else 0
             if hits == 0:
                 return 0, b""
-            newly = newly_bytes = 0
-            to_end = t.lru.move_to_end
-            for key, obj in chosen.items():      # pin each: a count, and a move to the LRU's recent end
-                try:
-                    to_end(key)
-                except KeyError:                # set aside by eviction: pinned already
-                    pass
-                pins = pins_of.get(key)
-                if pins is None:
-                    pins_of[key] = 1
-                    newly += 1
-                    newly_bytes += obj[COST]
-                else:
-                    pins_of[key] = pins + 1
+            # Pin each: a count, and a move to the LRU's recent end (it was just used).
+            if unpinned:
+                pins_of.update(ones)
+                newly, newly_bytes = len(objs), new_bytes
+            else:
+                newly = newly_bytes = 0
+                for obj in objs:
+                    key = obj[KEY]
+                    pins = pins_of.get(key)
+                    if pins is None:
+                        pins_of[key] = 1
+                        newly += 1
+                        newly_bytes += obj[COST]
+                    else:
+                        pins_of[key] = pins + 1
+            if aside:
+                for key in ones:
+                    if key in lru:              # else set aside by eviction: pinned already
+                        lru.move_to_end(key)
+            else:
+                collections.deque(map(lru.move_to_end, ones), maxlen=0)
             t.evictable -= newly
             self._evictable -= newly
             self._evictable_bytes -= newly_bytes
@@ -497,13 +530,13 @@ class Pool:
             self.pinned += newly
             self.pinned_bytes += newly_bytes
             token = secrets.token_bytes(16)
-            lease = _Lease(token, uid, session, time.monotonic() + ttl_s, list(chosen.values()))
+            lease = _Lease(token, uid, session, time.monotonic() + ttl_s, objs)
             self._leases[token] = lease
             self._session_leases.setdefault(session, set()).add(token)
             heapq.heappush(self._expiry, (lease.expires, token))
             t.leases += 1
-            t.lease_pins += len(chosen)
-            self.lease_pins += len(chosen)
+            t.lease_pins += len(objs)
+            self.lease_pins += len(objs)
             return hits, token
 
     def _capped(self, t: _Tenant, per_rank: list[list[tuple]], found: int, share: float) -> tuple[int, dict]:
