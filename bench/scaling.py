@@ -17,7 +17,7 @@ share the machine's cores, so every figure includes both sides):
   objects touch pool pages too).
 - ``copy``: a KV cache of 32 layers x [blocks, 8, 16, 128] float16 (1 MiB per block over all
   layers) in shared memory, chunks of one block, block ids shuffled. Per request size of
-  ``--sizes`` MiB: STORE with fresh keys, then RETRIEVE of those chunks into other blocks,
+  ``--sizes`` MiB: STORE with fresh keys, then RETRIEVE of those chunks (in another order),
   ``--copy-reps`` times, after a pass that touches every pool page (so STOREs reuse warm
   pages); and, in this process, a memmove of the same bytes between two touched buffers.
   GB/s are 10^9 bytes per second of the client-side median.
@@ -191,17 +191,24 @@ def section_copy(args: argparse.Namespace) -> None:
     from lmshm.platform.cpu import empty_shared
 
     sizes = [int(s) for s in args.sizes.split(",")]
-    num_blocks = 2 * max(sizes)      # a request's source blocks and the RETRIEVE's other blocks
+    cb = args.chunk_blocks
+    if any(mib % cb for mib in sizes):
+        raise SystemExit(f"--chunk-blocks {cb} must divide every request size in MiB")
+    num_blocks = max(sizes) + 64
     rng = random.Random(2)
     print(f"\n== STORE and RETRIEVE against the request's size: KV cache of {LAYERS} layers x "
-          f"[{num_blocks}, {HEADS}, {TOKENS}, {DIM}] float16 ({num_blocks} MiB), chunks of 1 block (1 MiB), "
-          f"block ids shuffled; pool {args.copy_capacity}; {args.copy_reps} requests per size (fewer above 256 MiB)")
-    with BenchServer("--capacity", args.copy_capacity, quiet=True) as server, \
+          f"[{num_blocks}, {HEADS}, {TOKENS}, {DIM}] float16 ({num_blocks} MiB), chunks of {cb} block(s) "
+          f"({cb} MiB), block ids shuffled; pool {args.copy_capacity}; {args.copy_reps} requests per size "
+          "(a third above 256 MiB)")
+    extra = args.copy_server_args.split()
+    if extra:
+        print(f"server flags: {' '.join(extra)}")
+    with BenchServer("--capacity", args.copy_capacity, *extra, quiet=True) as server, \
             MPClient(server.url, fd_socket=server.fd_socket, heartbeat_interval_s=5.0, timeout_s=600) as client:
         kv_pool = empty_shared((LAYERS, num_blocks, HEADS, TOKENS, DIM), torch.float16)
         kv_pool.fill_(1.0)
         iid = client.register_kv_caches({f"layer.{i}": kv_pool[i] for i in range(LAYERS)}, model_name="scaling")
-        capacity_chunks = client.status().pool.capacity // BLOCK_BYTES
+        capacity_blocks = client.status().pool.capacity // BLOCK_BYTES
         made = 0
 
         def fresh(n: int) -> list[bytes]:
@@ -210,23 +217,24 @@ def section_copy(args: argparse.Namespace) -> None:
             return [key(made - n + i) for i in range(n)]
 
         # touch every pool page once (a first STORE into untouched pages measures the kernel)
-        for _ in range(-(-capacity_chunks // max(sizes)) + 1):
-            client.store(iid, fresh(max(sizes)), list(range(max(sizes))), 1, timeout_s=600)
+        for _ in range(-(-capacity_blocks // max(sizes)) + 1):
+            client.store(iid, fresh(max(sizes) // cb), list(range(max(sizes))), cb, timeout_s=600)
         print(f"{'MiB':>5} {'n':>3} {'STORE ms':>9} {'GB/s':>6} {'RETRIEVE ms':>12} {'GB/s':>6} "
               f"{'memmove ms':>11} {'GB/s':>6} {'STORE x':>8} {'RETR x':>7}")
         for mib in sizes:
             reps = args.copy_reps if mib <= 256 else max(3, args.copy_reps // 3)
             stores, retrieves = [], []
             for _ in range(reps):
-                blocks = rng.sample(range(num_blocks), 2 * mib)
-                keys = fresh(mib)
+                blocks = rng.sample(range(num_blocks), mib)
+                keys = fresh(mib // cb)
                 t0 = time.perf_counter()
-                reply = client.store(iid, keys, blocks[:mib], 1, timeout_s=600)
+                reply = client.store(iid, keys, blocks, cb, timeout_s=600)
                 stores.append(time.perf_counter() - t0)
                 if any(r != 0 for r in reply.results):
                     raise SystemExit(f"STORE of {mib} MiB: not every chunk was stored ({set(reply.results)})")
+                rng.shuffle(blocks)              # back into the same blocks, in another order
                 t0 = time.perf_counter()
-                client.retrieve(iid, keys, blocks[mib:], 1, timeout_s=600)
+                client.retrieve(iid, keys, blocks, cb, timeout_s=600)
                 retrieves.append(time.perf_counter() - t0)
             mm = memmove_s(mib * BLOCK_BYTES, reps)
             nbytes = mib * BLOCK_BYTES
@@ -271,24 +279,36 @@ def section_registry(args: argparse.Namespace) -> None:
         def register(name: str) -> None:
             client.register_kv_caches({"layer.0": segment}, name, model_name="scaling")
 
-        def status_request() -> tuple[float, int]:
+        def status_request(request) -> tuple[float, int]:
+            """One STATUS on a fresh connection, as `lmshm status` sends it: ms (decoding
+            included), reply bytes."""
             dealer = mq.DealerClient(server.url, timeout_s=30)
             try:
                 t0 = time.perf_counter()
-                raw = dealer.request(codec.encode(protocol.Status()))
+                raw = dealer.request(codec.encode(request))
+                reply = codec.decode_reply(raw)
                 ms = (time.perf_counter() - t0) * 1e3
             finally:
                 dealer.close()
-            if not isinstance(codec.decode_reply(raw), protocol.StatusReply):
-                raise SystemExit("STATUS was refused")
+            if not isinstance(reply, protocol.StatusReply):
+                raise SystemExit(f"STATUS was refused: {reply}")
             return ms, len(raw)
+
+        # what `lmshm status` asks by default (50 rows; a server before 3.4 refuses the fields and
+        # is asked as below), and a plain STATUS (a whole page; before 3.4: every registration)
+        try:
+            small = protocol.Status(0, 50, protocol.PROTOCOL_MINOR)
+            status_request(small)
+        except (SystemExit, TypeError, AttributeError):
+            small = protocol.Status()
 
         for i in range(4):   # warm-up
             register(f"warm-{i}")
             client.unregister_kv_caches(f"warm-{i}")
         rss0, live0 = rss_kb(server.pid), 0
-        print(f"{'live':>7} {'PING us':>8} {'REGISTER us':>12} {'UNREG us':>9} {'STATUS ms':>10} {'reply KiB':>10} "
-              f"{'cli ms':>7}" + (f" {'--all ms':>9}" if all_flag else "") + f" {'py ms':>6} {'RSS MiB':>8} {'RSS B/reg':>10}")
+        print(f"{'live':>7} {'PING us':>8} {'REGISTER us':>12} {'UNREG us':>9} {'STATUS ms':>10} {'KiB':>6} "
+              f"{'plain ms':>9} {'KiB':>7} {'cli ms':>7}" + (f" {'--all ms':>9}" if all_flag else "")
+              + f" {'py ms':>6} {'RSS MiB':>8} {'RSS B/reg':>10}")
         prev_rss, prev_live = rss0, live0
         for count in counts:
             while live < count:
@@ -305,7 +325,8 @@ def section_registry(args: argparse.Namespace) -> None:
                 t0 = time.perf_counter()
                 client.unregister_kv_caches("extra")
                 unregs.append(time.perf_counter() - t0)
-            statuses = [status_request() for _ in range(max(5, args.cli_runs))]
+            statuses = [status_request(small) for _ in range(max(9, args.cli_runs))]
+            plains = [status_request(protocol.Status()) for _ in range(max(9, args.cli_runs))]
             cli, cli_all, bare = [], [], []
             for _ in range(args.cli_runs):
                 cli.append(run_wall_ms(status_cmd + ["--url", server.url]))
@@ -314,7 +335,8 @@ def section_registry(args: argparse.Namespace) -> None:
                 bare.append(run_wall_ms([sys.executable, "-c", "pass"]))
             per_reg = (rss - prev_rss) * 1024 / max(1, live - prev_live)
             line = (f"{live:>7,} {med_us(pings):>8.0f} {med_us(regs):>12.0f} {med_us(unregs):>9.0f} "
-                    f"{statistics.median(s for s, _ in statuses):>10.2f} {statuses[0][1] / 1024:>10.1f} "
+                    f"{statistics.median(s for s, _ in statuses):>10.2f} {statuses[0][1] / 1024:>6.1f} "
+                    f"{statistics.median(s for s, _ in plains):>9.2f} {plains[0][1] / 1024:>7.1f} "
                     f"{statistics.median(cli):>7.0f}")
             if all_flag:
                 line += f" {statistics.median(cli_all):>9.0f}"
@@ -326,8 +348,9 @@ def section_registry(args: argparse.Namespace) -> None:
         for i in range(live):
             client.unregister_kv_caches(f"reg-{i:06d}")
         print(f"unregistering all {live:,}: {time.perf_counter() - t0:.1f} s")
-    print("cli ms: wall time of `python -m lmshm.cli status --url URL` (default output), a fresh process; "
-          "py ms: `python -c pass`")
+    print("STATUS: the request `lmshm status` sends (50 rows), on a fresh connection, decoded; plain: STATUS "
+          "without fields (a 3.3 client's; a page of at most 1,000 rows); cli: wall time of `python -m lmshm.cli "
+          "status --url URL`, a fresh process (--all: every row); py: `python -c pass`")
     print(f"server exit status {server.returncode}")
 
 
@@ -420,11 +443,15 @@ def main() -> None:
     ap.add_argument("--lookup-capacity", default="1GiB", help="--capacity of the lookup section's server")
     ap.add_argument("--sizes", default="1,16,256,1024", help="request sizes in MiB (copy)")
     ap.add_argument("--copy-reps", type=int, default=9, help="requests per size (copy; a third above 256 MiB)")
-    ap.add_argument("--copy-capacity", default="3GiB", help="--capacity of the copy section's server")
+    ap.add_argument("--copy-capacity", default="2GiB", help="--capacity of the copy section's server")
+    ap.add_argument("--chunk-blocks", type=int, default=1, help="blocks (MiB) per chunk (copy; default 1)")
+    ap.add_argument("--copy-server-args", default="", help="more lmshm-server flags for the copy section, "
+                    "e.g. --copy-through-mapping")
     ap.add_argument("--registrations", default="10,1000,10000", help="live registration counts (registry)")
     ap.add_argument("--reg-runs", type=int, default=200, help="REGISTER/UNREGISTER rounds per count")
     ap.add_argument("--cli-runs", type=int, default=10, help="runs of `lmshm status` per count")
-    ap.add_argument("--status-all", action="store_true", help="also time `lmshm status --all`")
+    ap.add_argument("--no-status-all", dest="status_all", action="store_false",
+                    help="do not time `lmshm status --all`")
     ap.add_argument("--against", help="another checkout's root (listener)")
     ap.add_argument("--rounds", type=int, default=20, help="alternating rounds (listener)")
     ap.add_argument("--block", type=int, default=100, help="requests of each kind per round (listener)")
