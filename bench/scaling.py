@@ -28,8 +28,8 @@ share the machine's cores, so every figure includes both sides):
   ``lmshm status`` sends it; its reply size too), and ``--cli-runs`` runs of the ``lmshm status``
   command (a fresh Python process each; ``python -c pass`` beside it), default and ``--all``.
   The server's RSS growth per registration is taken between counts.
-- ``listener``: PING and LOOKUP (64 keys, hit and miss, 1,000 objects) against this checkout's
-  server and ``--against``'s, side by side: one child process per checkout (its own lmshm on
+- ``listener``: PING and LOOKUP (64 keys, hit and miss, ``--listener-objects`` objects, default
+  1,000) against this checkout's server and ``--against``'s, side by side: one child process per checkout (its own lmshm on
   the path, its own server), run in alternating blocks of ``--block`` requests, ``--rounds``
   rounds, the order swapping each round. Medians over all requests, and the ratio of medians.
 """
@@ -269,7 +269,8 @@ def section_registry(args: argparse.Namespace) -> None:
     print(f"\n== REGISTER, UNREGISTER and STATUS against the live registrations; {args.reg_runs} rounds "
           f"per count, `lmshm status` {args.cli_runs} runs; each registration one layer over one shared segment")
     status_cmd = [sys.executable, "-m", "lmshm.cli", "status"]
-    all_flag = ["--all"] if args.status_all else []
+    knows_all = "--all" in subprocess.run(status_cmd + ["--help"], capture_output=True, text=True).stdout
+    all_flag = ["--all"] if args.status_all and knows_all else []
     with BenchServer("--capacity", "0", "--max-registrations-per-session", str(max(counts) + 16),
                      quiet=True) as server, \
             MPClient(server.url, fd_socket=server.fd_socket, heartbeat_interval_s=5.0, timeout_s=60) as client:
@@ -370,7 +371,7 @@ def latency_child() -> None:
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "setup":
-            server = BenchServer("--capacity", "256MiB", quiet=True)
+            server = BenchServer("--capacity", "1GiB", "--max-objects", str(int(arg) + KEYS_PER_STORE), quiet=True)
             client = MPClient(server.url, fd_socket=server.fd_socket, heartbeat_interval_s=5.0, timeout_s=60)
             iid = client.register_kv_caches(tiny_kv(), model_name="scaling")
             stored = fill_pool(client, iid, 0, int(arg))
@@ -406,7 +407,7 @@ def section_listener(args: argparse.Namespace) -> None:
 
     where = {name: json.loads(children[name].stdout.readline())["lmshm"] for name in trees}
     for name in trees:
-        ask(name, "setup 1000")
+        ask(name, f"setup {args.listener_objects}")
     times = {name: {"ping": [], "hit": [], "miss": []} for name in trees}
     rounds = []
     for r in range(args.rounds):
@@ -421,7 +422,7 @@ def section_listener(args: argparse.Namespace) -> None:
     exits = {name: ask(name, "quit")["exit"] for name in trees}
     for child in children.values():
         child.wait(30)
-    print(f"\n== The listener: PING and LOOKUP of {LOOKUP_KEYS} keys (1,000 objects), this checkout against "
+    print(f"\n== PING and LOOKUP of {LOOKUP_KEYS} keys ({args.listener_objects:,} objects), this checkout against "
           f"another; {args.rounds} rounds of {args.block} requests each, alternating")
     for name in trees:
         print(f"{name}: lmshm from {where[name]}")
@@ -453,6 +454,7 @@ def main() -> None:
     ap.add_argument("--no-status-all", dest="status_all", action="store_false",
                     help="do not time `lmshm status --all`")
     ap.add_argument("--against", help="another checkout's root (listener)")
+    ap.add_argument("--listener-objects", type=int, default=1000, help="objects in each pool (listener)")
     ap.add_argument("--rounds", type=int, default=20, help="alternating rounds (listener)")
     ap.add_argument("--block", type=int, default=100, help="requests of each kind per round (listener)")
     ap.add_argument("--latency-child", action="store_true", help=argparse.SUPPRESS)
