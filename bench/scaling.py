@@ -371,7 +371,9 @@ def latency_child() -> None:
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd == "setup":
-            server = BenchServer("--capacity", "1GiB", "--max-objects", str(int(arg) + KEYS_PER_STORE), quiet=True)
+            more = int(arg) + KEYS_PER_STORE
+            server = BenchServer("--capacity", "1GiB", *(["--max-objects", str(more)] if more > 1 << 18 else []),
+                                 quiet=True)
             client = MPClient(server.url, fd_socket=server.fd_socket, heartbeat_interval_s=5.0, timeout_s=60)
             iid = client.register_kv_caches(tiny_kv(), model_name="scaling")
             stored = fill_pool(client, iid, 0, int(arg))

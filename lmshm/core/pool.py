@@ -372,12 +372,14 @@ class Pool:
         if biggest is None:
             return False
         lru, pins_of = biggest.lru, biggest.pins_of
-        while True:                        # ends: ``evictable`` says an unpinned one is in the LRU
+        while lru:                         # ends: ``evictable`` says an unpinned one is in the LRU
             key, victim = next(iter(lru.items()))
             if key not in pins_of:
                 break
             del lru[key]                   # pinned: aside until its last pin ends
             biggest.aside[key] = victim
+        else:
+            return False
         self._drop(biggest, victim)
         self.evictions += 1
         self.evicted_bytes += victim[NBYTES]

@@ -112,6 +112,22 @@ def test_eviction_steps_over_pinned_objects_and_they_return_after_their_last_pin
     assert pool.used == 3 * ONE and pool.objects == 3
 
 
+def test_a_lookup_over_ranks_counts_the_leading_chunks_every_rank_has_and_pins_each_object_once():
+    pool = Pool(16 * ONE)
+    for k in (b"a", b"b", b"c", b"d", b"e", b"s"):
+        stored(pool, 0, k)
+    hits, lease = pool.lookup(0, [[b"a", b"b", b"c"], [b"d", b"e", b"f"], [b"s", b"s", b"s"]], "r", 30)
+    assert hits == 2 and pool.lease_pins == 5 and pool.pinned == 5          # a b d e s; f is missing
+    assert pool.lookup(0, [[b"a", b"b"], [b"x", b"e"]], "r", 30) == (0, b"")   # rank 1 misses chunk 0
+    _, again = pool.lookup(0, [[b"b", b"c"], [b"e", b"b"]], "r", 30)       # b pinned twice, by two leases
+    assert pool.lease_pins == 8 and pool.pinned == 6 and pool.pinned_bytes == 6 * ONE
+    pool.release_lease(lease, 0)
+    assert pool.pinned == 3 and pool.lease_pins == 3                         # b c e still held by the second
+    pool.release_lease(again, 0)
+    assert (pool.pinned, pool.lease_pins, pool.pinned_bytes) == (0, 0, 0)
+    assert pool.hits == 4 and pool.misses == 2
+
+
 def test_layouts_the_data_plane_cannot_move_are_named():
     import torch
 
