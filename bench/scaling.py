@@ -392,7 +392,9 @@ def latency_child() -> None:
 
 
 def section_listener(args: argparse.Namespace) -> None:
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    import lmshm
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(lmshm.__file__)))   # the checkout on the path
     trees = {"this": here, "against": os.path.abspath(args.against)}
     children = {}
     for name, tree in trees.items():
