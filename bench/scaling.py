@@ -28,6 +28,8 @@ share the machine's cores, so every figure includes both sides):
   ``lmshm status`` sends it; its reply size too), and ``--cli-runs`` runs of the ``lmshm status``
   command (a fresh Python process each; ``python -c pass`` beside it), default and ``--all``.
   The server's RSS growth per registration is taken between counts.
+- ``pool``: ``Pool.lookup`` of 64 keys, the lease's release and a miss in this process, CPU
+  time, at each of ``--pool-objects``; with ``--against``, that checkout's pool beside this one's.
 - ``listener``: PING and LOOKUP (64 keys, hit and miss, ``--listener-objects`` objects, default
   1,000) against this checkout's server and ``--against``'s, side by side: one child process per checkout (its own lmshm on
   the path, its own server), run in alternating blocks of ``--block`` requests, ``--rounds``
@@ -163,6 +165,73 @@ def section_lookup(args: argparse.Namespace) -> None:
               f"(64 B of it the object's extent in pool pages)")
         client.unregister_kv_caches(iid)
     print(f"server exit status {server.returncode}")
+
+
+# ---- pool: Pool.lookup in one process ------------------------------------------------------
+
+
+def section_pool(args: argparse.Namespace) -> None:
+    """``Pool.lookup`` of 64 stored keys, its lease's release, and a miss, in this process (CPU
+    time of this thread, so other processes' load counts less), for this checkout's pool and,
+    with ``--against``, another's (its ``lmshm/core/pool.py`` loaded by path), interleaved; and
+    64 ``move_to_end`` calls on the LRU (the refresh a pin does) on their own."""
+    import collections
+    import importlib.util
+
+    import lmshm
+
+    paths = {"this": os.path.join(os.path.dirname(lmshm.__file__), "core", "pool.py")}
+    if args.against:
+        paths["against"] = os.path.join(os.path.abspath(args.against), "lmshm", "core", "pool.py")
+    modules = {}
+    for name, path in paths.items():
+        spec = importlib.util.spec_from_file_location(f"_pool_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        modules[name] = module
+    print(f"\n== Pool.lookup of {LOOKUP_KEYS} keys in one process (CPU time, medians of {args.runs}): "
+          + ", ".join(f"{n}: {p}" for n, p in paths.items()))
+    print(f"{'objects':>9} {'pool':>8} {'hit us':>7} {'release us':>11} {'miss us':>8} {'64 refreshes us':>16}")
+    rng = random.Random(3)
+    for n in sorted(int(x) for x in args.pool_objects.split(",")):
+        pools = {}
+        for name, module in modules.items():
+            pool = module.Pool(n * module.cost_of(1) + (1 << 20), max_objects=n + 1)
+            for i in range(n):
+                _, obj = pool.reserve(0, key(i), 1, b"L" * 16, 1)
+                pool.commit([obj])
+            pools[name] = pool
+        times = {name: {"hit": [], "release": [], "miss": [], "refresh": []} for name in pools}
+        clock = time.thread_time_ns
+        for r in range(args.runs):
+            start = rng.randrange(max(1, n - LOOKUP_KEYS))
+            for name, pool in pools.items():
+                keys = [[key(start + i) for i in range(LOOKUP_KEYS)]]       # fresh bytes, as decoded
+                miss = [[missing_key(r * LOOKUP_KEYS + i) for i in range(LOOKUP_KEYS)]]
+                t0 = clock()
+                _, lease = pool.lookup(0, keys, "s", 30.0)
+                t1 = clock()
+                pool.release_lease(lease, 0)
+                t2 = clock()
+                pool.lookup(0, miss, "s", 30.0)
+                t3 = clock()
+                tenant = pool._tenants[0]
+                lru = tenant.lru if hasattr(tenant, "lru") else tenant.ready     # (before: "ready")
+                other = rng.randrange(max(1, n - LOOKUP_KEYS))                   # a window not just used
+                again = [key(other + i) for i in range(LOOKUP_KEYS)]
+                t4 = clock()
+                collections.deque(map(lru.move_to_end, again), maxlen=0)
+                t5 = clock()
+                got = times[name]
+                got["hit"].append(t1 - t0)
+                got["release"].append(t2 - t1)
+                got["miss"].append(t3 - t2)
+                got["refresh"].append(t5 - t4)
+        for name in pools:
+            m = {k: statistics.median(v) / 1000 for k, v in times[name].items()}
+            print(f"{n:>9,} {name:>8} {m['hit']:>7.1f} {m['release']:>11.1f} {m['miss']:>8.1f} {m['refresh']:>16.1f}",
+                  flush=True)
+        del pools
 
 
 # ---- copy ---------------------------------------------------------------------------------
@@ -442,9 +511,10 @@ def section_listener(args: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sections", default="lookup,copy,registry",
-                    help="comma-separated: lookup, copy, registry, listener (default: the first three)")
+                    help="comma-separated: lookup, copy, registry, listener, pool (default: the first three)")
     ap.add_argument("--objects", default="1000,10000,100000,1000000", help="pool sizes for LOOKUP")
     ap.add_argument("--runs", type=int, default=1000, help="rounds per pool size (lookup)")
+    ap.add_argument("--pool-objects", default="1000,1000000", help="pool sizes (pool)")
     ap.add_argument("--lookup-capacity", default="1GiB", help="--capacity of the lookup section's server")
     ap.add_argument("--sizes", default="1,16,256,1024", help="request sizes in MiB (copy)")
     ap.add_argument("--copy-reps", type=int, default=9, help="requests per size (copy; a third above 256 MiB)")
@@ -457,7 +527,7 @@ def main() -> None:
     ap.add_argument("--cli-runs", type=int, default=10, help="runs of `lmshm status` per count")
     ap.add_argument("--no-status-all", dest="status_all", action="store_false",
                     help="do not time `lmshm status --all`")
-    ap.add_argument("--against", help="another checkout's root (listener)")
+    ap.add_argument("--against", help="another checkout's root (listener; pool: optional)")
     ap.add_argument("--listener-objects", type=int, default=1000, help="objects in each pool (listener)")
     ap.add_argument("--rounds", type=int, default=20, help="alternating rounds (listener)")
     ap.add_argument("--block", type=int, default=100, help="requests of each kind per round (listener)")
@@ -479,7 +549,7 @@ def main() -> None:
         if name == "listener" and not args.against:
             raise SystemExit("--sections listener needs --against PATH")
         {"lookup": section_lookup, "copy": section_copy, "registry": section_registry,
-         "listener": section_listener}[name](args)
+         "listener": section_listener, "pool": section_pool}[name](args)
     with open("/proc/loadavg") as f:
         load1 = f.read().split()[0]
     print(f"\ntotal {time.perf_counter() - started:.0f} s; load average at the end {load1}")
