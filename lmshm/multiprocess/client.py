@@ -556,7 +556,7 @@ def query_status(url: Optional[str] = None, timeout_s: float = 5.0, *, offset: i
     ``protocol.STATUS_PAGE`` take one request per page, on one connection; a registration
     that comes or goes between two pages may be missed or listed twice. A 3.3 server, which
     refuses the new fields, is asked the old way: it lists every registration, and this
-    function returns the ones asked for, with ``registrations_total`` -1."""
+    function returns its ``StatusReply`` (no total, no owners) with the ones asked for."""
     dealer = mq.DealerClient(mq.check_url(url or os.environ.get(URL_ENV) or mq.DEFAULT_URL), timeout_s=timeout_s)
     try:
         first = min(protocol.STATUS_PAGE, protocol.STATUS_PAGE if limit is None else limit)

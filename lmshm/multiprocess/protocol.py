@@ -137,11 +137,10 @@ class Status(Message, tag=int(MsgType.STATUS), omit_defaults=True):
 
     A reply lists at most ``STATUS_PAGE`` registrations, so its size is bounded however many
     are live. 3.4: ``offset`` and ``limit`` choose the page, and a client that sends ``minor``
-    (its protocol minor, 4) also gets the total, its page's offset and a line per owner
-    (``StatusReply.registrations_total``, ``offset``, ``owners``). A 3.3 client sends none of
-    them (defaults are not encoded: ``Status()`` is the same bytes as before) and gets the
-    first page in 3.3's shape. A 3.3 server refuses the fields (unknown field): the client
-    then asks again without them.
+    (its protocol minor, 4) gets a ``StatusPageReply``: also the total, its page's offset and a
+    line per owner. A 3.3 client sends none of them (defaults are not encoded: ``Status()`` is
+    the same bytes as before) and gets a ``StatusReply``, the first page. A 3.3 server refuses
+    the fields (unknown field): the client then asks again without them.
     """
 
     offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
@@ -242,7 +241,7 @@ class OwnerSummary(msgspec.Struct, frozen=True):
     nbytes: int
 
 
-class StatusReply(Message, tag=int(MsgType.STATUS_REPLY), omit_defaults=True):
+class StatusReply(Message, tag=int(MsgType.STATUS_REPLY)):
     server_id: str
     server_pid: int
     protocol_version: int
@@ -254,13 +253,18 @@ class StatusReply(Message, tag=int(MsgType.STATUS_REPLY), omit_defaults=True):
     open_fds: int            # file descriptors the server process has open now
     fd_limit: int            # its RLIMIT_NOFILE
     inbox_fds: int           # received fds not mapped yet
-    registrations: list[RegistrationInfo]   # a page: from ``offset``, at most STATUS_PAGE
+    registrations: list[RegistrationInfo]   # 3.4: the first STATUS_PAGE (a 3.3 server: every one)
     pool: PoolInfo
     protocol_minor: int = 0
-    # 3.4, sent only to a client that sent ``Status.minor`` (a 3.3 client refuses unknown fields)
-    registrations_total: int = -1   # live registrations in all; -1: not sent (a 3.3 server lists every one)
-    offset: int = 0                 # the place of ``registrations[0]`` among them, oldest first
-    owners: list[OwnerSummary] = []  # one line per owner; at most one per session, and the regions
+
+
+class StatusPageReply(StatusReply, tag=int(MsgType.STATUS_PAGE_REPLY)):
+    """3.4: STATUS's reply to a client that sent ``Status.minor`` >= 4 (a 3.3 client gets
+    ``StatusReply``: it refuses unknown fields). ``registrations`` is the page asked for."""
+
+    registrations_total: int = 0     # live registrations in all
+    offset: int = 0                  # the place of ``registrations[0]`` among them, oldest first
+    owners: list[OwnerSummary] = []  # one line per owner: at most one per session, and the regions
 
 
 class Pong(Message, tag=int(MsgType.PONG)):
@@ -272,5 +276,5 @@ class PeekReply(Message, tag=int(MsgType.PEEK_REPLY)):
     data: bytes
 
 
-Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, Pong, PeekReply, StoreReply, LookupReply,
-              RetrieveReply, ReleaseReply, ErrorReply]
+Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, StatusPageReply, Pong, PeekReply, StoreReply,
+              LookupReply, RetrieveReply, ReleaseReply, ErrorReply]
