@@ -1,8 +1,11 @@
 """The ``lmshm`` command.
 
 ``lmshm status`` asks a running lmshm-server what it has mapped. STATUS needs no session, so
-this command never registers anything and leaves no trace on the server. Exit status: 0 on an
-answer, 1 when the server did not answer or refused.
+this command never registers anything and leaves no trace on the server. It lists the first
+``--limit`` registrations (default 50), oldest first; when there are more, it says how many and
+adds one line per owner (a worker's session, or the regions), so its cost does not grow with
+the registrations. ``--all`` lists every one (one request per 1,000), ``--offset`` starts later.
+Exit status: 0 on an answer, 1 when the server did not answer or refused.
 
 ``lmshm gc`` removes orphaned shared-memory names (``lmshm.platform.shm_orphans``) without
 talking to any server and without importing torch. Exit status: 0, also when there was
@@ -46,22 +49,46 @@ def _status_row(r) -> tuple[str, ...]:
             ",".join(r.devices), _human_age(r.age_s))
 
 
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def _owner_row(o) -> tuple[str, ...]:
+    if o.kind == "regions":
+        return ("regions", "-", "-", "-", f"{o.registrations:,}", "-", _human_bytes(o.nbytes))
+    return (str(o.owner_pid), str(o.owner_uid), str(o.owner_session), o.client_name or "-", f"{o.registrations:,}",
+            f"{o.layers:,}", _human_bytes(o.nbytes))
+
+
 def format_status_table(status) -> str:
-    """A plain-text table of a ``StatusReply``: one row per registration."""
+    """A plain-text table of a ``StatusReply``: one row per registration listed; when it lists
+    fewer than there are, a line saying so and one row per owner."""
+    total = getattr(status, "registrations_total", -1)   # 3.4; a 3.3 server lists every one
+    listed = len(status.registrations)
+    total = listed if total < 0 else total
     header = ("NAME", "OWNER PID", "MODEL / KEY", "RANK", "LAYERS", "BYTES", "KIND", "DEVICE", "AGE")
     rows = [_status_row(r) for r in status.registrations]
-    widths = [max(len(h), *(len(row[i]) for row in rows)) if rows else len(h) for i, h in enumerate(header)]
     lines = [
         f"lmshm-server pid {status.server_pid}, up {_human_age(status.uptime_s)}, "
         f"isolated_ipc={'on' if status.isolated_ipc else 'off'}, {status.sessions} session(s), "
-        f"{len(status.registrations)} registration(s), {status.mappings} mapping(s), "
+        f"{total:,} registration(s), {status.mappings} mapping(s), "
         f"{status.open_fds} open fds of {status.fd_limit}" + (f", {status.inbox_fds} fds unmapped" if status.inbox_fds else "")
         + (f", {status.draining} draining" if status.draining else ""),
-        "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(),
+        *_table(header, rows),
     ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     if not rows:
-        lines.append("(no registrations)")
+        lines.append("(no registrations)" if not total else "(none listed)")
+    if listed < total:
+        first = getattr(status, "offset", 0)
+        shown = f"registrations {first + 1:,}-{first + listed:,}" if listed else "no registration"
+        lines.append(f"{shown} of {total:,} listed, oldest first; lmshm status --all lists every one, "
+                     "--offset N --limit M a page")
+        owners = getattr(status, "owners", [])
+        if owners:
+            lines.append("by owner:")
+            lines += _table(("OWNER PID", "UID", "SESSION", "CLIENT", "REGISTRATIONS", "LAYERS", "BYTES"),
+                            [_owner_row(o) for o in owners])
     p = status.pool
     if p.capacity:
         lines.append(
@@ -81,11 +108,22 @@ def format_status_table(status) -> str:
     return "\n".join(lines)
 
 
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return n
+
+
 def _status(args: argparse.Namespace) -> int:
     from lmshm.multiprocess.client import LmshmError, query_status, status_as_dict
 
     try:
-        status = query_status(args.url, timeout_s=args.timeout)
+        status = query_status(args.url, timeout_s=args.timeout, offset=args.offset,
+                              limit=None if args.all else args.limit)
     except LmshmError as exc:
         print(f"lmshm status: {exc}", file=sys.stderr)
         return 1
@@ -139,7 +177,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     st = sub.add_parser("status", help="print the server's registrations")
     st.add_argument("--url", help="server endpoint (LMSHM_URL; default tcp://127.0.0.1:5555)")
-    st.add_argument("--json", action="store_true", help="print the full status as JSON")
+    st.add_argument("--json", action="store_true",
+                    help="print the status as JSON (the registrations listed, as in the table)")
+    st.add_argument("--all", action="store_true", help="list every registration (one request per 1,000)")
+    st.add_argument("--limit", type=_count, default=50, metavar="N",
+                    help="list at most N registrations, oldest first (default 50); with more, a line per owner "
+                         "sums them up")
+    st.add_argument("--offset", type=_count, default=0, metavar="N", help="skip the N oldest registrations")
     st.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS", help="how long to wait (default 5)")
     st.set_defaults(func=_status)
     gc = sub.add_parser("gc", help="remove shared memory left by dead workers",

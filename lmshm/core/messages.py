@@ -82,6 +82,7 @@ class MsgType(IntEnum):
     LOOKUP_REPLY = 108
     RETRIEVE_REPLY = 109
     RELEASE_REPLY = 110
+    STATUS_PAGE_REPLY = 111      # 3.4
     ERROR = 199
 
 

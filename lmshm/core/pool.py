@@ -15,8 +15,9 @@ Accounting: an object costs its extent (its bytes rounded up to ``ALIGN``) plus 
 bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
 whole cost in server memory stays within ``capacity``. ``max_objects`` caps the count too.
 Every figure ``info()`` reports is a counter kept as objects change; no method walks the
-objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU, lease
-expiry is a heap), so no request costs time in proportion to the pool.
+objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU and
+sets aside the pinned objects it meets there, lease expiry is a heap), so no request costs time
+in proportion to the pool.
 
 Tenants: objects belong to the uid that stored them; LOOKUP and RETRIEVE from another uid do
 not see them. Pins keep a ready object from eviction: a lease (LOOKUP) holds one pin per
@@ -29,9 +30,10 @@ recently used unpinned object of the tenant that holds the most bytes (with one 
 LRU), so a STORE can always evict unpinned objects of the biggest tenant.
 
 The easy thing to get wrong: an object's record is a plain tuple of atomic values
-(``OFFSET``, ``NBYTES``, ... index it), not a class instance. Python's cyclic GC stops tracking
-such tuples, so a million objects add nothing to a collection; a million instances made every
-full collection take about a second (measured), stalling every request meanwhile.
+(``OFFSET``, ``NBYTES``, ... index it; ``COST`` is what it is charged), not a class instance.
+Python's cyclic GC stops tracking such tuples, so a million objects add nothing to a
+collection; a million instances made every full collection take about a second (measured),
+stalling every request meanwhile.
 
 Every method takes the pool's one lock; no copy runs under it.
 """
@@ -39,9 +41,11 @@ Every method takes the pool's one lock; no copy runs under it.
 from __future__ import annotations
 
 import bisect
+import collections
 import ctypes
 import heapq
 import mmap
+import operator
 import os
 import secrets
 import threading
@@ -59,8 +63,9 @@ ALIGN = 64  # bytes; every object starts on a cache line
 #: its extent: its record, key and LRU entry, and the free extent beside it in the worst case
 #: (measured with tracemalloc in tests/v1/core/test_pool_limits.py; docs/design/dataplane.md).
 OBJECT_COST = 640
-#: The record of an object: ``(offset, nbytes, layout, blocks, uid, key)``, indexed by these.
-OFFSET, NBYTES, LAYOUT, BLOCKS, UID, KEY = range(6)
+#: The record of an object: ``(offset, nbytes, layout, blocks, uid, key, cost)``, indexed by these.
+OFFSET, NBYTES, LAYOUT, BLOCKS, UID, KEY, COST = range(7)
+_cost, _key = operator.itemgetter(COST), operator.itemgetter(KEY)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -166,26 +171,34 @@ class _Extents:
 
 
 class _Tenant:
-    """One uid's objects and what it holds pinned. Each object is in exactly one of ``ready``,
-    ``pinned`` and ``flight``."""
+    """One uid's objects and what it holds pinned.
 
-    __slots__ = ("ready", "pinned", "flight", "pins_of", "used", "pinned_bytes", "lease_pins", "leases")
+    A visible object is in ``lru`` (least recently used first), or in ``aside`` once eviction
+    met it pinned at the LRU's head; from there it returns to the LRU's recent end when its
+    last pin ends. A pin is a count in ``pins_of`` plus a move to the LRU's recent end (the
+    object was just used); it does not take the object out of the LRU: a LOOKUP pins every
+    object it finds, and moving each out of the OrderedDict and back cost more than the rest
+    of the request (64 keys: 46 us against 9). So eviction skips pinned objects lazily, each
+    at most once per pin, and ``evictable`` counts the unpinned ones. In flight: ``flight``."""
+
+    __slots__ = ("lru", "aside", "flight", "pins_of", "evictable", "used", "pinned_bytes", "lease_pins", "leases")
 
     def __init__(self) -> None:
-        self.ready: OrderedDict[bytes, tuple] = OrderedDict()  # visible, unpinned; least recently used first
-        self.pinned: dict[bytes, tuple] = {}                   # visible, pinned by leases or copies
+        self.lru: OrderedDict[bytes, tuple] = OrderedDict()    # visible; least recently used first
+        self.aside: dict[bytes, tuple] = {}                    # visible, pinned, met by eviction
         self.flight: dict[bytes, tuple] = {}                   # reserved, copy not complete
         self.pins_of: dict[bytes, int] = {}                    # key of a pinned object -> its pins
+        self.evictable = 0        # visible objects without a pin
         self.used = 0             # bytes charged for its objects
         self.pinned_bytes = 0     # of which pinned
         self.lease_pins = 0       # pins its leases hold
         self.leases = 0
 
     def visible(self, key: bytes) -> Optional[tuple]:
-        return self.ready.get(key) or self.pinned.get(key)
+        return self.lru.get(key) or self.aside.get(key)
 
     def empty(self) -> bool:
-        return not (self.ready or self.pinned or self.flight or self.leases)
+        return not (self.lru or self.aside or self.flight or self.leases)
 
 
 class _Lease:
@@ -259,7 +272,7 @@ class Pool:
             self.bytes.view.release()
             self._buf = None
 
-    # ---- the state of one object: ready (in its tenant's LRU), pinned, in flight ---------
+    # ---- the state of one object: ready (unpinned), pinned, in flight ------------------
     def _tenant(self, uid: int) -> _Tenant:
         t = self._tenants.get(uid)
         if t is None:
@@ -271,14 +284,17 @@ class Pool:
             del self._tenants[uid]
 
     def _make_ready(self, t: _Tenant, obj: tuple) -> None:
-        t.ready[obj[KEY]] = obj
+        """A new visible object, unpinned, at the LRU's recent end (commit)."""
+        t.lru[obj[KEY]] = obj
+        t.evictable += 1
         self._evictable += 1
-        self._evictable_bytes += cost_of(obj[NBYTES])
+        self._evictable_bytes += obj[COST]
 
     def _drop(self, t: _Tenant, obj: tuple) -> None:
-        """Free a ready, unpinned object (evicted, or replaced)."""
-        del t.ready[obj[KEY]]
-        cost = cost_of(obj[NBYTES])
+        """Free a visible, unpinned object (evicted, or replaced)."""
+        del t.lru[obj[KEY]]
+        cost = obj[COST]
+        t.evictable -= 1
         self._evictable -= 1
         self._evictable_bytes -= cost
         self.objects -= 1
@@ -292,11 +308,12 @@ class Pool:
 
     def _pin(self, t: _Tenant, obj: tuple) -> None:
         key = obj[KEY]
+        if key in t.lru:
+            t.lru.move_to_end(key)
         pins = t.pins_of.get(key, 0)
         if not pins:
-            del t.ready[key]
-            t.pinned[key] = obj
-            cost = cost_of(obj[NBYTES])
+            cost = obj[COST]
+            t.evictable -= 1
             self._evictable -= 1
             self._evictable_bytes -= cost
             t.pinned_bytes += cost
@@ -305,29 +322,64 @@ class Pool:
         t.pins_of[key] = pins + 1
 
     def _unpin(self, t: _Tenant, obj: tuple) -> None:
-        """One pin fewer; the last one puts the object back at the LRU's recent end."""
-        key = obj[KEY]
-        pins = t.pins_of.get(key, 0)
-        if pins > 1:
-            t.pins_of[key] = pins - 1
-        elif pins == 1 and t.pinned.get(key) is obj:
-            del t.pins_of[key]
-            del t.pinned[key]
-            cost = cost_of(obj[NBYTES])
-            t.pinned_bytes -= cost
-            self.pinned -= 1
-            self.pinned_bytes -= cost
-            self._make_ready(t, obj)
+        """One pin fewer; after the last one, eviction may take the object again."""
+        self._unpin_all(t, (obj,))
+
+    def _unpin_all(self, t: _Tenant, objs: Iterable[tuple]) -> None:
+        """``_unpin`` for each object, the counters updated once (a lease ends: 64 objects)."""
+        pins_of, lru, aside = t.pins_of, t.lru, t.aside
+        if not isinstance(objs, (list, tuple)):
+            objs = list(objs)
+        keys = list(map(_key, objs))
+        if not aside and list(map(pins_of.get, keys)).count(1) == len(keys):
+            # Each one's last pin, none set aside (the usual case): in C, no move (its pin moved it).
+            collections.deque(map(pins_of.__delitem__, keys), maxlen=0)
+            freed, freed_bytes = len(keys), sum(map(_cost, objs))
+            objs = ()
+        else:
+            freed = freed_bytes = 0
+        for obj in objs:
+            key = obj[KEY]
+            pins = pins_of.get(key, 0)
+            if pins > 1:
+                pins_of[key] = pins - 1
+                continue
+            if pins != 1:
+                continue
+            if lru.get(key) is obj:
+                pass                            # where its pin put it: used as recently as that
+            elif aside.get(key) is obj:
+                del aside[key]
+                lru[key] = obj
+            else:
+                continue
+            del pins_of[key]
+            freed += 1
+            freed_bytes += obj[COST]
+        t.evictable += freed
+        t.pinned_bytes -= freed_bytes
+        self.pinned -= freed
+        self.pinned_bytes -= freed_bytes
+        self._evictable += freed
+        self._evictable_bytes += freed_bytes
 
     def _evict_one(self) -> bool:
         """Drop the least recently used unpinned object of the tenant that holds the most."""
         biggest: Optional[_Tenant] = None
         for t in self._tenants.values():   # tenants are uids: a handful, not objects
-            if t.ready and (biggest is None or t.used > biggest.used):
+            if t.evictable and (biggest is None or t.used > biggest.used):
                 biggest = t
         if biggest is None:
             return False
-        victim = next(iter(biggest.ready.values()))
+        lru, pins_of = biggest.lru, biggest.pins_of
+        while lru:                         # ends: ``evictable`` says an unpinned one is in the LRU
+            key, victim = next(iter(lru.items()))
+            if key not in pins_of:
+                break
+            del lru[key]                   # pinned: aside until its last pin ends
+            biggest.aside[key] = victim
+        else:
+            return False
         self._drop(biggest, victim)
         self.evictions += 1
         self.evicted_bytes += victim[NBYTES]
@@ -345,7 +397,7 @@ class Pool:
             if existing is not None:
                 # Same key, other layout: keys carry the layout, so this is a hash collision or a
                 # confused engine. The newer bytes win, unless the old object is busy.
-                if key not in t.ready:
+                if key in t.pins_of or key in t.flight:
                     self.store_skipped += 1
                     return Reservation.NO_SPACE, None
                 self._drop(t, existing)
@@ -365,7 +417,7 @@ class Pool:
                 if not self._evict_one():       # what is left is fragmented by pinned objects
                     self.store_skipped += 1
                     return Reservation.NO_SPACE, None
-            obj = (offset, nbytes, layout, blocks, uid, key)
+            obj = (offset, nbytes, layout, blocks, uid, key, cost)
             t = self._tenant(uid)
             t.flight[key] = obj
             t.used += cost
@@ -393,58 +445,125 @@ class Pool:
                     continue
                 del t.flight[obj[KEY]]
                 self.in_flight -= 1
-                self._uncharge(t, obj, cost_of(obj[NBYTES]))
+                self._uncharge(t, obj, obj[COST])
 
     # ---- lookup and leases --------------------------------------------------------------
     def lookup(self, uid: int, keys: list[list[bytes]], session: Hashable, ttl_s: float) -> tuple[int, bytes]:
         """Leading chunks that every rank has; pins them under a new lease (b"" if none), each
-        distinct object once, as many leading chunks as the uid's pin caps allow."""
+        distinct object once, as many leading chunks as the uid's pin caps allow.
+
+        Every new request of an engine waits for this, on the request loop, so it is written for
+        speed: the per-key work runs in C (``map``, ``dict.fromkeys``, ``dict.update``), and
+        when the caps allow every chunk found (the usual case) the per-chunk walk is skipped."""
         with self._lock:
             n = min(len(k) for k in keys)
             t = self._tenants.get(uid)
-            found = n if t is not None else 0
+            if t is None or n == 0:
+                self.misses += 1 if n else 0
+                return 0, b""
+            lru, aside = t.lru, t.aside
+            found = n
+            per_rank = []
             for rank_keys in keys:
-                for i in range(found):
-                    if t.visible(rank_keys[i]) is None:
-                        found = i
-                        break
-            chosen: dict[bytes, tuple] = {}     # a lease holds each object once
-            new_bytes = 0
-            hits = 0
-            mine = t.pinned_bytes if t is not None else 0     # its share: of what the other uids leave unpinned
-            share = self.max_pinned_fraction_per_uid * (self.capacity - self.pinned_bytes + mine)
-            for i in range(found):              # chunk i counts if all its ranks' objects fit the caps
-                added = step_bytes = 0
-                for rank_keys in keys:
-                    key = rank_keys[i]
-                    if key not in chosen:
-                        obj = chosen[key] = t.visible(key)
-                        added += 1
-                        if key not in t.pins_of:
-                            step_bytes += cost_of(obj[NBYTES])
-                if (t.pinned_bytes + new_bytes + step_bytes > share
-                        or t.lease_pins + len(chosen) > self.max_pins_per_uid):
-                    for _ in range(added):      # this chunk's objects, the last ones added
-                        chosen.popitem()
-                    self.pins_capped += found - i
+                if rank_keys[0] not in lru and rank_keys[0] not in aside:   # the usual miss: a new prefix
+                    found = 0
                     break
-                new_bytes += step_bytes
-                hits = i + 1
+                rank_keys = rank_keys if len(rank_keys) == found else rank_keys[:found]
+                objs = list(map(lru.get, rank_keys))
+                if not all(objs):               # (records are non-empty tuples: all() is a C loop)
+                    if aside:
+                        objs = [o or aside.get(k) for o, k in zip(objs, rank_keys)]
+                    if not all(objs):
+                        found = objs.index(None)
+                per_rank.append((rank_keys, objs))
+            if found == 0:
+                self.misses += 1
+                return 0, b""
+            if len(per_rank) == 1:
+                rank_keys, objs = per_rank[0]
+                if len(objs) > found:
+                    rank_keys, objs = rank_keys[:found], objs[:found]
+                ones = dict.fromkeys(rank_keys, 1)          # a lease pins each object once
+                if len(ones) < found:
+                    objs = list(dict(zip(rank_keys, objs)).values())
+            else:
+                chosen = {o[KEY]: o for i in range(found) for _, objs in per_rank for o in (objs[i],)}
+                ones, objs = dict.fromkeys(chosen, 1), list(chosen.values())
+            pins_of = t.pins_of
+            unpinned = not pins_of or pins_of.keys().isdisjoint(ones)    # none pinned yet: the usual case
+            new_bytes = (sum(map(_cost, objs)) if unpinned
+                         else sum(o[COST] for o in objs if o[KEY] not in pins_of))
+            mine = t.pinned_bytes     # its share: of what the other uids leave unpinned
+            share = self.max_pinned_fraction_per_uid * (self.capacity - self.pinned_bytes + mine)
+            if mine + new_bytes <= share and t.lease_pins + len(objs) <= self.max_pins_per_uid:
+                hits = found
+            else:
+                hits, chosen = self._capped(t, [objs for _, objs in per_rank], found, share)
+                ones, objs, unpinned = dict.fromkeys(chosen, 1), list(chosen.values()), False
             self.hits += hits
             self.misses += 1 if hits < n else 0
             if hits == 0:
                 return 0, b""
-            for obj in chosen.values():
-                self._pin(t, obj)
+            # Pin each: a count, and a move to the LRU's recent end (it was just used).
+            if unpinned:
+                pins_of.update(ones)
+                newly, newly_bytes = len(objs), new_bytes
+            else:
+                newly = newly_bytes = 0
+                for obj in objs:
+                    key = obj[KEY]
+                    pins = pins_of.get(key)
+                    if pins is None:
+                        pins_of[key] = 1
+                        newly += 1
+                        newly_bytes += obj[COST]
+                    else:
+                        pins_of[key] = pins + 1
+            if aside:
+                for key in ones:
+                    if key in lru:              # else set aside by eviction: pinned already
+                        lru.move_to_end(key)
+            else:
+                collections.deque(map(lru.move_to_end, ones), maxlen=0)
+            t.evictable -= newly
+            self._evictable -= newly
+            self._evictable_bytes -= newly_bytes
+            t.pinned_bytes += newly_bytes
+            self.pinned += newly
+            self.pinned_bytes += newly_bytes
             token = secrets.token_bytes(16)
-            lease = _Lease(token, uid, session, time.monotonic() + ttl_s, list(chosen.values()))
+            lease = _Lease(token, uid, session, time.monotonic() + ttl_s, objs)
             self._leases[token] = lease
             self._session_leases.setdefault(session, set()).add(token)
             heapq.heappush(self._expiry, (lease.expires, token))
             t.leases += 1
-            t.lease_pins += len(chosen)
-            self.lease_pins += len(chosen)
+            t.lease_pins += len(objs)
+            self.lease_pins += len(objs)
             return hits, token
+
+    def _capped(self, t: _Tenant, per_rank: list[list[tuple]], found: int, share: float) -> tuple[int, dict]:
+        """``lookup`` when the caps do not allow every chunk found: ``(hits, chosen)``, the
+        leading chunks whose objects (all ranks') fit, counting the rest in ``pins_capped``."""
+        chosen: dict[bytes, tuple] = {}
+        new_bytes = 0
+        for i in range(found):                  # chunk i counts if all its ranks' objects fit the caps
+            added = step_bytes = 0
+            for objs in per_rank:
+                obj = objs[i]
+                key = obj[KEY]
+                if key not in chosen:
+                    chosen[key] = obj
+                    added += 1
+                    if key not in t.pins_of:
+                        step_bytes += obj[COST]
+            if (t.pinned_bytes + new_bytes + step_bytes > share
+                    or t.lease_pins + len(chosen) > self.max_pins_per_uid):
+                for _ in range(added):          # this chunk's objects, the last ones added
+                    chosen.popitem()
+                self.pins_capped += found - i
+                return i, chosen
+            new_bytes += step_bytes
+        return found, chosen
 
     def _end_lease(self, lease: _Lease) -> None:
         del self._leases[lease.token]
@@ -464,8 +583,7 @@ class Pool:
     def _drop_lease_pins(self, t: _Tenant, objs: list) -> None:
         t.lease_pins -= len(objs)
         self.lease_pins -= len(objs)
-        for obj in objs:
-            self._unpin(t, obj)
+        self._unpin_all(t, objs)
 
     def release_lease(self, token: bytes, uid: int) -> bool:
         """End a lease of ``uid`` (another uid's token counts as unknown)."""
@@ -542,12 +660,13 @@ class Pool:
 
     def unpin(self, objs: Iterable[tuple], *, retrieved: bool) -> None:
         with self._lock:
-            n = 0
-            for obj in objs:
-                t = self._tenants.get(obj[UID])
+            objs = list(objs)
+            uids = {obj[UID] for obj in objs}
+            for uid in uids:
+                t = self._tenants.get(uid)
                 if t is not None:
-                    self._unpin(t, obj)
-                n += 1
+                    self._unpin_all(t, objs if len(uids) == 1 else [o for o in objs if o[UID] == uid])
+            n = len(objs)
             if retrieved:
                 self.retrieved += n
 

@@ -27,11 +27,17 @@ Rules (design.md section 4):
 
 Thread safety: one lock guards the tables; mapping and unmapping run outside it, so a slow
 open never blocks status or other owners.
+
+Cost: the tables are indexed by instance id and by owner (with each owner's counts of
+registrations, layers and bytes kept as they change), so no request walks the registrations:
+REGISTER's per-session limits, a session's reclaim and the region limit look at one owner's
+entries, and STATUS lists a page (``page``) plus one line per owner (``owners``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -233,13 +239,34 @@ def _check_request(instance_id: str, world_size: int, worker_rank: int,
     return where
 
 
+class _Owned:
+    """One owner's live registrations (in the order they entered) and their totals."""
+
+    __slots__ = ("regs", "layers", "nbytes")
+
+    def __init__(self) -> None:
+        self.regs: dict[str, Registration] = {}
+        self.layers = 0
+        self.nbytes = 0
+
+
 class Registry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: dict[str, Registration] = {}
+        self._live: dict[str, Registration] = {}     # in the order they entered the namespace
+        self._owned: dict[Hashable, _Owned] = {}     # owner (a session, or REGION_OWNER) -> its part of _live
         self._mapping: set[str] = set()  # ids reserved while their layers are being mapped
-        self._draining: list[Registration] = []
+        self._draining: dict[Registration, None] = {}  # unregistered, still held (an ordered set)
         self._regions_opening = 0
+
+    def _enter_locked(self, reg: Registration) -> None:
+        self._live[reg.instance_id] = reg
+        owned = self._owned.get(reg.owner)
+        if owned is None:
+            owned = self._owned[reg.owner] = _Owned()
+        owned.regs[reg.instance_id] = reg
+        owned.layers += reg.num_layers
+        owned.nbytes += reg.nbytes
 
     # ---- register -----------------------------------------------------------------------
     def register(
@@ -292,7 +319,7 @@ class Registry:
                            worker_rank, tuple(where), tuple(groups), bases, where, block_dim=block_dim)
         with self._lock:
             self._mapping.discard(instance_id)
-            self._live[instance_id] = reg
+            self._enter_locked(reg)
         return reg, False
 
     @staticmethod
@@ -356,7 +383,7 @@ class Registry:
                 raise InstanceExists(_exists_message(name, existing))
             if name in self._mapping:
                 raise InstanceExists(f"{quote(name, 80)} is being registered right now")
-            held = sum(1 for r in self._live.values() if r.region is not None) + self._regions_opening
+            held = len(self._owned_regs(REGION_OWNER)) + self._regions_opening
             if held >= max_regions:
                 raise RegionLimit(f"the server holds {held} regions, its limit (lmshm-server --max-regions); "
                                   "unregister some first")
@@ -374,7 +401,7 @@ class Registry:
         with self._lock:
             self._mapping.discard(name)
             self._regions_opening -= 1
-            self._live[name] = reg
+            self._enter_locked(reg)
         return reg
 
     def region(self, name: str, kind: str) -> Registration:
@@ -389,7 +416,7 @@ class Registry:
 
     def regions(self, kind: str) -> list[Registration]:
         with self._lock:
-            return [r for r in self._live.values() if r.kind == kind]
+            return [r for r in self._owned_regs(REGION_OWNER).values() if r.kind == kind]
 
     def unregister_region(self, name: str, kind: str) -> bool:
         """Unregister region ``name`` if it is one of ``kind``; an unknown name, or a name of
@@ -407,7 +434,7 @@ class Registry:
     def unregister_regions(self, kind: str) -> int:
         """Unregister every region of ``kind`` (and nothing else). Returns how many."""
         with self._lock:
-            regs = [r for r in self._live.values() if r.kind == kind]
+            regs = [r for r in self._owned_regs(REGION_OWNER).values() if r.kind == kind]
             now = [r for r in regs if not self._unlink_locked(r)]
         for r in now:
             self._release(r)
@@ -431,7 +458,7 @@ class Registry:
         if owner == REGION_OWNER:
             return []
         with self._lock:
-            regs = [r for r in self._live.values() if r.owner == owner]
+            regs = list(self._owned_regs(owner).values())
             now = [r for r in regs if not self._unlink_locked(r, orphaned=orphaned)]
             for r in regs:
                 r.orphaned = r.orphaned or orphaned
@@ -442,9 +469,10 @@ class Registry:
     def release_all(self) -> int:
         """Shutdown: release every registration now, held or not. Returns how many."""
         with self._lock:
-            regs = list(self._live.values()) + self._draining
+            regs = list(self._live.values()) + list(self._draining)
             self._live.clear()
-            self._draining = []
+            self._owned.clear()
+            self._draining = {}
             for r in regs:
                 r.unregistered = True
         for r in regs:
@@ -453,20 +481,29 @@ class Registry:
 
     def _unlink_locked(self, reg: Registration, orphaned: bool = False) -> bool:
         del self._live[reg.instance_id]
+        owned = self._owned[reg.owner]
+        del owned.regs[reg.instance_id]
+        owned.layers -= reg.num_layers
+        owned.nbytes -= reg.nbytes
+        if not owned.regs:
+            del self._owned[reg.owner]
         reg.unregistered = True
         reg.orphaned = reg.orphaned or orphaned
         if reg.holds:
-            self._draining.append(reg)
+            self._draining[reg] = None
             return True
         return False
+
+    def _owned_regs(self, owner: Hashable) -> dict[str, Registration]:
+        owned = self._owned.get(owner)
+        return owned.regs if owned is not None else {}
 
     def _release(self, reg: Registration) -> None:
         with self._lock:
             if reg.released:
                 return
             reg.released = True
-            if reg in self._draining:
-                self._draining.remove(reg)
+            self._draining.pop(reg, None)
         reg.drop_tensors()  # tensors hold child leases: drop them before closing
         if reg.region is not None:  # never unlinked: the client created its object and owns it
             try:
@@ -515,15 +552,29 @@ class Registry:
         return reg
 
     def registrations(self) -> list[Registration]:
+        """Every live registration, in the order they entered (a walk: not for requests)."""
         with self._lock:
             return list(self._live.values())
+
+    def page(self, offset: int, limit: int) -> tuple[list[Registration], int]:
+        """Up to ``limit`` live registrations from the ``offset``-th, in the order they entered
+        (oldest first), and how many are live. Walks ``offset + limit`` entries, in C."""
+        with self._lock:
+            return list(itertools.islice(self._live.values(), offset, offset + limit)), len(self._live)
+
+    def owners(self) -> list[tuple[Registration, int, int, int]]:
+        """Per owner (a session; ``REGION_OWNER`` for all regions): ``(its oldest registration,
+        registrations, layers, bytes)``. One entry per owner, from counts kept as they change."""
+        with self._lock:
+            return [(next(iter(o.regs.values())), len(o.regs), o.layers, o.nbytes) for o in self._owned.values()]
 
     def count_owned(self, owner: Hashable, instance_id: str = "") -> tuple[int, int, bool]:
         """``(registrations, layers, holds instance_id)`` of ``owner``."""
         with self._lock:
-            regs = [r for r in self._live.values() if r.owner == owner]
-            existing = self._live.get(instance_id)
-        return len(regs), sum(len(r.layer_names) for r in regs), existing is not None and existing.owner == owner
+            owned = self._owned.get(owner)
+            if owned is None:
+                return 0, 0, False
+            return len(owned.regs), owned.layers, instance_id in owned.regs
 
     @property
     def draining(self) -> int:

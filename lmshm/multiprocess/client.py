@@ -463,8 +463,10 @@ class MPClient:
         with self._lock:
             return list(self._cached)
 
-    def status(self) -> protocol.StatusReply:
-        return self._request(protocol.Status())
+    def status(self, offset: int = 0, limit: int = protocol.STATUS_PAGE) -> protocol.StatusReply:
+        """The server, and ``limit`` (at most ``protocol.STATUS_PAGE``) of its registrations from
+        the ``offset``-th, oldest first, with their total and a line per owner."""
+        return self._request(protocol.Status(offset, limit, protocol.PROTOCOL_MINOR))
 
     # ---- the data plane ----------------------------------------------------------------
     def submit(self, msg: Any, timeout_s: Optional[float] = None) -> Pending:
@@ -546,11 +548,35 @@ class MPClient:
         self.close()
 
 
-def query_status(url: Optional[str] = None, timeout_s: float = 5.0) -> protocol.StatusReply:
-    """One STATUS request without a session (what ``lmshm status`` uses)."""
+def query_status(url: Optional[str] = None, timeout_s: float = 5.0, *, offset: int = 0,
+                 limit: Optional[int] = protocol.STATUS_PAGE) -> protocol.StatusReply:
+    """STATUS without a session (what ``lmshm status`` uses): the server, and ``limit``
+    registrations (None: every one) from the ``offset``-th, oldest first, with their total
+    (``registrations_total``) and a line per owner (``owners``). More than
+    ``protocol.STATUS_PAGE`` take one request per page, on one connection; a registration
+    that comes or goes between two pages may be missed or listed twice. A 3.3 server, which
+    refuses the new fields, is asked the old way: it lists every registration, and this
+    function returns its ``StatusReply`` (no total, no owners) with the ones asked for."""
     dealer = mq.DealerClient(mq.check_url(url or os.environ.get(URL_ENV) or mq.DEFAULT_URL), timeout_s=timeout_s)
     try:
-        return _exchange(dealer, protocol.Status())
+        first = min(protocol.STATUS_PAGE, protocol.STATUS_PAGE if limit is None else limit)
+        try:
+            reply = _exchange(dealer, protocol.Status(offset, first, protocol.PROTOCOL_MINOR))
+        except InvalidArgument as exc:
+            if "unknown field" not in str(exc):
+                raise
+            old = _exchange(dealer, protocol.Status())           # a 3.3 server: every registration
+            end = None if limit is None else offset + limit
+            return msgspec.structs.replace(old, registrations=old.registrations[offset:end])
+        rows = list(reply.registrations)
+        while (limit is None or len(rows) < limit) and offset + len(rows) < reply.registrations_total:
+            want = protocol.STATUS_PAGE if limit is None else min(protocol.STATUS_PAGE, limit - len(rows))
+            page = _exchange(dealer, protocol.Status(offset + len(rows), want, protocol.PROTOCOL_MINOR))
+            if not page.registrations:
+                break                                            # fewer now than when we began
+            rows += page.registrations
+            reply = page
+        return msgspec.structs.replace(reply, registrations=rows, offset=offset)
     finally:
         dealer.close()
 

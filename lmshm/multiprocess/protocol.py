@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 3.3: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.4: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -81,9 +81,10 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
 
 PEEK_MAX_BYTES = 4096
+STATUS_PAGE = 1000       # registrations one STATUS reply lists at most
 
 
 # ---- requests ---------------------------------------------------------------------------
@@ -131,8 +132,20 @@ class UnregisterKVCache(Message, tag=int(MsgType.UNREGISTER_KV_CACHE)):
     instance_id: Text
 
 
-class Status(Message, tag=int(MsgType.STATUS)):
-    """Describe the server and every registration. Needs no session."""
+class Status(Message, tag=int(MsgType.STATUS), omit_defaults=True):
+    """Describe the server and a page of its registrations, oldest first. Needs no session.
+
+    A reply lists at most ``STATUS_PAGE`` registrations, so its size is bounded however many
+    are live. 3.4: ``offset`` and ``limit`` choose the page, and a client that sends ``minor``
+    (its protocol minor, 4) gets a ``StatusPageReply``: also the total, its page's offset and a
+    line per owner. A 3.3 client sends none of them (defaults are not encoded: ``Status()`` is
+    the same bytes as before) and gets a ``StatusReply``, the first page. A 3.3 server refuses
+    the fields (unknown field): the client then asks again without them.
+    """
+
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=0, le=STATUS_PAGE)] = STATUS_PAGE
+    minor: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
 
 
 class Ping(Message, tag=int(MsgType.PING)):
@@ -214,6 +227,20 @@ class RegistrationInfo(msgspec.Struct, frozen=True):
     block_dim: int = 0       # 3.2: a KV registration's block dimension
 
 
+class OwnerSummary(msgspec.Struct, frozen=True):
+    """3.4: what one owner holds. An owner is a session (``kind`` "kv"), or "regions": every
+    region registered over HTTP, gRPC or in-process, whoever registered it."""
+
+    kind: str
+    owner_session: int       # 0 for the regions
+    owner_pid: int           # of the session's worker (kernel-verified); 0 for the regions
+    owner_uid: int           # -1 for the regions
+    client_name: str         # the session's (the regions: the oldest region's)
+    registrations: int
+    layers: int
+    nbytes: int
+
+
 class StatusReply(Message, tag=int(MsgType.STATUS_REPLY)):
     server_id: str
     server_pid: int
@@ -226,9 +253,18 @@ class StatusReply(Message, tag=int(MsgType.STATUS_REPLY)):
     open_fds: int            # file descriptors the server process has open now
     fd_limit: int            # its RLIMIT_NOFILE
     inbox_fds: int           # received fds not mapped yet
-    registrations: list[RegistrationInfo]
+    registrations: list[RegistrationInfo]   # 3.4: the first STATUS_PAGE (a 3.3 server: every one)
     pool: PoolInfo
     protocol_minor: int = 0
+
+
+class StatusPageReply(StatusReply, tag=int(MsgType.STATUS_PAGE_REPLY)):
+    """3.4: STATUS's reply to a client that sent ``Status.minor`` >= 4 (a 3.3 client gets
+    ``StatusReply``: it refuses unknown fields). ``registrations`` is the page asked for."""
+
+    registrations_total: int = 0     # live registrations in all
+    offset: int = 0                  # the place of ``registrations[0]`` among them, oldest first
+    owners: list[OwnerSummary] = []  # one line per owner: at most one per session, and the regions
 
 
 class Pong(Message, tag=int(MsgType.PONG)):
@@ -240,5 +276,5 @@ class PeekReply(Message, tag=int(MsgType.PEEK_REPLY)):
     data: bytes
 
 
-Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, Pong, PeekReply, StoreReply, LookupReply,
-              RetrieveReply, ReleaseReply, ErrorReply]
+Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, StatusPageReply, Pong, PeekReply, StoreReply,
+              LookupReply, RetrieveReply, ReleaseReply, ErrorReply]

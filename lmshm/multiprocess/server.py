@@ -539,12 +539,18 @@ class ZmqEndpoint:
         return protocol.UnregisterReply(req.instance_id, deferred)
 
     def _status(self, identity: bytes, req: protocol.Status) -> Any:
-        return self.status_reply()
+        return self.status_reply(offset=req.offset, limit=req.limit, minor=req.minor)
 
-    def status_reply(self) -> protocol.StatusReply:
+    def status_reply(self, *, offset: int = 0, limit: Optional[int] = None,
+                     minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply:
+        """The server and ``limit`` registrations from the ``offset``-th, oldest first (in
+        process: every one by default; a STATUS request: at most ``protocol.STATUS_PAGE``).
+        The page costs its rows, and the summary one line per owner: never a walk of them all.
+        ``minor`` < 4: a ``StatusReply`` (what a 3.3 client decodes); else a ``StatusPageReply``."""
         now = time.time()
+        page, total = self.registry.page(offset, len(self.registry) if limit is None else limit)
         regs = []
-        for r in sorted(self.registry.registrations(), key=lambda r: r.created):
+        for r in page:
             region = r.region
             if region is None:
                 kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
@@ -557,12 +563,21 @@ class ZmqEndpoint:
                 kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
                 key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
                 device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
-        return protocol.StatusReply(
+        common = dict(
             server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
             isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
             sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
             open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
             pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
+        if minor < 4:
+            return protocol.StatusReply(**common)
+        return protocol.StatusPageReply(**common, registrations_total=total, offset=offset, owners=[
+            protocol.OwnerSummary(
+                kind="regions" if first.region is not None else "kv",
+                owner_session=first.owner if isinstance(first.owner, int) else 0,
+                owner_pid=first.owner_pid, owner_uid=first.owner_uid, client_name=first.client_name,
+                registrations=count, layers=layers, nbytes=nbytes)
+            for first, count, layers, nbytes in self.registry.owners()])
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)

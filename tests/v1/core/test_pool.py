@@ -81,6 +81,53 @@ def test_a_retrieve_takes_over_its_leases_pins():
     assert pool.info()["leases"] == 0 and pool.info()["pinned"] == 0 and pool.retrieved == 2
 
 
+def test_a_lookup_refreshes_its_objects_so_eviction_takes_the_least_recently_used():
+    pool = Pool(2 * ONE)
+    stored(pool, 0, b"a")
+    stored(pool, 0, b"b")
+    _, lease = pool.lookup(0, [[b"a"]], "s", 30)
+    pool.release_lease(lease, 0)
+    stored(pool, 0, b"c")                                            # evicts b: a was used since
+    assert [pool.lookup(0, [[k]], "t", 30)[0] for k in (b"a", b"b", b"c")] == [1, 0, 1]
+
+
+def test_eviction_steps_over_pinned_objects_and_they_return_after_their_last_pin():
+    """A pin does not move an object out of the LRU; eviction sets aside the pinned ones it meets
+    at the head, and the last pin's end puts such an object back at the recent end."""
+    pool = Pool(3 * ONE)
+    for k in (b"a", b"b", b"c"):
+        stored(pool, 0, k)
+    _, old = pool.lookup(0, [[b"a"]], "s", 30)                       # LRU: b c a
+    _, young = pool.lookup(0, [[b"b", b"c"]], "s", 30)               # LRU: a b c, all pinned
+    assert pool.reserve(0, b"x", ALIGN, b"L", 1) == (Reservation.NO_SPACE, None)
+    pool.release_lease(young, 0)                                     # b, c unpinned where they are
+    stored(pool, 0, b"d")                                            # a (pinned) set aside; b evicted
+    assert pool.evictions == 1 and pool.pinned == 1 and pool.pinned_bytes == ONE
+    pool.release_lease(old, 0)                                       # a back at the recent end: c d a
+    assert (pool.pinned, pool.pinned_bytes, pool.lease_pins) == (0, 0, 0)
+    stored(pool, 0, b"e")                                            # evicts c
+    stored(pool, 0, b"f")                                            # evicts d
+    present = [k for k in (b"a", b"b", b"c", b"d", b"e", b"f") if pool.pin_for_copy(0, [k])[0]]
+    assert present == [b"a", b"e", b"f"] and pool.evictions == 3
+    assert pool.used == 3 * ONE and pool.objects == 3
+
+
+def test_a_lookup_over_ranks_counts_the_leading_chunks_every_rank_has_and_pins_each_object_once():
+    pool = Pool(16 * ONE)
+    for k in (b"a", b"b", b"c", b"d", b"e", b"s"):
+        stored(pool, 0, k)
+    hits, lease = pool.lookup(0, [[b"a", b"b", b"c"], [b"d", b"e", b"f"], [b"s", b"s", b"s"]], "r", 30)
+    assert hits == 2 and pool.lease_pins == 5 and pool.pinned == 5          # a b d e s; f is missing
+    assert pool.lookup(0, [[b"a", b"b"], [b"x", b"e"]], "r", 30) == (0, b"")   # rank 1 misses chunk 0
+    _, again = pool.lookup(0, [[b"b", b"c"], [b"e", b"b"]], "r", 30)       # b pinned twice, by two leases
+    assert pool.lease_pins == 8 and pool.pinned == 6 and pool.pinned_bytes == 6 * ONE
+    pool.release_lease(lease, 0)
+    assert pool.pinned == 3 and pool.lease_pins == 3                         # b c e still held by the second
+    pool.release_lease(again, 0)
+    assert (pool.pinned, pool.lease_pins, pool.pinned_bytes) == (0, 0, 0)
+    assert pool.hits == 4 and pool.misses == 2
+
+
 def test_layouts_the_data_plane_cannot_move_are_named():
     import torch
 

@@ -108,6 +108,11 @@ def main() -> int:
             iid = client.register_kv_caches(caches[cmd["of"]], cmd.get("instance_id"))
             caches[iid] = caches[cmd["of"]]
             return {"instance_id": iid}
+        if op == "register_many":  # ids PREFIX00000.. over one one-layer segment (STATUS paging tests)
+            layers = allocate(1, [64], "one")
+            for i in range(cmd["count"]):
+                caches[client.register_kv_caches(layers, f"{cmd['prefix']}{i:05d}")] = layers
+            return {"count": cmd["count"]}
         if op == "fill":
             t = caches[cmd["instance_id"]][cmd["layer"]]
             t.view(-1).view(torch.uint8)[: len(cmd["bytes"])] = torch.tensor(cmd["bytes"], dtype=torch.uint8)
