@@ -39,3 +39,9 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     max_pins_per_uid: Count = 1 << 20
     max_leases_per_uid: Count = 16384
+    # the local-disk tier below the pool (lmshm/core/tiers/disk.py; docs/design/tiers.md)
+    disk: str = ""                                                       # a directory; "" = no disk tier
+    disk_capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 60)] = 0    # bytes; required with disk
+    disk_queue: Count = 256            # chunks waiting to be written through; more are dropped (counted)
+    disk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5   # longest a LOOKUP waits for promotions
+    disk_checksum: str = "auto"        # auto (xxh3 if installed, else crc32), xxh3, blake2b, crc32

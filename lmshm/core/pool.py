@@ -674,6 +674,18 @@ class Pool:
         with self._lock:
             self.failed += 1
 
+    # ---- hooks of the tiers below the pool (core/tiers/stack.py) --------------------------
+    def hold(self, uid: int, key: bytes) -> Optional[tuple]:
+        """Pin the visible object ``(uid, key)`` and return it (None if there is none): a
+        write-through reads it, or a LOOKUP keeps it while it promotes later chunks. End
+        with ``unpin([obj], retrieved=False)``."""
+        with self._lock:
+            t = self._tenants.get(uid)
+            obj = t.visible(key) if t is not None else None
+            if obj is not None:
+                self._pin(t, obj)
+            return obj
+
     # ---- introspection: counters only, whatever the pool holds ---------------------------
     def info(self) -> dict[str, int]:
         with self._lock:

@@ -104,12 +104,31 @@ class Core:
         self._lock = threading.Lock()
         self._stopped = False
         c = self.config
+        tiers = self._open_tiers(c)
         self.dataplane = DataPlane(
             registry=self.registry, capacity=c.capacity, copy_threads=c.copy_threads, lease_ttl_s=c.lease_ttl_s,
             max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
             reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
             max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
-            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid)
+            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
+            tiers=tiers, tier_queue=c.disk_queue, tier_timeout_s=c.disk_timeout_s)
+
+    @staticmethod
+    def _open_tiers(c: CoreConfig) -> list:
+        """The tiers below the pool that the settings ask for (docs/design/tiers.md)."""
+        if not c.disk:
+            return []
+        if not c.capacity:
+            raise ServerError(ErrorCode.INVALID_ARG, "--disk needs a pool: it was given with --capacity 0")
+        if not c.disk_capacity:
+            raise ServerError(ErrorCode.INVALID_ARG, f"--disk {quote(c.disk, 80)} needs --disk-capacity SIZE "
+                                                     "(e.g. 100GiB): the most the tier may use on that disk")
+        from lmshm.core.tiers.disk import DiskTier
+
+        try:
+            return [DiskTier(c.disk, c.disk_capacity, checksum=c.disk_checksum)]
+        except (OSError, ValueError, ImportError) as exc:
+            raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the disk tier: {exc}") from None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "Core":

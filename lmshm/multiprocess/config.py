@@ -168,6 +168,23 @@ SETTINGS: tuple[Setting, ...] = (
             "default 1048576, about 8 bytes each)", "N"),
     Setting("max_leases_per_uid", "--max-leases-per-uid", "LMSHM_MAX_LEASES_PER_UID", "max_leases_per_uid",
             "LOOKUP leases one uid may hold at once, over all its sessions (default 16384)", "N"),
+    Setting("disk", "--disk", "LMSHM_DISK", "disk",
+            "keep chunks in this directory too, below the pool: STOREs are written through in the background, a "
+            "LOOKUP reads back what the pool lost, and what was stored before a restart is found after it. One file "
+            "per chunk, checked on read (docs/design/tiers.md). The directory must be the server's own, not "
+            "writable by others, one server each (default: no disk tier)", "DIR"),
+    Setting("disk_capacity", "--disk-capacity", "LMSHM_DISK_CAPACITY", "disk_capacity",
+            "bytes the disk tier may use, e.g. 100GiB (required with --disk); least recently used chunks are "
+            "deleted past 95%% of it, down to 90%%", "SIZE", "size"),
+    Setting("disk_queue", "--disk-queue", "LMSHM_DISK_QUEUE", "disk_queue",
+            "stored chunks waiting to be written to disk (each stays pinned in the pool until written); more are "
+            "not written, and counted as drops (default 256)", "N"),
+    Setting("disk_timeout_s", "--disk-timeout", "LMSHM_DISK_TIMEOUT", "disk_timeout",
+            "longest a LOOKUP waits for chunks read back from disk, in seconds; what is not read by then is a "
+            "miss (default 0.5)", "SECONDS"),
+    Setting("disk_checksum", "--disk-checksum", "LMSHM_DISK_CHECKSUM", "disk_checksum",
+            "checksum of each chunk file: auto (xxh3-128 if the xxhash package is installed, else CRC-32), xxh3, "
+            "blake2b or crc32; any of them is read back (default auto)", "NAME"),
     Setting("http_port", "--http-port", "LMSHM_HTTP_PORT", "http_port",
             "serve Triton's HTTP/REST health, metadata and shared-memory routes and Prometheus /metrics on this "
             "port (default off; 0 picks a free port)", "N"),

@@ -66,6 +66,7 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     Message,
     MsgType,
     PoolInfo,
+    TierInfo,
     Release,
     ReleaseReply,
     Retrieve,
