@@ -105,7 +105,7 @@ def format_status_table(status) -> str:
             + (f", {p.failed} failed" if p.failed else ""))
     else:
         lines.append("pool: none (lmshm-server --capacity 0)")
-    for t in getattr(p, "tiers", ()):   # 3.4
+    for t in getattr(p, "tiers", ()):   # 3.5
         lines.append(
             f"{t.name}: {_human_bytes(t.used)} of {_human_bytes(t.capacity)} used, {t.objects} chunk(s); "
             f"{t.hits} hit(s), {t.misses} miss(es), {t.promotions} promoted, {t.puts} written, "

@@ -203,7 +203,7 @@ class ReleaseReply(Message, tag=int(MsgType.RELEASE_REPLY)):
 
 
 class TierInfo(msgspec.Struct, frozen=True):
-    """3.4: one storage tier below the pool (docs/design/tiers.md), as STATUS shows it."""
+    """3.5: one storage tier below the pool (docs/design/tiers.md), as STATUS shows it."""
 
     name: str                # "disk", later "remote"
     capacity: int = 0        # bytes the tier may use
@@ -250,7 +250,7 @@ class PoolInfo(msgspec.Struct, frozen=True):
     lease_pins: int = 0      # pins the leases hold (each lease pins each of its objects once)
     pins_capped: int = 0     # chunks LOOKUP found but did not pin: a per-uid cap
     uids: int = 0            # uids holding objects or leases
-    tiers: list[TierInfo] = []   # 3.4: the tiers below the pool, top first (none without --disk)
+    tiers: list[TierInfo] = []   # 3.5: the tiers below the pool, top first (none without --disk)
 
 
 class ErrorReply(Message, tag=int(MsgType.ERROR)):

@@ -5,9 +5,10 @@
 - ``write_through(objs)``, after a STORE committed them to the pool: each object is pinned in
   the pool (``Pool.hold``) and queued for each tier; one writer thread per tier
   (``lmshm-<tier>-writer``) puts it and unpins it. A queue holds at most ``queue_limit``
-  chunks; past it the chunk is dropped for that tier and counted (``drops``). STORE never
-  waits for a tier. A pinned object cannot be evicted, so ``queue_limit`` also bounds what
-  write-through keeps pinned.
+  chunks and half the pool's capacity in bytes; past either the chunk is dropped for
+  that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
+  evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
+  disk cost dropped writes, never a full pool.
 - ``promote(uid, keys, deadline)``, for a LOOKUP (on a copier thread, never on an endpoint's
   loop): the leading chunks that every rank has in the pool or in some tier; the ones only in
   a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
@@ -59,6 +60,9 @@ class TierStack:
         self.queue_limit = queue_limit
         self.timeout_s = timeout_s
         self._queues: list[queue.Queue] = [queue.Queue(maxsize=queue_limit) for _ in self.tiers]
+        self.queue_bytes_limit = pool.capacity // 2
+        self._queued_bytes = [0] * len(self.tiers)
+        self._bytes_lock = threading.Lock()
         self._readers = cf.ThreadPoolExecutor(readers, thread_name_prefix="lmshm-tier-read")
         self._closed = False
         self._writers = [threading.Thread(target=self._write_loop, args=(t, q), name=f"lmshm-{t.name}-writer",
@@ -70,24 +74,37 @@ class TierStack:
     def write_through(self, objs: Sequence[tuple]) -> None:
         if self._closed:
             return
-        for tier, q in zip(self.tiers, self._queues):
+        for i, (tier, q) in enumerate(zip(self.tiers, self._queues)):
             for obj in objs:
+                with self._bytes_lock:
+                    room = self._queued_bytes[i] + obj[NBYTES] <= self.queue_bytes_limit
+                    if room:
+                        self._queued_bytes[i] += obj[NBYTES]
+                if not room:
+                    tier.stats.add(drops=1)
+                    continue
                 held = self.pool.hold(obj[UID], obj[KEY])
-                if held is not obj:                 # evicted or replaced already
+                try:
+                    if held is not obj:             # evicted or replaced already
+                        raise LookupError
+                    q.put_nowait((i, obj))
+                except (queue.Full, LookupError) as why:
                     if held is not None:
                         self.pool.unpin([held], retrieved=False)
-                    continue
-                try:
-                    q.put_nowait(obj)
-                except queue.Full:
-                    self.pool.unpin([obj], retrieved=False)
-                    tier.stats.add(drops=1)
+                    self._unqueue(i, obj)
+                    if isinstance(why, queue.Full):
+                        tier.stats.add(drops=1)
+
+    def _unqueue(self, i: int, obj: tuple) -> None:
+        with self._bytes_lock:
+            self._queued_bytes[i] -= obj[NBYTES]
 
     def _write_loop(self, tier: Tier, q: queue.Queue) -> None:
         while True:
-            obj = q.get()
-            if obj is None:
+            item = q.get()
+            if item is None:
                 return
+            i, obj = item
             try:
                 data = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
                 tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data)
@@ -96,6 +113,7 @@ class TierStack:
                 logger.exception("lmshm: the %s tier failed a write-through", tier.name)
             finally:
                 self.pool.unpin([obj], retrieved=False)
+                self._unqueue(i, obj)
 
     # ---- promotion ----------------------------------------------------------------------
     def promote(self, uid: int, keys: list[list[bytes]], deadline: float) -> Promotion:
@@ -194,11 +212,12 @@ class TierStack:
         for tier, q in zip(self.tiers, self._queues):
             while True:
                 try:
-                    obj = q.get_nowait()
+                    item = q.get_nowait()
                 except queue.Empty:
                     break
-                if obj is not None:
-                    self.pool.unpin([obj], retrieved=False)
+                if item is not None:
+                    self.pool.unpin([item[1]], retrieved=False)
+                    self._unqueue(*item)
                     tier.stats.add(drops=1)
             q.put(None)
         for w in self._writers:

@@ -200,9 +200,9 @@ def test_write_through_then_promotion_brings_evicted_chunks_back_pinned(disk_dir
     tier = DiskTier(str(disk_dir), 1 << 20)
     stack = TierStack(pool, [tier], queue_limit=16, timeout_s=2.0)
     try:
-        objs = [stored(pool, 5, bytes([i]) * 8, payload(i)) for i in range(3)]
-        stack.write_through(objs)
-        wait_for(lambda: tier.usage()[2] == 3)
+        for i in range(3):                                 # written through one by one (queue: half the pool)
+            stack.write_through([stored(pool, 5, bytes([i]) * 8, payload(i))])
+            wait_for(lambda: tier.usage()[2] == i + 1)
         wait_for(lambda: pool.pinned == 0)                 # write-through pins end once written
         for i in range(3, 7):                              # the first three are evicted from the pool
             stored(pool, 5, bytes([i]) * 8, payload(i))
@@ -259,6 +259,26 @@ def test_a_slow_tier_makes_promotion_a_miss_within_its_deadline(disk_dir):
         assert stack.info()[0].timeouts == 1
         gate.set()                                          # the late read completes: committed then
         wait_for(lambda: pool.objects == 1)
+    finally:
+        gate.set()
+        stack.close()
+        pool.release()
+
+
+def test_write_through_never_pins_more_than_half_the_pool(disk_dir):
+    pool = Pool(1 << 20)
+    tier = DiskTier(str(disk_dir), 8 << 20)
+    stack = TierStack(pool, [tier], queue_limit=100, timeout_s=1.0)
+    gate = __import__("threading").Event()
+    real_put = tier.put
+    tier.put = lambda *a: gate.wait(5) and real_put(*a)
+    try:
+        objs = [stored(pool, 0, bytes([i]) * 8, payload(i, 100_000)) for i in range(8)]
+        stack.write_through(objs)
+        assert pool.pinned_bytes <= pool.capacity // 2 + 8 * 1024
+        assert tier.stats.snapshot()["drops"] == 3            # 5 x 100 kB fit in 512 KiB
+        gate.set()
+        wait_for(lambda: pool.pinned == 0 and tier.usage()[2] == 5)
     finally:
         gate.set()
         stack.close()
