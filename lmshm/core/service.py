@@ -105,7 +105,15 @@ class Core:
         self._stopped = False
         c = self.config
         tiers = self._open_tiers(c)
-        self.dataplane = DataPlane(
+        try:
+            self.dataplane = self._data_plane(c, reply, tiers)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+
+    def _data_plane(self, c: CoreConfig, reply: Optional[Reply], tiers: list) -> DataPlane:
+        return DataPlane(
             registry=self.registry, capacity=c.capacity, copy_threads=c.copy_threads, lease_ttl_s=c.lease_ttl_s,
             max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
             reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,

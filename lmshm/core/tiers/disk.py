@@ -290,19 +290,21 @@ class DiskTier(Tier):
     def _make_room(self, size: int) -> list[str]:
         """Evict least recently used idle files until ``size`` more fits under the low
         watermark (called when it would pass the high one); returns the paths to unlink."""
-        victims = []
+        chosen: list[tuple[int, bytes]] = []
+        freed = 0
         goal = min(self.capacity * LOW_WATERMARK, self.capacity - size)
-        for k in list(self._index):
-            if self.used + size <= goal:
+        for k, entry in self._index.items():         # from the least recently used; stops when enough
+            if self.used - freed + size <= goal:
                 break
-            entry = self._index[k]
             if entry.readers:
                 continue                     # a file with a read in progress is never evicted
+            chosen.append(k)
+            freed += entry.size
+        for k in chosen:
             del self._index[k]
-            self.used -= entry.size
-            victims.append(self.path_of(*k))
-        self.stats.add(evictions=len(victims))
-        return victims
+        self.used -= freed
+        self.stats.add(evictions=len(chosen))
+        return [self.path_of(*k) for k in chosen]
 
     def contains(self, uid: int, keys: Sequence[bytes]) -> int:
         with self._lock:

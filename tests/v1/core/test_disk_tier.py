@@ -283,3 +283,16 @@ def test_write_through_never_pins_more_than_half_the_pool(disk_dir):
         gate.set()
         stack.close()
         pool.release()
+
+
+def test_metrics_show_each_tier_by_name():
+    from lmshm.core.messages import PoolInfo, TierInfo
+    from lmshm.core.metrics import Metrics
+    from lmshm.core.registry import Registry
+
+    tier = TierInfo("disk", capacity=1 << 30, used=8192, objects=1, promotions=3, drops=2, queue_depth=4)
+    pool = PoolInfo(1 << 30, 4096, 1, 0, 0, 0, 3, 1, 1, 0, 0, 0, 2, 0, tiers=[tier])
+    text = Metrics(Registry(), lambda: pool).text().decode()
+    for line in ('lmshm_tier_promotions_total{tier="disk"} 3.0', 'lmshm_tier_drops_total{tier="disk"} 2.0',
+                 'lmshm_tier_queue_depth{tier="disk"} 4.0', 'lmshm_tier_capacity{tier="disk"} 1.073741824e+09'):
+        assert line in text, line
