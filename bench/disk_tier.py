@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from _server import BenchServer  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.disk import HEADER_BYTES, read_file, write_file  # noqa: E402
+from lmshm.core.tiers.disk import CHECKSUMS, HEADER_BYTES, checksum_algorithm, read_file, write_file  # noqa: E402
 from lmshm.multiprocess.client import MPClient  # noqa: E402
 from lmshm.platform.cpu import empty_shared  # noqa: E402
 
@@ -100,22 +100,26 @@ def files(where: str, data: memoryview, reps: int) -> dict[str, float]:
     out["dd read iflag=direct"] = gbps(n, read_dd)
 
     meta = ChunkMeta(n, b"L" * 16, 16)
+    algo = checksum_algorithm("auto")
+    name = CHECKSUMS[algo][0]
 
     def write_synced() -> None:
-        write_file(path, 0, b"k", meta, 3, data)
+        write_file(path, 0, b"k", meta, algo, data)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
 
-    out["tier write buffered+fsync (crc32)"] = gbps(n, timed(write_synced, reps))
+    out[f"tier write buffered+fsync ({name})"] = gbps(n, timed(write_synced, reps))
+    out[f"tier write buffered, no fsync ({name})"] = gbps(n, timed(
+        lambda: write_file(path, 0, b"k", meta, algo, data), reps))
     dest = memoryview(bytearray(n))
     cold = []
     for _ in range(reps):
         drop_cache(path)
         cold += timed(lambda: read_file(path, 0, b"k", meta, dest), 1)
-    out["tier read buffered, cold (crc32 checked)"] = gbps(n, cold)
-    out["tier read buffered, page cache (crc32 checked)"] = gbps(n, timed(lambda: read_file(path, 0, b"k", meta,
-                                                                                              dest), reps))
+    out[f"tier read buffered, cold ({name} checked)"] = gbps(n, cold)
+    out[f"tier read buffered, page cache ({name} checked)"] = gbps(n, timed(lambda: read_file(path, 0, b"k", meta,
+                                                                                               dest), reps))
     aligned = mmap.mmap(-1, n)
     view = memoryview(aligned)
     direct = []
@@ -129,9 +133,9 @@ def files(where: str, data: memoryview, reps: int) -> dict[str, float]:
                 done += os.preadv(fd, [view[done:]], HEADER_BYTES + done)
         finally:
             os.close(fd)
-        zlib.crc32(view)
+        CHECKSUMS[algo][1](view)
         direct.append(time.perf_counter() - t0)
-    out["O_DIRECT read into an aligned buffer, cold (+crc32)"] = gbps(n, direct)
+    out[f"O_DIRECT read into an aligned buffer, cold (+{name})"] = gbps(n, direct)
     view.release()
     aligned.close()
     for p in (path, ddfile):
@@ -206,7 +210,8 @@ def main() -> None:
     try:
         fs = subprocess.run(["df", "-T", where], capture_output=True, text=True).stdout.splitlines()[-1].split()[1]
         print(f"disk tier bench: {args.request_mib} MiB per request, {args.reps} reps, {where} ({fs}), "
-              f"{os.cpu_count()} CPUs; GB/s, medians")
+              f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; disk checksum "
+              f"{CHECKSUMS[checksum_algorithm('auto')][0]}; GB/s, medians")
         data = memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8).numpy())
         for name, v in checksums(data, args.reps).items():
             print(f"  checksum {name:<52} {v:6.2f}")
