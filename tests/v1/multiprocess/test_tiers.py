@@ -167,3 +167,9 @@ def test_a_full_disk_drops_writes_and_stores_still_succeed(start_server, start_w
     assert t["drops"] > 0 and t["puts"] > 0 and t["errors"] == 0
     assert a.ok("lookup", keys=[[key(i) for i in range(n)]])["hits"] == n    # the pool has them all
     assert server.alive
+
+
+def test_a_second_server_on_the_same_directory_is_refused_at_start(start_server, disk, tmp):
+    start_server("--disk", str(disk), "--disk-capacity", "1MiB")
+    with pytest.raises(RuntimeError, match="in use by another lmshm-server"):
+        start_server("--disk", str(disk), "--disk-capacity", "1MiB", fd_socket=str(tmp / "second.sock"))
