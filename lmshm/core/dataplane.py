@@ -381,7 +381,8 @@ class DataPlane:
                                  f"LOOKUP: uid {uid} holds {self.max_leases_per_uid} leases over all its sessions, the "
                                  "server's limit (lmshm-server --max-leases-per-uid); RELEASE or RETRIEVE them")
         ttl = min(req.ttl_s or self.lease_ttl_s, self.lease_ttl_s)
-        if self.tiers is not None and self.copier.pending(session.id) < self.max_inflight:
+        if (self.tiers is not None and self.copier.pending(session.id) < self.max_inflight
+                and not self.pool.all_visible(uid, req.keys)):
             return self._lookup_tiers(session, req, uid, ttl)
         hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
         return protocol.LookupReply(hits, lease, ttl if hits else 0.0)

@@ -686,6 +686,12 @@ class Pool:
                 self._pin(t, obj)
             return obj
 
+    def all_visible(self, uid: int, keys: list[list[bytes]]) -> bool:
+        """Whether every key of every rank is visible: a LOOKUP the tiers need not see."""
+        with self._lock:
+            t = self._tenants.get(uid)
+            return t is not None and all(t.visible(k) is not None for rank_keys in keys for k in rank_keys)
+
     # ---- introspection: counters only, whatever the pool holds ---------------------------
     def info(self) -> dict[str, int]:
         with self._lock:
