@@ -427,8 +427,8 @@ class DataPlane:
     def shutdown(self) -> None:
         """Cancel queued copies, wait for running ones, drop the pool."""
         self.copier.shutdown()
-        if self.tiers is not None:
-            self.tiers.close()              # its threads write into the pool: before it goes
+        if self.tiers is not None and not self.tiers.close():
+            return                          # a tier's thread is stuck on the pool's bytes: keep it mapped
         if self._cuda_sync is not None and hasattr(self._cuda_sync, "unpin_all"):
             try:
                 self._cuda_sync.unpin_all([self.pool.tensor])

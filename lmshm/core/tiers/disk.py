@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 import struct
 import threading
 import time
@@ -169,8 +170,10 @@ def read_file(path: str, uid: int, key: bytes, meta: Optional[ChunkMeta], dest: 
     """Fill ``dest`` with the payload of the chunk file at ``path`` after checking that it is the
     chunk ``(uid, key)`` of ``meta`` (any, if None) and of ``len(dest)`` bytes; ``BadFile`` if it
     is not, or is damaged; OSError if it cannot be read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)   # a FIFO must not block
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise BadFile("not a regular file")
         raw = os.pread(fd, HEADER_BYTES, 0)
         fuid, fkey, fmeta, algo, digest = decode_header(raw)
         if fuid != uid or fkey != key or (meta is not None and fmeta != meta) or fmeta.nbytes != len(dest):
@@ -265,9 +268,14 @@ class DiskTier(Tier):
                         continue
                     try:
                         key = bytes.fromhex(name)
-                        with open(path, "rb", buffering=0) as f:
-                            st = os.fstat(f.fileno())
-                            uid, fkey, meta, _, _ = decode_header(f.read(HEADER_BYTES))
+                        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+                        try:
+                            st = os.fstat(fd)
+                            if not stat.S_ISREG(st.st_mode):
+                                raise BadFile("not a regular file")
+                            uid, fkey, meta, _, _ = decode_header(os.pread(fd, HEADER_BYTES, 0))
+                        finally:
+                            os.close(fd)
                         if (uid != int(uid_name) or fkey != key or path != self.path_of(uid, key)
                                 or st.st_size != HEADER_BYTES + meta.nbytes):
                             raise BadFile("misplaced or truncated")

@@ -64,6 +64,8 @@ class TierStack:
         self._queued_bytes = [0] * len(self.tiers)
         self._bytes_lock = threading.Lock()
         self._readers = cf.ThreadPoolExecutor(readers, thread_name_prefix="lmshm-tier-read")
+        self._busy = threading.Condition()     # reads submitted and not finished
+        self._reading = 0
         self._closed = False
         self._writers = [threading.Thread(target=self._write_loop, args=(t, q), name=f"lmshm-{t.name}-writer",
                                           daemon=True) for t, q in zip(self.tiers, self._queues)]
@@ -147,7 +149,7 @@ class TierStack:
                     stop = True                     # no room, or a STORE of it is in flight
                     break
                 dest = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
-                reads.append((self._readers.submit(tier.get_into, uid, key, meta, dest), obj, tier))
+                reads.append((self._submit_read(tier, uid, key, meta, dest), obj, tier))
             if stop:
                 break
         failed = False
@@ -172,6 +174,26 @@ class TierStack:
                 tier.stats.add(misses=1)
                 failed = True
         return done
+
+    def _submit_read(self, tier: Tier, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> cf.Future:
+        with self._busy:
+            self._reading += 1
+
+        def read() -> bool:
+            try:
+                return tier.get_into(uid, key, meta, dest)
+            finally:
+                with self._busy:
+                    self._reading -= 1
+                    self._busy.notify_all()
+        try:
+            return self._readers.submit(read)
+        except RuntimeError:                    # closed meanwhile: a miss
+            with self._busy:
+                self._reading -= 1
+            failed: cf.Future = cf.Future()
+            failed.set_result(False)
+            return failed
 
     def _find(self, uid: int, key: bytes) -> Optional[tuple[Tier, ChunkMeta]]:
         for tier in self.tiers:
@@ -203,11 +225,13 @@ class TierStack:
     def info(self) -> list:
         return [t.info(q.qsize(), self.queue_limit) for t, q in zip(self.tiers, self._queues)]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> bool:
         """Stop the writers (queued write-throughs are dropped), wait for reads in progress,
-        close the tiers. Before the pool is released: the threads write into it."""
+        close the tiers. Before the pool is released: the threads read and write its bytes.
+        False if a read or write was still stuck (a hung medium) after ``timeout_s``: then the
+        pool must stay mapped, or that thread would fault when the medium wakes up."""
         if self._closed:
-            return
+            return True
         self._closed = True
         for tier, q in zip(self.tiers, self._queues):
             while True:
@@ -220,8 +244,18 @@ class TierStack:
                     self._unqueue(*item)
                     tier.stats.add(drops=1)
             q.put(None)
+        deadline = time.monotonic() + timeout_s
         for w in self._writers:
-            w.join()
-        self._readers.shutdown(wait=True)
+            w.join(max(0.0, deadline - time.monotonic()))
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        with self._busy:
+            self._busy.wait_for(lambda: self._reading == 0, max(0.0, deadline - time.monotonic()))
+            stuck = self._reading
+        stuck += sum(w.is_alive() for w in self._writers)
+        if stuck:
+            logger.error("lmshm: %d tier read(s) or write(s) still stuck after %g s at shutdown; the pool stays "
+                         "mapped until the process exits", stuck, timeout_s)
+            return False
         for tier in self.tiers:
             tier.close()
+        return True

@@ -296,3 +296,42 @@ def test_metrics_show_each_tier_by_name():
     for line in ('lmshm_tier_promotions_total{tier="disk"} 3.0', 'lmshm_tier_drops_total{tier="disk"} 2.0',
                  'lmshm_tier_queue_depth{tier="disk"} 4.0', 'lmshm_tier_capacity{tier="disk"} 1.073741824e+09'):
         assert line in text, line
+
+
+def test_a_fifo_in_place_of_a_chunk_file_is_a_miss_and_never_blocks(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        tier.put(0, b"k", META, memoryview(payload(1)))
+        path = tier.path_of(0, b"k")
+        os.unlink(path)
+        os.mkfifo(path)                                    # opening it for reading would wait for a writer
+        t0 = time.monotonic()
+        assert not tier.get_into(0, b"k", META, memoryview(bytearray(META.nbytes)))
+        assert time.monotonic() - t0 < 1 and not os.path.exists(path)
+        os.mkfifo(path)
+    finally:
+        tier.close()
+    again = DiskTier(str(disk_dir), 1 << 20)               # the scan does not block on it either
+    try:
+        assert again.contains(0, [b"k"]) == 0 and not os.path.exists(path)
+    finally:
+        again.close()
+
+
+def test_shutdown_with_a_stuck_read_reports_it_and_keeps_the_pool_mapped(disk_dir):
+    pool = Pool(1 << 20, max_pinned_fraction_per_uid=1.0)
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    tier.put(0, b"k" * 8, META, memoryview(payload(1)))
+    stack = TierStack(pool, [tier], queue_limit=4, timeout_s=0.1)
+    gate = __import__("threading").Event()
+    real_get = tier.get_into
+    tier.get_into = lambda *a: gate.wait(10) and real_get(*a)
+    try:
+        stack.promote(0, [[b"k" * 8]], time.monotonic() + 0.1)
+        t0 = time.monotonic()
+        assert stack.close(timeout_s=0.3) is False and time.monotonic() - t0 < 2
+    finally:
+        gate.set()
+        wait_for(lambda: stack._reading == 0)
+        tier.close()
+        pool.release()
