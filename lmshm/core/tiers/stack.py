@@ -3,8 +3,8 @@
 ``TierStack(pool, tiers, queue_limit=..., timeout_s=...)``:
 
 - ``write_through(objs)``, after a STORE committed them to the pool: each object is pinned in
-  the pool (``Pool.hold``) and queued for each tier; one writer thread per tier
-  (``lmshm-<tier>-writer``) puts it and unpins it. A queue holds at most ``queue_limit``
+  the pool (``Pool.hold``) and queued for each tier; two writer threads per tier
+  (``lmshm-<tier>-writer``) put it and unpin it. A queue holds at most ``queue_limit``
   chunks and half the pool's capacity in bytes; past either the chunk is dropped for
   that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
   evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
@@ -54,7 +54,7 @@ class Promotion:
 
 class TierStack:
     def __init__(self, pool: Pool, tiers: Sequence[Tier], *, queue_limit: int, timeout_s: float,
-                 readers: int = 2) -> None:
+                 readers: int = 2, writers: int = 2) -> None:
         self.pool = pool
         self.tiers = list(tiers)
         self.queue_limit = queue_limit
@@ -68,7 +68,7 @@ class TierStack:
         self._reading = 0
         self._closed = False
         self._writers = [threading.Thread(target=self._write_loop, args=(t, q), name=f"lmshm-{t.name}-writer",
-                                          daemon=True) for t, q in zip(self.tiers, self._queues)]
+                                          daemon=True) for t, q in zip(self.tiers, self._queues) for _ in range(writers)]
         for w in self._writers:
             w.start()
 
@@ -103,10 +103,18 @@ class TierStack:
 
     def _write_loop(self, tier: Tier, q: queue.Queue) -> None:
         while True:
-            item = q.get()
-            if item is None:
-                return
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
             i, obj = item
+            if self._closed:                    # shutting down: dropped, as close() drops the queue
+                self.pool.unpin([obj], retrieved=False)
+                self._unqueue(i, obj)
+                tier.stats.add(drops=1)
+                continue
             try:
                 data = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
                 tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data)
@@ -239,11 +247,9 @@ class TierStack:
                     item = q.get_nowait()
                 except queue.Empty:
                     break
-                if item is not None:
-                    self.pool.unpin([item[1]], retrieved=False)
-                    self._unqueue(*item)
-                    tier.stats.add(drops=1)
-            q.put(None)
+                self.pool.unpin([item[1]], retrieved=False)
+                self._unqueue(*item)
+                tier.stats.add(drops=1)
         deadline = time.monotonic() + timeout_s
         for w in self._writers:
             w.join(max(0.0, deadline - time.monotonic()))

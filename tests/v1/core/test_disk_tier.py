@@ -235,7 +235,7 @@ def test_a_full_queue_drops_write_throughs_and_counts_them(disk_dir):
     try:
         objs = [stored(pool, 0, bytes([i]) * 8, payload(i, 100)) for i in range(5)]
         stack.write_through(objs)
-        assert tier.stats.snapshot()["drops"] >= 3            # one in the writer, one queued, the rest dropped
+        assert tier.stats.snapshot()["drops"] >= 2            # at most one in each of 2 writers, one queued
         gate.set()
         wait_for(lambda: pool.pinned == 0)
     finally:
