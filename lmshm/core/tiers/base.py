@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import abc
 import threading
-import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -113,7 +112,3 @@ class Tier(abc.ABC):
         s = self.stats.snapshot()
         return TierInfo(name=self.name, capacity=capacity, used=used, objects=objects, queue_depth=queue_depth,
                         queue_limit=queue_limit, **s)
-
-
-def monotonic() -> float:
-    return time.monotonic()

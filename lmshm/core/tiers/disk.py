@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import secrets
@@ -84,16 +85,13 @@ _BY_NAME = {name: number for number, (name, _) in CHECKSUMS.items()}
 def checksum_algorithm(name: str) -> int:
     """``"auto"`` -> xxh3-128 if the ``xxhash`` package is installed, else CRC-32 (zlib): the
     fastest here (docs/benchmarks.md); ``"blake2b"``, ``"xxh3"`` or ``"crc32"`` by name."""
+    have_xxhash = importlib.util.find_spec("xxhash") is not None
     if name == "auto":
-        try:
-            import xxhash  # noqa: F401
-            return _BY_NAME["xxh3"]
-        except ImportError:
-            return _BY_NAME["crc32"]
+        return _BY_NAME["xxh3" if have_xxhash else "crc32"]
     if name not in _BY_NAME:
         raise ValueError(f"unknown disk checksum {name!r}: use auto, xxh3, blake2b or crc32")
-    if name == "xxh3":
-        import xxhash  # noqa: F401  (ImportError names the missing package)
+    if name == "xxh3" and not have_xxhash:
+        raise ValueError("--disk-checksum xxh3 needs the xxhash package (pip install 'lmshm[disk]')")
     return _BY_NAME[name]
 
 
@@ -188,7 +186,11 @@ def read_file(path: str, uid: int, key: bytes, meta: Optional[ChunkMeta], dest: 
             done += n
     finally:
         os.close(fd)
-    if CHECKSUMS[algo][1](dest).ljust(32, b"\0") != digest:
+    try:
+        mine = CHECKSUMS[algo][1](dest)
+    except ImportError:
+        raise BadFile(f"written with the {CHECKSUMS[algo][0]} checksum, which needs the xxhash package") from None
+    if mine.ljust(32, b"\0") != digest:
         raise BadFile("payload checksum mismatch")
 
 
@@ -354,8 +356,8 @@ class DiskTier(Tier):
         except OSError as exc:
             gone = exc.errno == errno.ENOENT
             if not gone:
-                logger.warning("lmshm: disk tier: cannot read %s: %s", path, exc)
-            self._forget(k, entry, delete=False)
+                _warn_rate_limited(f"lmshm: disk tier: cannot read {path} ({exc}); deleted it, a miss")
+            self._forget(k, entry, delete=not gone)   # a file left but not counted could pass the capacity
             self.stats.add(errors=0 if gone else 1)
             return False
         finally:
