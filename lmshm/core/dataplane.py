@@ -132,17 +132,25 @@ class DataPlane:
 
     @staticmethod
     def _with_files(reg: Any, layout: BlockLayout) -> BlockLayout:
-        """Layers of named shm are copied through their file (no SIGBUS if the owner truncates
-        it mid-copy); memfds are sealed against shrinking and copied by memmove."""
+        """Choose how each CPU layer is copied. A sealed shmem memfd (checked when it was
+        mapped, ``CpuFdIPCWrapper``) keeps every byte it has, so it is copied through the
+        mapping at memory speed. A named segment can be truncated or punched by its owner at
+        any time, so it is copied through its file (``preadv``/``pwritev``: a short count, never
+        SIGBUS). Anything else is refused before a byte moves."""
         plans = []
         for plan in layout.layers:
             found = reg.layer(plan.name)
-            backing = getattr(found[1], "backing_file", None) if found else None
+            wrapper = found[1] if found else None
+            if wrapper is not None and wrapper.mapping_cannot_fault():
+                plans.append(plan)
+                continue
+            backing = getattr(wrapper, "backing_file", None)
             where = backing() if backing is not None else None
-            if where is not None:
-                path, inode, start = where
-                plan = dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start))
-            plans.append(plan)
+            if where is None:
+                raise LayoutError(f"layer {plan.name!r} is neither a sealed memfd nor a named segment the server "
+                                  "can copy through its file")
+            path, inode, start = where
+            plans.append(dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start)))
         return dataclasses.replace(layout, layers=tuple(plans))
 
     def _sync(self) -> Any:
