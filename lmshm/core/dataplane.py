@@ -73,10 +73,10 @@ class DataPlane:
                  max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
                  cuda_sync: Any = None, through_files: bool = True, max_objects: int = 0,
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
-                 max_leases_per_uid: int = 1 << 30) -> None:
+                 max_leases_per_uid: int = 1 << 30, pool_huge_pages: bool = True, prefault_pool: bool = False) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
-                         max_pins_per_uid=max_pins_per_uid)
+                         max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool)
         self.copier = OrderedExecutor(copy_threads)
         self.lease_ttl_s = lease_ttl_s
         self.max_inflight = max_inflight_per_session

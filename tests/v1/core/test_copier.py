@@ -103,14 +103,14 @@ def test_random_layouts_round_trip_through_the_mapping_and_through_a_file():
         done += 1
         src = rng.sample(range(9), 4)
         dst = rng.sample(range(9), 4)
-        # through the mapping (memmove / torch copy_)
+        # through the mapping (numpy row copies)
         a, b = permuted(logical, order, pad=pad), permuted(logical, order, pad=pad)
         round_trip([a], [b], bd, src, dst)
         assert blocks_equal(a, b, bd, src, dst), (logical, order, bd, pad)
         # through named-shm files (preadv / pwritev), as the server copies named shm
         segs = []
         for seed in (1, 2):
-            shm = empty_shared((total,), torch.float16)
+            shm = empty_shared((total,), torch.float16, kind="shm")
             shm.copy_(torch.randint(-1000, 1000, (total,), generator=torch.Generator().manual_seed(seed)))
             segs.append(shm)
 

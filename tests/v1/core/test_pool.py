@@ -152,7 +152,7 @@ def test_a_copy_through_a_file_truncated_under_it_fails_instead_of_killing_the_p
     from lmshm.core.copier import FileSide, gather, scatter
     from lmshm.platform.cpu import empty_shared, segment_of
 
-    t = empty_shared((8, 4096), torch.uint8)
+    t = empty_shared((8, 4096), torch.uint8, kind="shm")
     t.fill_(7)
     seg = segment_of(t)
     layout = BlockLayout.of(["l"], [t])
