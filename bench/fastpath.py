@@ -20,6 +20,8 @@ from the client (request to reply), in this order:
 - memcpy again;
 - one RETRIEVE per mode of the chunks just stored, into other blocks.
 
+The modes take turns going first, rep by rep.
+
 The server's pool holds exactly ``--cold-reps`` requests, so the first STOREs fill untouched pool
 pages ("cold") and the later ones reuse evicted pages ("warm"). Prints medians, GB/s, the ratio
 of the memcpy median to each median, and the load average before and after.
@@ -114,17 +116,19 @@ def main() -> int:
             return time.perf_counter() - t0
 
         copies: list[float] = []
+        batch = list(zip(modes, clients, iids))
         for rep in range(args.reps):
             copies.append(memcpy())
             keys = [f"rep{rep}.chunk{c}".encode().ljust(16, b".") for c in range(chunks)]
-            for m, client, iid in zip(modes, clients, iids):
+            turn = [(rep + i) % len(modes) for i in range(len(modes))]   # each mode goes first in turn
+            for m, client, iid in (batch[i] for i in turn):
                 t0 = time.perf_counter()
                 reply = client.store(iid, keys, src_blocks, CHUNK_BLOCKS, timeout_s=120)
                 took = time.perf_counter() - t0
                 assert reply.nbytes == request, (m.name, reply)
                 (m.cold if rep < args.cold_reps else m.stores).append(took)
             copies.append(memcpy())
-            for m, client, iid in zip(modes, clients, iids):
+            for m, client, iid in (batch[i] for i in turn):
                 t0 = time.perf_counter()
                 client.retrieve(iid, keys, dst_blocks, CHUNK_BLOCKS, timeout_s=120)
                 m.retrieves.append(time.perf_counter() - t0)
