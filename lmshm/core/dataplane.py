@@ -217,14 +217,17 @@ class DataPlane:
         size = layout.chunk_bytes(cb)
         results: list[int] = []
         copied = 0
+        checked = False
         for i, key in enumerate(req.keys):
             outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
             results.append(outcome)
             if obj is None:
                 continue
             try:
-                for w in reg.wrappers:
-                    w.verify_mapped()
+                if not checked:   # once per request, before the first copy (a stat per wrapper)
+                    for w in reg.wrappers:
+                        w.verify_mapped()
+                    checked = True
                 gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
             except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
                 self.pool.abort([obj])
