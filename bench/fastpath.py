@@ -25,6 +25,11 @@ The modes take turns going first, rep by rep.
 The server's pool holds exactly ``--cold-reps`` requests, so the first STOREs fill untouched pool
 pages ("cold") and the later ones reuse evicted pages ("warm"). Prints medians, GB/s, the ratio
 of the memcpy median to each median, and the load average before and after.
+
+``--fresh-pages N`` adds what untouched memory costs, in this process, N times each, side by
+side: a memcpy of the request's bytes into a fresh anonymous mapping of 4 KiB pages, into one
+advised ``MADV_HUGEPAGE``, and ``MADV_POPULATE_WRITE`` of a fresh huge-page mapping followed by
+the memcpy (what ``--pool-huge-pages`` and ``--prefault-pool`` do to the pool).
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ def main() -> int:
     ap.add_argument("--head-size", type=int, default=128)
     ap.add_argument("--in-order", action="store_true", help="consecutive block ids instead of shuffled ones")
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
+    ap.add_argument("--fresh-pages", type=int, default=0, metavar="N",
+                    help="also time memcpy into fresh pages: 4 KiB, huge, pre-faulted huge (N each)")
     args = ap.parse_args()
 
     modes = [Mode(m) for m in args.modes]
@@ -160,7 +167,39 @@ def main() -> int:
     for m, server in zip(modes, servers):
         extra = " ".join(m.args + [f"{k}={v}" for k, v in m.env.items()]) or "(defaults)"
         print(f"[{m.name}] {m.segments} segment; server {extra}; exit status {server.returncode}")
+    if args.fresh_pages:
+        fresh_pages(request, args.fresh_pages, base)
     return 0
+
+
+def fresh_pages(n: int, reps: int, warm: float) -> None:
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    src = torch.ones(n, dtype=torch.uint8)
+    times: dict[str, list[float]] = {"memcpy into fresh 4 KiB pages": [], "memcpy into fresh huge pages": [],
+                                     "populate huge pages, then memcpy": []}
+    for _ in range(reps):
+        for name, huge, populate in (("memcpy into fresh 4 KiB pages", False, False),
+                                     ("memcpy into fresh huge pages", True, False),
+                                     ("populate huge pages, then memcpy", True, True)):
+            addr = libc.mmap(None, n, mmap.PROT_READ | mmap.PROT_WRITE,
+                             mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x4000, -1, 0)
+            if huge:
+                libc.madvise(addr, n, 14)       # MADV_HUGEPAGE
+            t0 = time.perf_counter()
+            if populate:
+                libc.madvise(addr, n, 23)       # MADV_POPULATE_WRITE
+            ctypes.memmove(addr, src.data_ptr(), n)
+            times[name].append(time.perf_counter() - t0)
+            libc.munmap(addr, n)
+    for name, xs in times.items():
+        med = statistics.median(xs)
+        print(f"{name:<44} {med * 1e3:>10.1f} {n / med / 1e9:>7.2f} {warm / med:>9.2f}  {len(xs)}")
 
 
 if __name__ == "__main__":

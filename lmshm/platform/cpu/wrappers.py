@@ -379,8 +379,9 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"shared-memory segment {path} does not exist: the producer released it, or "
-                "runs in another IPC namespace / container without a shared /dev/shm "
-                "(use isolated mode, LMSHM_ISOLATED_IPC=1, there)"
+                "runs in another IPC namespace / container without a shared /dev/shm (there, let it "
+                "make memfd segments, the default, not LMSHM_CPU_SEGMENTS=shm; or use isolated mode, "
+                "LMSHM_ISOLATED_IPC=1)"
             ) from None
 
     def mapping_cannot_fault(self) -> bool:
