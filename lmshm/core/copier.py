@@ -361,7 +361,10 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         with _splitter_lock:
             if _splitter is None:
                 _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
-        parts = [pairs[i::ways] for i in range(ways)]
+        # Contiguous runs of layers: each thread writes its own stretch of the object, so two
+        # threads never fault the same (huge) pool page at once.
+        cut = [len(pairs) * i // ways for i in range(ways + 1)]
+        parts = [pairs[cut[i]:cut[i + 1]] for i in range(ways)]
 
         def layers(part: list) -> None:
             for p, o in part:
