@@ -17,7 +17,8 @@ from the client (request to reply), in this order:
 
 - memcpy: ``ctypes.memmove`` of the request's bytes between two touched ``torch.empty`` buffers;
 - one STORE per mode of ``--request-mib`` (chunks of 16 blocks, fresh keys);
-- memcpy again;
+- memcpy again, and the same bytes copied as the request's pieces (one ``memmove`` per block
+  and layer, in the request's block order, one thread: what any copy of these blocks must do);
 - one RETRIEVE per mode of the chunks just stored, into other blocks.
 
 The modes take turns going first, rep by rep.
@@ -122,7 +123,21 @@ def main() -> int:
             ctypes.memmove(dst.data_ptr(), src.data_ptr(), request)
             return time.perf_counter() - t0
 
+        # The same bytes as the request's pieces: one block of one layer each, from a KV-sized
+        # buffer in the request's block order, one thread (what any copy of these blocks does).
+        kv_like = torch.ones(2 * request, dtype=torch.uint8)
+        pieces = [(kv_like.data_ptr() + (layer * 2 * blocks + b) * block_layer, dst.data_ptr() + i * block_layer)
+                  for i, (layer, b) in enumerate((layer, b) for layer in range(args.layers) for b in src_blocks)]
+
+        def scattered() -> float:
+            move = ctypes.memmove
+            t0 = time.perf_counter()
+            for s_addr, d_addr in pieces:
+                move(d_addr, s_addr, block_layer)
+            return time.perf_counter() - t0
+
         copies: list[float] = []
+        scatter_copies: list[float] = []
         batch = list(zip(modes, clients, iids))
         for rep in range(args.reps):
             copies.append(memcpy())
@@ -135,6 +150,7 @@ def main() -> int:
                 assert reply.nbytes == request, (m.name, reply)
                 (m.cold if rep < args.cold_reps else m.stores).append(took)
             copies.append(memcpy())
+            scatter_copies.append(scattered())
             for m, client, iid in (batch[i] for i in turn):
                 t0 = time.perf_counter()
                 client.retrieve(iid, keys, dst_blocks, CHUNK_BLOCKS, timeout_s=120)
@@ -155,7 +171,8 @@ def main() -> int:
           f"{block_layer // 1024} KiB per block and layer), block ids {'in order' if args.in_order else 'shuffled'}; "
           f"{os.cpu_count()} CPUs, load average {load0[0]:.2f} before, {load1[0]:.2f} after")
     print(f"{'operation':<44} {'median ms':>10} {'GB/s':>7} {'x memcpy':>9}  n")
-    rows = [("memcpy (ctypes.memmove, touched pages)", copies)]
+    rows = [("memcpy (ctypes.memmove, touched pages)", copies),
+            ("the same, one memmove per block and layer", scatter_copies)]
     for m in modes:
         rows += [(f"[{m.name}] STORE, cold pool pages", m.cold), (f"[{m.name}] STORE", m.stores),
                  (f"[{m.name}] RETRIEVE", m.retrieves)]
