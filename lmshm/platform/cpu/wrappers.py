@@ -1,4 +1,4 @@
-"""CPU IPC wrappers: named POSIX shared memory, and memfd for isolated mode.
+"""CPU IPC wrappers: sealed memfds (the default), and named POSIX shared memory.
 
 What is shared: the whole segment that backs the tensor's storage. The wire carries the
 segment's name (``CpuShmIPCWrapper``) or a token standing for its file descriptor
@@ -346,7 +346,8 @@ def _drop_mapping(mapping: _Mapping) -> None:
 
 
 class CpuShmIPCWrapper(CpuSegmentWrapper):
-    """A CPU tensor in a named POSIX shared-memory segment (the default CPU wrapper)."""
+    """A CPU tensor in a named POSIX shared-memory segment (``LMSHM_CPU_SEGMENTS=shm``), for
+    consumers that can open a name but receive no fd."""
 
     kind = "cpu-shm"
     segment_kind = "shm"
@@ -360,8 +361,8 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
             raise PermissionError(
                 f"segment {self.segment!r}: the server cannot see this worker's pid ({peer.describe()}: "
                 "another PID namespace), so it cannot check that the worker made the segment. Share the "
-                "PID namespace with the server (docker --pid=container:...), or use isolated mode "
-                "(LMSHM_ISOLATED_IPC=1: memfd fds instead of names)")
+                "PID namespace with the server (docker --pid=container:...), or register memfd segments "
+                "(the default, not LMSHM_CPU_SEGMENTS=shm: fds instead of names)")
         if (owner.pid, owner.pid_ns) != (peer.ns_pid, peer.pid_ns):
             raise PermissionError(
                 f"segment {self.segment!r} was made by pid {owner.pid}, not by this worker ({peer.describe()}); "
