@@ -7,10 +7,6 @@ adds one line per owner (a worker's session, or the regions), so its cost does n
 the registrations. ``--all`` lists every one (one request per 1,000), ``--offset`` starts later.
 Exit status: 0 on an answer, 1 when the server did not answer or refused.
 
-``lmshm-server`` starts here (``server_main``): it sets glibc's streaming-store threshold for
-the data plane's copies (``lmshm.platform.memcopy``) before anything heavy is imported, then
-runs ``lmshm.server.main``.
-
 ``lmshm gc`` removes orphaned shared-memory names (``lmshm.platform.shm_orphans``) without
 talking to any server and without importing torch. Exit status: 0, also when there was
 nothing to remove or an entry could not be removed; 1 when the directory is unusable.
@@ -199,16 +195,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gc.set_defaults(func=_gc)
     args = parser.parse_args(argv)
     return args.func(args)
-
-
-def server_main() -> int:
-    """The ``lmshm-server`` command (see the module docstring)."""
-    from lmshm.platform.memcopy import reexec_with_streaming_copies
-
-    reexec_with_streaming_copies()
-    from lmshm.server import main as serve
-
-    return serve()
 
 
 if __name__ == "__main__":

@@ -38,11 +38,6 @@ Versions: ``API_VERSION`` is ``(major, minor)``. Pass the version your code was 
 
 from __future__ import annotations
 
-if __name__ == "__main__":   # ``python -m lmshm.server``: before the heavy imports
-    from lmshm.platform.memcopy import reexec_with_streaming_copies
-
-    reexec_with_streaming_copies()
-
 import logging
 import os
 import sys
@@ -330,9 +325,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s lmshm-server %(levelname)s %(message)s")
     ipc_policy.set_isolated_ipc(config.isolated_ipc)
-    from lmshm.platform.memcopy import streaming_state
-
-    logging.getLogger("lmshm.dataplane").info("lmshm-server: %s", streaming_state())
     try:
         server = Server(config)
     except (mq.TransportError, FdChannelError) as exc:

@@ -12,11 +12,10 @@ plan is arithmetic on shape, stride and dtype (``geometry``), so a worker can ru
 server (``check_movable``). Each layer's part of a chunk object in the
 pool is ``[grid][block][run]``: runs of one grid position are packed block after block, so a run
 of consecutive block ids whose runs follow each other in memory (K of blocks 4..7 in a
-K/V-first layout) is one contiguous copy on both sides. Every copy is such a contiguous piece,
-with no staging buffer: on CPU memory the server maps safely (a sealed memfd), one ``memmove``
-per block and run, issued in C by numpy (``np.take`` for STORE, a fancy assignment for
-RETRIEVE, on ``[num_blocks, run]`` views of the mapping); through a named-shm file,
-``preadv``/``pwritev``; on a GPU, a CUDA async copy.
+K/V-first layout) is one contiguous copy on both sides. Every copy -- ``memmove`` (a torch
+``copy_`` for pieces of 1 MiB or more) through the mapping of memory the server maps safely (a
+sealed memfd), ``preadv``/``pwritev`` through a named-shm file, a CUDA async copy -- is such a
+contiguous piece: no staging buffer, no strided copy.
 
 The layout digest (stored with each object) covers names, dtypes, block_dim, each layer's block
 shape, the memory order of its dims and where its runs split, not ``num_blocks``: bytes packed
@@ -29,6 +28,7 @@ client's jobs in the order it sent them.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import hashlib
 import logging
@@ -36,10 +36,9 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -85,10 +84,6 @@ class LayerPlan:
     start: int                # index in ``flat`` of block 0's first byte
     geometry: Geometry
     file: FileSide | None = None  # named shm: copied with preadv/pwritev through this file
-    #: CPU layers: per run of a block (``geometry.offsets``), a ``[num_blocks, run]`` uint8 numpy
-    #: view of the mapping, so that a chunk's blocks move in one C loop (``np.take`` / a fancy
-    #: assignment) instead of one Python-level call per block.
-    rows: tuple = field(default=(), compare=False, repr=False)
 
     @property
     def block_bytes(self) -> int:
@@ -216,13 +211,7 @@ def _plan_layer(name: str, t: torch.Tensor, g: Geometry) -> LayerPlan:
     if end > flat.numel():  # the tensor's own view guarantees this; checked, not assumed
         raise LayoutError(f"layer {name!r} ({_describe(t.shape, t.stride(), str(t.dtype))}) reaches byte {end} "
                           f"of a storage of {flat.numel()}")
-    rows: tuple = ()
-    if flat.device.type == "cpu":
-        whole = flat.numpy()
-        rows = tuple(np.lib.stride_tricks.as_strided(whole[start + off:], shape=(g.num_blocks, g.run),
-                                                     strides=(g.block_stride, 1))
-                     for off in g.offsets)   # every byte they reach is inside ``flat`` (end, above)
-    return LayerPlan(name, flat, start, g, rows=rows)
+    return LayerPlan(name, flat, start, g)
 
 
 def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[torch.Tensor]:
@@ -261,6 +250,13 @@ def pieces(plan: LayerPlan, runs: list[tuple[int, int, int]], chunk_blocks: int)
             else:
                 out.extend((obj0 + (pos + j) * run, kv0 + (first + j) * stride, run) for j in range(n))
     return out
+
+
+#: A piece of at least this many bytes is copied by torch (several threads); shorter ones by
+#: one ``memmove`` each, whose call costs ~1 us against ~10 us for a torch ``copy_``.
+TORCH_COPY_BYTES = 1 << 20
+
+_memmove = ctypes.memmove
 
 
 class PoolBytes:
@@ -303,28 +299,22 @@ def _file_pieces(plan: LayerPlan, obj_layer: torch.Tensor, todo: list[tuple[int,
         os.close(fd)
 
 
-def _rows_copy(plan: LayerPlan, obj_layer: torch.Tensor, ids: np.ndarray, store: bool) -> None:
-    """One CPU layer through the mapping: for each run of a block, every block of the chunk in
-    one numpy call (a ``memmove`` per block in C, without the GIL)."""
-    run, n = plan.geometry.run, len(ids)
-    part = obj_layer.numpy()
-    for k, rows in enumerate(plan.rows):
-        mine = part[k * n * run:(k + 1) * n * run].reshape(n, run)
-        if store:
-            np.take(rows, ids, axis=0, out=mine, mode="clip")   # "clip": no bounds buffer; ids are checked
-        else:
-            rows[ids] = mine
-
-
-def _copy_layer(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], ids: np.ndarray,
-                chunk_blocks: int, *, store: bool, pool: PoolBytes | None = None) -> None:
+def _copy_layer(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], chunk_blocks: int,
+                *, store: bool, pool: PoolBytes | None = None) -> None:
+    todo = pieces(plan, runs, chunk_blocks)
     if plan.file is not None and pool is not None:
-        _file_pieces(plan, obj_layer, pieces(plan, runs, chunk_blocks), store, pool)
+        _file_pieces(plan, obj_layer, todo, store, pool)
         return
-    if plan.rows:
-        _rows_copy(plan, obj_layer, ids, store)
+    if plan.flat.device.type == "cpu":
+        obj, kv = obj_layer.data_ptr(), plan.flat.data_ptr()
+        for o, k, n in todo:
+            if n >= TORCH_COPY_BYTES:
+                a, b = obj_layer[o:o + n], plan.flat[k:k + n]
+                (a.copy_(b) if store else b.copy_(a))
+            else:
+                _memmove(obj + o, kv + k, n) if store else _memmove(kv + k, obj + o, n)
         return
-    for o, k, n in pieces(plan, runs, chunk_blocks):
+    for o, k, n in todo:
         a, b = obj_layer[o:o + n], plan.flat[k:k + n]
         (a.copy_(b) if store else b.copy_(a))
 
@@ -348,16 +338,17 @@ _splitter_lock = threading.Lock()
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 store: bool, pool: PoolBytes | None) -> None:
     global _splitter
-    ids = np.asarray(block_ids, dtype=np.intp)
-    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= layout.num_blocks):
-        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {int(ids.min())}..{int(ids.max())}")
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
     runs = _runs(block_ids)
     pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
     ways = min(copy_parallelism(), len(pairs))
-    # Copies through files write one tmpfs file per layer; RETRIEVE through files stays on one
-    # thread (pwritev writers of one file serialise on its inode lock: two threads were slower).
-    serial = not store and pool is not None and layout.layers[0].file is not None
-    if ways > 1 and not serial and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
+    # Split what no torch copy parallelises: short runs (memmove; ctypes drops the GIL) and
+    # copies through files (preadv/pwritev; the kernel's copy runs on the calling thread).
+    short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].geometry.run < TORCH_COPY_BYTES
+             or (store and pool is not None and layout.layers[0].file is not None))
+    # (Not pwritev of long runs: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
+    if short and ways > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
         with _splitter_lock:
             if _splitter is None:
                 _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
@@ -368,7 +359,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
 
         def layers(part: list) -> None:
             for p, o in part:
-                _copy_layer(p, o, runs, ids, chunk_blocks, store=store, pool=pool)
+                _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
 
         others = [_splitter.submit(layers, part) for part in parts[1:]]
         try:
@@ -378,7 +369,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
                 f.result()
         return
     for p, o in pairs:
-        _copy_layer(p, o, runs, ids, chunk_blocks, store=store, pool=pool)
+        _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
 
 
 def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,

@@ -4,7 +4,6 @@ into another worker's blocks; every check compares the bytes the workers see."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -153,17 +152,6 @@ def test_a_worker_that_closes_its_memfds_and_dies_mid_store_is_reclaimed_and_the
     assert status.mappings == 0 and status.sessions == 0 and server.alive
     b, ib = kv_worker(start_worker, server)
     assert b.ok("store", instance_id=ib, keys=[key(9)], blocks=[0], chunk_blocks=1)["results"] == [StoreResult.STORED]
-
-
-def test_the_server_runs_with_streaming_stores_for_its_block_copies(server):
-    from lmshm.platform.memcopy import STREAMING_THRESHOLD, TUNABLE, _has_tunable
-
-    if not _has_tunable() or TUNABLE in os.environ.get("GLIBC_TUNABLES", ""):
-        pytest.skip("glibc on x86-64 only, and an environment that does not set the threshold itself")
-    with open(f"/proc/{server.proc.pid}/environ", "rb") as f:   # the environment it was executed with
-        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
-    assert f"{TUNABLE}={STREAMING_THRESHOLD:#x}" in env[b"GLIBC_TUNABLES"].decode().split(":")
-    assert "non-temporal stores" in server.log()
 
 
 def test_a_stored_key_is_skipped_and_reported(start_worker, server):
