@@ -134,7 +134,7 @@ class DataPlane:
     def _with_files(reg: Any, layout: BlockLayout) -> BlockLayout:
         """Choose how each CPU layer is copied. A sealed shmem memfd (checked when it was
         mapped, ``CpuFdIPCWrapper``) keeps every byte it has, so it is copied through the
-        mapping at memory speed. A named segment can be truncated or punched by its owner at
+        mapping, one ``memmove`` per piece. A named segment can be truncated or punched by its owner at
         any time, so it is copied through its file (``preadv``/``pwritev``: a short count, never
         SIGBUS). Anything else is refused before a byte moves."""
         plans = []

@@ -5,10 +5,10 @@ Three switches, each settable in code or through the environment:
 - ``cpu_segments`` (``LMSHM_CPU_SEGMENTS``, ``memfd`` or ``shm``; default ``memfd``): what a
   new lmshm CPU segment is (``empty_shared``, ``move_to_shared``, a private tensor migrated at
   wrap). A memfd is sealed against shrinking and growing, travels as a file descriptor over the
-  server's fd channel (every ``MPClient`` has one), and is what lmshm-server copies at memory
-  speed. ``shm`` makes named POSIX segments in ``/dev/shm`` instead: for consumers that can
+  server's fd channel (every ``MPClient`` has one), and lmshm-server copies it straight through
+  its mapping. ``shm`` makes named POSIX segments in ``/dev/shm`` instead: for consumers that can
   take a name but no fd (the wrapper layer on its own, ``Serialize`` to a file); lmshm-server
-  then copies through the segment's file, safely but slower (docs/design/dataplane.md).
+  then copies through the segment's file, safely but 1.3-2.2x slower (docs/design/dataplane.md).
 - ``isolated_ipc`` (``LMSHM_ISOLATED_IPC``): worker and server share neither ``/dev/shm`` nor
   an IPC namespace (separate containers). CPU memory then always travels as memfd file
   descriptors, whatever ``cpu_segments`` says; CUDA memory as raw driver IPC handles instead
@@ -78,7 +78,7 @@ def is_use_vmm_api() -> bool:
 
 
 def set_cpu_segments(kind: str | None) -> None:
-    """Make new CPU segments ``"memfd"`` (sealed, copied at memory speed by lmshm-server) or
+    """Make new CPU segments ``"memfd"`` (sealed, copied through its mapping by lmshm-server) or
     ``"shm"`` (named, for consumers without the fd channel); None: follow LMSHM_CPU_SEGMENTS."""
     global _cpu_segments
     if kind is not None and kind not in CPU_SEGMENT_KINDS:

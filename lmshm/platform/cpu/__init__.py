@@ -50,7 +50,7 @@ def empty_shared(
     """An uninitialised CPU tensor that lives in a shareable lmshm segment.
 
     ``kind``: ``"memfd"`` (a sealed memfd, passed to lmshm-server over its fd channel and
-    copied there at memory speed) or ``"shm"`` (a named POSIX segment in ``/dev/shm``, for
+    copied there through its mapping) or ``"shm"`` (a named POSIX segment in ``/dev/shm``, for
     consumers that cannot receive an fd). Default: the ``cpu_segments`` switch (memfd; always
     memfd under the process-wide ``isolated_ipc`` switch). ``isolated=True`` / ``False`` is the
     older spelling of ``kind="memfd"`` / ``kind="shm"``. Its
