@@ -103,7 +103,7 @@ def test_random_layouts_round_trip_through_the_mapping_and_through_a_file():
         done += 1
         src = rng.sample(range(9), 4)
         dst = rng.sample(range(9), 4)
-        # through the mapping (numpy row copies)
+        # through the mapping (memmove / torch copy_)
         a, b = permuted(logical, order, pad=pad), permuted(logical, order, pad=pad)
         round_trip([a], [b], bd, src, dst)
         assert blocks_equal(a, b, bd, src, dst), (logical, order, bd, pad)
