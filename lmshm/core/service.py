@@ -109,7 +109,8 @@ class Core:
             max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
             reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
             max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
-            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid)
+            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
+            pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "Core":
