@@ -23,6 +23,8 @@ _EXPORTS = {
     "is_isolated_ipc": "lmshm.platform.ipc_policy",
     "set_use_vmm_api": "lmshm.platform.ipc_policy",
     "is_use_vmm_api": "lmshm.platform.ipc_policy",
+    "set_cpu_segments": "lmshm.platform.ipc_policy",
+    "cpu_segment_kind": "lmshm.platform.ipc_policy",
     "empty_shared": "lmshm.platform.cpu",
     "Server": "lmshm.server",
     "View": "lmshm.core.service",

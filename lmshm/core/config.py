@@ -30,7 +30,9 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # the data plane
     capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 2 << 30   # bytes; 0 = no pool
     copy_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 2
-    copy_through_mapping: bool = False     # memmove through the mapping: faster, not SIGBUS-safe
+    copy_through_mapping: bool = False     # named shm: memmove through the mapping, not SIGBUS-safe
+    pool_huge_pages: bool = True           # MADV_HUGEPAGE on the pool
+    prefault_pool: bool = False            # fault the whole pool in at start, on a background thread
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096

@@ -12,9 +12,10 @@ plan is arithmetic on shape, stride and dtype (``geometry``), so a worker can ru
 server (``check_movable``). Each layer's part of a chunk object in the
 pool is ``[grid][block][run]``: runs of one grid position are packed block after block, so a run
 of consecutive block ids whose runs follow each other in memory (K of blocks 4..7 in a
-K/V-first layout) is one contiguous copy on both sides. Every copy -- ``memmove``, a torch
-``copy_`` for long pieces, ``preadv``/``pwritev`` through a named-shm file, a CUDA async copy --
-is such a contiguous piece: no staging buffer, no strided copy.
+K/V-first layout) is one contiguous copy on both sides. Every copy -- ``memmove`` (a torch
+``copy_`` for pieces of 1 MiB or more) through the mapping of memory the server maps safely (a
+sealed memfd), ``preadv``/``pwritev`` through a named-shm file, a CUDA async copy -- is such a
+contiguous piece: no staging buffer, no strided copy.
 
 The layout digest (stored with each object) covers names, dtypes, block_dim, each layer's block
 shape, the memory order of its dims and where its runs split, not ``num_blocks``: bytes packed
@@ -318,8 +319,17 @@ def _copy_layer(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, 
         (a.copy_(b) if store else b.copy_(a))
 
 
-#: Helpers that split one large copy of short runs by layer (ctypes drops the GIL in memmove).
-_SPLIT_THREADS = 2
+def copy_parallelism() -> int:
+    """Threads that share one large CPU copy: the CPUs this process may run on, at most 8 (one
+    thread rarely fills a machine's memory bandwidth; past a few, they only compete for it)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus))
+
+
+#: A chunk of at least this many bytes is split by layer over ``copy_parallelism()`` threads.
 _SPLIT_BYTES = 8 << 20
 _splitter: ThreadPoolExecutor | None = None
 _splitter_lock = threading.Lock()
@@ -328,26 +338,35 @@ _splitter_lock = threading.Lock()
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 store: bool, pool: PoolBytes | None) -> None:
     global _splitter
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
     runs = _runs(block_ids)
     pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
-    # Split what no torch copy parallelises: short runs (memmove) and copies through files
-    # (preadv/pwritev; the kernel's copy runs on the calling thread).
+    ways = min(copy_parallelism(), len(pairs))
+    # Split what no torch copy parallelises: short runs (memmove; ctypes drops the GIL) and
+    # copies through files (preadv/pwritev; the kernel's copy runs on the calling thread).
     short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].geometry.run < TORCH_COPY_BYTES
              or (store and pool is not None and layout.layers[0].file is not None))
-    # (Not pwritev: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
-    if short and len(pairs) > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
+    # (Not pwritev of long runs: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
+    if short and ways > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
         with _splitter_lock:
             if _splitter is None:
-                _splitter = ThreadPoolExecutor(_SPLIT_THREADS, thread_name_prefix="lmshm-copy-split")
-        half = len(pairs) // 2
+                _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
+        # Contiguous runs of layers: each thread writes its own stretch of the object, so two
+        # threads never fault the same (huge) pool page at once.
+        cut = [len(pairs) * i // ways for i in range(ways + 1)]
+        parts = [pairs[cut[i]:cut[i + 1]] for i in range(ways)]
 
         def layers(part: list) -> None:
             for p, o in part:
                 _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
 
-        other = _splitter.submit(layers, pairs[half:])
-        layers(pairs[:half])
-        other.result()
+        others = [_splitter.submit(layers, part) for part in parts[1:]]
+        try:
+            layers(parts[0])
+        finally:
+            for f in others:
+                f.result()
         return
     for p, o in pairs:
         _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)

@@ -76,10 +76,11 @@ class DataPlane:
                  cuda_sync: Any = None, through_files: bool = True, max_objects: int = 0,
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
                  max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: int = 256,
-                 tier_timeout_s: float = 0.5) -> None:
+                 tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
+                 prefault_pool: bool = False) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
-                         max_pins_per_uid=max_pins_per_uid)
+                         max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool)
         self.copier = OrderedExecutor(copy_threads)
         self.lease_ttl_s = lease_ttl_s
         self.max_inflight = max_inflight_per_session
@@ -137,17 +138,25 @@ class DataPlane:
 
     @staticmethod
     def _with_files(reg: Any, layout: BlockLayout) -> BlockLayout:
-        """Layers of named shm are copied through their file (no SIGBUS if the owner truncates
-        it mid-copy); memfds are sealed against shrinking and copied by memmove."""
+        """Choose how each CPU layer is copied. A sealed shmem memfd (checked when it was
+        mapped, ``CpuFdIPCWrapper``) keeps every byte it has, so it is copied through the
+        mapping, one ``memmove`` per piece. A named segment can be truncated or punched by its owner at
+        any time, so it is copied through its file (``preadv``/``pwritev``: a short count, never
+        SIGBUS). Anything else is refused before a byte moves."""
         plans = []
         for plan in layout.layers:
             found = reg.layer(plan.name)
-            backing = getattr(found[1], "backing_file", None) if found else None
+            wrapper = found[1] if found else None
+            if wrapper is not None and wrapper.mapping_cannot_fault():
+                plans.append(plan)
+                continue
+            backing = getattr(wrapper, "backing_file", None)
             where = backing() if backing is not None else None
-            if where is not None:
-                path, inode, start = where
-                plan = dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start))
-            plans.append(plan)
+            if where is None:
+                raise LayoutError(f"layer {plan.name!r} is neither a sealed memfd nor a named segment the server "
+                                  "can copy through its file")
+            path, inode, start = where
+            plans.append(dataclasses.replace(plan, file=FileSide(path, inode, plan.base - start)))
         return dataclasses.replace(layout, layers=tuple(plans))
 
     def _sync(self) -> Any:
@@ -214,14 +223,17 @@ class DataPlane:
         size = layout.chunk_bytes(cb)
         results: list[int] = []
         copied = 0
+        checked = False
         for i, key in enumerate(req.keys):
             outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
             results.append(outcome)
             if obj is None:
                 continue
             try:
-                for w in reg.wrappers:
-                    w.verify_mapped()
+                if not checked:   # once per request, before the first copy (a stat per wrapper)
+                    for w in reg.wrappers:
+                        w.verify_mapped()
+                    checked = True
                 gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
             except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
                 self.pool.abort([obj])

@@ -2,7 +2,11 @@
 each tenant (uid) may hold of them.
 
 One anonymous mapping of ``capacity`` bytes, made once and touched lazily (``MAP_NORESERVE``:
-pages cost memory only once an object is copied into them). An object is one chunk: whole
+pages cost memory only once an object is copied into them), advised to use transparent huge
+pages (``huge_pages``: a first STORE into untouched pages then takes one fault per 2 MiB
+instead of 512; docs/design/dataplane.md has the figures). ``prefault`` fills every page once,
+on a background thread, so that no STORE ever waits for the kernel to hand out zeroed pages;
+the pool then costs its whole capacity in memory from the start. An object is one chunk: whole
 blocks of one registration, every layer, packed in registration order. Space is handed out best
 fit from the free extents, with neighbours merged on free (``_Extents``).
 
@@ -44,6 +48,7 @@ import bisect
 import collections
 import ctypes
 import heapq
+import logging
 import mmap
 import operator
 import os
@@ -58,6 +63,8 @@ import torch
 
 from lmshm.core.copier import PoolBytes
 
+logger = logging.getLogger(__name__)
+
 ALIGN = 64  # bytes; every object starts on a cache line
 #: Bytes of server memory one object's bookkeeping takes, charged against the capacity on top of
 #: its extent: its record, key and LRU entry, and the free extent beside it in the worst case
@@ -71,7 +78,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
+#: Bytes pre-faulted per step of the background pre-fault (between steps it checks for shutdown).
+PREFAULT_STEP = 64 << 20
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    """``madvise``; 0, or the errno."""
+    return 0 if _libc.madvise(addr, length, advice) == 0 else ctypes.get_errno()
 
 
 def parse_size(text: str | int) -> int:
@@ -214,7 +231,7 @@ class Pool:
     ``max_objects`` means no cap beside the capacity."""
 
     def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
-                 max_pins_per_uid: int = 1 << 30) -> None:
+                 max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False) -> None:
         self.capacity = capacity
         self.max_objects = max_objects
         self.max_pinned_fraction_per_uid = max_pinned_fraction_per_uid
@@ -237,6 +254,7 @@ class Pool:
         self.evictions = self.evicted_bytes = self.retrieved = self.failed = 0
         self.pins_capped = 0      # chunks LOOKUP found but did not pin: a per-uid cap
         self._addr = 0
+        self.huge_pages = False   # the kernel took MADV_HUGEPAGE for the pool
         self._buf: Any = None
         self.tensor = torch.empty(0, dtype=torch.uint8)
         if capacity:
@@ -250,7 +268,34 @@ class Pool:
             self._buf = (ctypes.c_uint8 * capacity).from_address(addr)
             self._unmap = weakref.finalize(self._buf, _libc.munmap, addr, capacity)
             self.tensor = torch.frombuffer(self._buf, dtype=torch.uint8)
+            if huge_pages:
+                err = _madvise(addr, capacity, _MADV_HUGEPAGE)
+                self.huge_pages = not err
+                if err:   # a kernel without THP, or THP off ("never"): 4 KiB pages, nothing else changes
+                    logger.info("lmshm: the pool gets no transparent huge pages (madvise: %s)", os.strerror(err))
         self.bytes = PoolBytes(memoryview(self._buf).cast("B") if capacity else memoryview(b""), self._addr)
+        self.prefaulted = 0       # bytes the background pre-fault has touched so far
+        self._prefault_stop = threading.Event()
+        self._prefaulter: Optional[threading.Thread] = None
+        if capacity and prefault:
+            self._prefaulter = threading.Thread(target=self._prefault, name="lmshm-pool-prefault", daemon=True)
+            self._prefaulter.start()
+
+    def _prefault(self) -> None:
+        """Fault every page of the pool in once, a step at a time (``MADV_POPULATE_WRITE``: the
+        kernel allocates and zeroes pages that are not there yet and leaves the others alone,
+        so STOREs may run meanwhile). Stops early at shutdown. Kernels before 5.14 lack it:
+        nothing is pre-faulted there (writing to the pages instead could race a STORE)."""
+        for at in range(0, self.capacity, PREFAULT_STEP):
+            if self._prefault_stop.is_set():
+                return
+            n = min(PREFAULT_STEP, self.capacity - at)
+            err = _madvise(self._addr + at, n, _MADV_POPULATE_WRITE)
+            if err:
+                logger.warning("lmshm: pre-faulting the pool stopped at %d of %d bytes (madvise: %s)",
+                               at, self.capacity, os.strerror(err))
+                return
+            self.prefaulted = at + n
 
     # ---- bytes --------------------------------------------------------------------------
     def view(self, obj: tuple) -> torch.Tensor:
@@ -260,6 +305,9 @@ class Pool:
     def release(self) -> None:
         """Drop every object and unmap the pool (shutdown). Tensors handed out keep it mapped
         until they are gone."""
+        self._prefault_stop.set()
+        if self._prefaulter is not None:
+            self._prefaulter.join()
         with self._lock:
             self._tenants.clear()
             self._leases.clear()

@@ -160,9 +160,11 @@ class Registration:
         return tensor, self.groups[self.where[layer_name][0]].wrapper
 
     def drop_tensors(self) -> None:
-        """Forget every tensor; they hold the mappings (child leases) until dropped."""
+        """Forget every tensor; they hold the mappings (child leases) until dropped. The data
+        plane's layout holds views of the mappings too."""
         self.views.clear()
         self.bases.clear()
+        self.block_layout = None
 
     def same_content(self, model_name: str, world_size: int, worker_rank: int,
                      groups: Sequence[LayerGroup], block_dim: int = 0) -> bool:

@@ -119,7 +119,8 @@ class Core:
             reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
             max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
             max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
-            tiers=tiers, tier_queue=c.disk_queue, tier_timeout_s=c.disk_timeout_s)
+            tiers=tiers, tier_queue=c.disk_queue, tier_timeout_s=c.disk_timeout_s,
+            pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool)
 
     @staticmethod
     def _open_tiers(c: CoreConfig) -> list:

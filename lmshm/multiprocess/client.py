@@ -363,8 +363,8 @@ class MPClient:
         if self._link is None:
             raise LmshmError(self._fd_channel_message(
                 needy, f"this client has no fd-channel link to the server at {self.url}"))
-        try:
-            self._link.send_fds(fds)
+        try:   # memfds are the default CPU kind: a flood that holds the server's fds must not stop them
+            self._link.send_fds(fds, deadline=time.monotonic() + self.timeout_s)
         except (FdChannelError, OSError) as exc:
             raise LmshmError(self._fd_channel_message(needy, f"sending them failed: {exc}")) from None
 

@@ -144,8 +144,16 @@ SETTINGS: tuple[Setting, ...] = (
             "threads that run STORE and RETRIEVE copies (default 2)", "N"),
     Setting("copy_through_mapping", "--copy-through-mapping", "LMSHM_COPY_THROUGH_MAPPING", "copy_through_mapping",
             "copy named-shm blocks with memmove through the server's mapping instead of preadv/pwritev through the "
-            "file: RETRIEVE up to 2x faster, but a worker that truncates its own segment during a copy can then crash "
-            "the server (SIGBUS). Only for workers you trust (default off)", kind="bool"),
+            "file: up to 2x faster, but a worker that truncates its own segment during a copy can then crash the "
+            "server (SIGBUS). Only for workers you trust. Sealed memfds (the default CPU kind) are always copied "
+            "through the mapping, safely (default off)", kind="bool"),
+    Setting("pool_huge_pages", "--pool-huge-pages", "LMSHM_POOL_HUGE_PAGES", "pool_huge_pages",
+            "ask for transparent huge pages for the pool (madvise): a first STORE into untouched pool memory "
+            "faults once per 2 MiB instead of once per 4 KiB (default on)", kind="bool"),
+    Setting("prefault_pool", "--prefault-pool", "LMSHM_PREFAULT_POOL", "prefault_pool",
+            "fault the whole pool in at start, on a background thread, so that no STORE waits for fresh pages; the "
+            "pool then uses all of --capacity in memory from the start (default off: memory is used as blocks are "
+            "stored)", kind="bool"),
     Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
             "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
     Setting("max_inflight_per_session", "--max-inflight-per-session", "LMSHM_MAX_INFLIGHT",

@@ -103,6 +103,11 @@ _encode = msgspec.msgpack.Encoder().encode
 UNKNOWN_TOKEN = "unknown session token"
 
 
+#: The refusal when the server has no fd to spare: it passes as connections close, so clients
+#: ask again (``FdChannelClient.send_fds`` until its deadline).
+OUT_OF_FDS = "the server is out of file descriptors; try again later"
+
+
 class FdChannelError(RuntimeError):
     """The fd channel refused a request or could not be reached. ``retry``: the cause passes
     (the server was out of fds or connections, its backlog was full); trying again may work."""
@@ -324,7 +329,7 @@ class FdChannelServer:
     def _refuse_with_spare(self) -> None:
         sock = self._spare.accept(self._listener)
         if sock is not None:
-            self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
+            self._refuse(sock, "UNAVAILABLE", OUT_OF_FDS)
 
     def _log_refusal(self, line: str) -> None:
         """A refusal's warning, at most one line a second (a flood of refusals must not flood the log)."""
@@ -389,7 +394,7 @@ class FdChannelServer:
         # connection's become this one's.
         if not self._fds_available(2) and not self._give_way(batch_start):
             self._log_refusal(f"fd channel refused pid {creds.pid}: out of file descriptors")
-            return self._refuse(sock, "UNAVAILABLE", "the server is out of file descriptors; try again later")
+            return self._refuse(sock, "UNAVAILABLE", OUT_OF_FDS)
         sock.setblocking(False)
         fd = sock.fileno()
         conn = _Conn(sock, creds, peer_pidfd(sock, creds.pid), time.monotonic())
@@ -462,7 +467,7 @@ class FdChannelServer:
                                  "INVALID_ARG")
         held = FD_INBOX.count(conn.session)
         if fds and not self._fds_available(len(fds)):  # they arrived already: closed with the refusal
-            raise FdChannelError("the server is out of file descriptors; try again later", "UNAVAILABLE")
+            raise FdChannelError(OUT_OF_FDS, "UNAVAILABLE")
         if held + len(fds) > self.max_fds_per_session:
             raise FdChannelError(
                 f"this session would hold {held + len(fds)} undelivered fds, more than the server's limit of "
@@ -621,12 +626,24 @@ class FdChannelClient:
                                  retry=reply.code == "UNAVAILABLE")
         return reply
 
-    def send_fds(self, fds: dict[str, int]) -> None:
-        """Send ``{token: fd}``; the fds stay open and owned by the caller."""
+    def send_fds(self, fds: dict[str, int], deadline: Optional[float] = None) -> None:
+        """Send ``{token: fd}``; the fds stay open and owned by the caller. A message the server
+        refuses for want of fds (``OUT_OF_FDS``: it filed none of them) is sent again, with a
+        growing pause, until ``deadline`` (``time.monotonic()``; None: not at all)."""
         items = list(fds.items())
         for i in range(0, len(items), MAX_FDS_PER_MESSAGE):
             chunk = items[i:i + MAX_FDS_PER_MESSAGE]
-            self._call(SendFds([t for t, _ in chunk]), [fd for _, fd in chunk])
+            pause = 0.01
+            while True:
+                try:
+                    self._call(SendFds([t for t, _ in chunk]), [fd for _, fd in chunk])
+                    break
+                except FdChannelError as exc:
+                    if (OUT_OF_FDS not in str(exc) or deadline is None
+                            or time.monotonic() + pause > deadline):
+                        raise
+                time.sleep(pause)
+                pause = min(2 * pause, 0.2)
 
     def broken(self) -> bool:
         """True if the server end is gone (EOF or error pending on the socket). Never waits: the
@@ -647,5 +664,5 @@ class FdChannelClient:
         self._sock.close()
 
 
-__all__ = ["UNKNOWN_TOKEN", "Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
+__all__ = ["OUT_OF_FDS", "UNKNOWN_TOKEN", "Ack", "Auth", "Credentials", "ExpectedServer", "FdChannelClient", "FdChannelError",
            "FdChannelServer", "Refused", "SendFds", "bind_unix", "default_path"]

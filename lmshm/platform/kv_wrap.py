@@ -38,7 +38,7 @@ def wrap_one_kv_cache(tensor: torch.Tensor, name: str = "tensor") -> DeviceIPCWr
     """Wrap one tensor with the wrapper its device type selects right now."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
-    cls = resolve_kv_wrapper_factory(tensor.device.type)
+    cls = resolve_kv_wrapper_factory(tensor.device.type, tensor)
     return cls.wrap(tensor, name=name)
 
 

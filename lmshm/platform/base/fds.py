@@ -1,6 +1,7 @@
 """Process-wide inbox of file descriptors received out of band, scoped by the session that sent them.
 
-In isolated mode the wire carries a *token* where a name would be, and the file descriptor
+For fd-based wrappers (memfd, the default CPU kind; CUDA VMM) the wire carries a *token* where a
+name would be, and the file descriptor
 itself travels over a Unix socket with SCM_RIGHTS (the server's fd side channel, or any
 socket in a test). Whoever receives an fd files it here with ``FD_INBOX.put(token, fd,
 session)``; a wrapper's consumer side takes it with ``FD_INBOX.take(token, session)`` when it maps
@@ -43,8 +44,8 @@ class FdInbox:
             fd = self._fds.pop((session, token), None)
         if fd is None:
             raise LookupError(
-                f"no file descriptor was received for token {token[:80]!r}; in isolated mode the "
-                "worker must send it over the fd side channel before registering"
+                f"no file descriptor was received for token {token[:80]!r}; the worker must send it "
+                "over the fd side channel before registering"
             )
         return fd
 

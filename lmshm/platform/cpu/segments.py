@@ -79,7 +79,8 @@ def _reserve(fd: int, size: int, where: str) -> None:
                 exc.errno,
                 f"cannot reserve {_human(size)} of shared memory in {where}{free}. "
                 "Enlarge it (for example `docker run --shm-size=...`, or remount /dev/shm), "
-                "shrink the KV pool, or use isolated mode (memfd, LMSHM_ISOLATED_IPC=1)",
+                "shrink the KV pool" + (", or make memfd segments (the default, not LMSHM_CPU_SEGMENTS=shm), "
+                                        "which the size of /dev/shm does not limit" if where.startswith("/") else ""),
             ) from None
         raise
 

@@ -1,4 +1,4 @@
-"""CPU IPC wrappers: named POSIX shared memory, and memfd for isolated mode.
+"""CPU IPC wrappers: sealed memfds (the default), and named POSIX shared memory.
 
 What is shared: the whole segment that backs the tensor's storage. The wire carries the
 segment's name (``CpuShmIPCWrapper``) or a token standing for its file descriptor
@@ -26,6 +26,7 @@ import contextlib
 import contextvars
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import stat
@@ -170,6 +171,7 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
     def _map(self) -> "_Mapping":
         fd = self._open_fd()
         try:
+            self._check_fd(fd)   # before the size is read: a memfd's seals say whether it may shrink
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ValueError(f"segment {self.segment!r} is not a shared-memory file")
@@ -190,8 +192,11 @@ class CpuSegmentWrapper(DeviceIPCWrapper):
             os.close(fd)
         return _Mapping(buf, start, st.st_size, file_id(st))
 
+    def _check_fd(self, fd: int) -> None:
+        """Kind-specific checks on the opened object, before its size is read."""
+
     def _check_object(self, fd: int, st: os.stat_result) -> None:
-        """Kind-specific checks on the opened object."""
+        """Kind-specific checks on the opened object, once its size is known."""
 
     def _mapping_key(self) -> tuple:
         return (self.kind, self._scope(), self.segment)
@@ -293,6 +298,47 @@ def _check_allocated(name: str, st: os.stat_result, *, after_register: bool = Fa
             "allocated segments (lmshm.empty_shared reserves every page with posix_fallocate)")
 
 
+#: Seals a memfd must carry before lmshm maps it: it can never shrink, so every mapped byte stays
+#: inside the file. (F_SEAL_GROW is not needed: growing moves no page under a mapping.)
+REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
+#: ``statfs.f_type`` of shmem/tmpfs: memfds of the kernel's internal mount, and /dev/shm.
+TMPFS_MAGIC = 0x01021994
+_libc.fstatfs.argtypes = [ctypes.c_int, ctypes.c_void_p]
+
+
+def _fs_type(fd: int) -> int:
+    buf = ctypes.create_string_buffer(256)    # struct statfs: f_type (a long) comes first
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"fstatfs: {os.strerror(err)}")
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def sealed_shmem(fd: int, what: str) -> int:
+    """Check that ``fd`` is a shmem memfd sealed against shrinking; return its seals, or raise
+    ``PermissionError`` saying why it may not be mapped.
+
+    Why each check: without F_SEAL_SHRINK its owner may truncate the file under the mapping,
+    and touching a page past the new end raises SIGBUS. A hugetlbfs memfd (MFD_HUGETLB) takes
+    seals too, but a hole punched in it refaults only while free huge pages remain, else
+    SIGBUS; a shmem page always refaults (as zeros), so only shmem is accepted. Seals are
+    never removed once set, so a check made before the size is read holds for good."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        raise PermissionError(f"{what} is not a memfd (it takes no seals); lmshm maps only memfds "
+                              "sealed against shrinking, whose pages cannot vanish under the mapping") from None
+    if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+        raise PermissionError(f"{what} is not sealed against shrinking (seals {seals:#x}); refusing to map "
+                              "memory its owner could truncate under us. lmshm.empty_shared seals its memfds "
+                              "(F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)")
+    fs = _fs_type(fd)
+    if fs != TMPFS_MAGIC:
+        raise PermissionError(f"{what} is not on shmem (filesystem magic {fs:#x}; a MFD_HUGETLB memfd?): a hole "
+                              "punched in huge-page memory can fault SIGBUS, so lmshm maps only shmem memfds")
+    return seals
+
+
 def _drop_mapping(mapping: _Mapping) -> None:
     # Never munmap here: tensors built on the mapping hold its buffer and keep it mapped;
     # the buffer's finaliser unmaps it when the last of them is freed.
@@ -300,7 +346,8 @@ def _drop_mapping(mapping: _Mapping) -> None:
 
 
 class CpuShmIPCWrapper(CpuSegmentWrapper):
-    """A CPU tensor in a named POSIX shared-memory segment (the default CPU wrapper)."""
+    """A CPU tensor in a named POSIX shared-memory segment (``LMSHM_CPU_SEGMENTS=shm``), for
+    consumers that can open a name but receive no fd."""
 
     kind = "cpu-shm"
     segment_kind = "shm"
@@ -314,8 +361,8 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
             raise PermissionError(
                 f"segment {self.segment!r}: the server cannot see this worker's pid ({peer.describe()}: "
                 "another PID namespace), so it cannot check that the worker made the segment. Share the "
-                "PID namespace with the server (docker --pid=container:...), or use isolated mode "
-                "(LMSHM_ISOLATED_IPC=1: memfd fds instead of names)")
+                "PID namespace with the server (docker --pid=container:...), or register memfd segments "
+                "(the default, not LMSHM_CPU_SEGMENTS=shm: fds instead of names)")
         if (owner.pid, owner.pid_ns) != (peer.ns_pid, peer.pid_ns):
             raise PermissionError(
                 f"segment {self.segment!r} was made by pid {owner.pid}, not by this worker ({peer.describe()}); "
@@ -333,9 +380,15 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"shared-memory segment {path} does not exist: the producer released it, or "
-                "runs in another IPC namespace / container without a shared /dev/shm "
-                "(use isolated mode, LMSHM_ISOLATED_IPC=1, there)"
+                "runs in another IPC namespace / container without a shared /dev/shm (there, let it "
+                "make memfd segments, the default, not LMSHM_CPU_SEGMENTS=shm; or use isolated mode, "
+                "LMSHM_ISOLATED_IPC=1)"
             ) from None
+
+    def mapping_cannot_fault(self) -> bool:
+        """A named segment's owner may truncate it or punch holes in it at any time (nothing
+        can seal a name), so the data plane copies through its file (``backing_file``)."""
+        return False
 
     def backing_file(self) -> tuple[str, tuple[int, int], int] | None:
         """Consumer side, once mapped: ``(path, (st_dev, st_ino), address of the mapping)``, so the
@@ -356,7 +409,13 @@ class CpuShmIPCWrapper(CpuSegmentWrapper):
 
 
 class CpuFdIPCWrapper(CpuSegmentWrapper):
-    """A CPU tensor in a sealed memfd; the fd travels out of band (isolated mode).
+    """A CPU tensor in a sealed memfd; the fd travels out of band (the default CPU kind).
+
+    The consumer maps only a memfd on the kernel's internal shmem mount that is sealed against
+    shrinking (``sealed_shmem``), checked before it reads the size: such a file keeps every
+    byte it has, so no access through the mapping can raise SIGBUS, whatever its owner does
+    later (a punched hole reads back as zeros). That is what lets lmshm-server copy it with
+    ``memmove`` (``mapping_cannot_fault``).
 
     The wire carries ``segment`` as a token. The producer's ``export_fds()`` gives
     ``{token: fd}`` to send with SCM_RIGHTS; the consumer files the received fd in
@@ -366,11 +425,18 @@ class CpuFdIPCWrapper(CpuSegmentWrapper):
     kind = "cpu-memfd"
     segment_kind = "memfd"
     fd_channel_hint = (
-        "isolated mode sends CPU memory as memfd file descriptors over the server's fd side "
-        "channel: start lmshm-server with --fd-socket on a path the worker can reach (pass it "
-        "as fd_socket=PATH or LMSHM_FD_SOCKET if the worker sees it elsewhere), or turn "
-        "isolated_ipc off where worker and server share /dev/shm"
+        "CPU memory travels as sealed memfd file descriptors over the server's fd side channel "
+        "(the default; always in isolated mode): start lmshm-server with --fd-socket on a path "
+        "the worker can reach (pass it as fd_socket=PATH or LMSHM_FD_SOCKET if the worker sees "
+        "it elsewhere). Consumers that cannot receive fds need named segments: "
+        "LMSHM_CPU_SEGMENTS=shm, or empty_shared(..., kind='shm'), where worker and consumer "
+        "share /dev/shm"
     )
+
+    def mapping_cannot_fault(self) -> bool:
+        """Consumer side: True once mapped (``_map`` verified the seals and the filesystem)."""
+        lease = self._lease
+        return lease is not None and not lease.released
 
     def export_fds(self) -> dict[str, int]:
         producer = self.__dict__.get("_producer")
@@ -387,16 +453,8 @@ class CpuFdIPCWrapper(CpuSegmentWrapper):
     def _open_fd(self) -> int:
         return FD_INBOX.take(self.segment, self._scope())
 
-    def _check_object(self, fd: int, st: os.stat_result) -> None:
-        import fcntl
-
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        need = fcntl.F_SEAL_SHRINK
-        if seals & need != need:
-            raise PermissionError(
-                f"memfd {self.segment!r} is not sealed against shrinking; refusing to map "
-                "memory its owner could truncate under us"
-            )
+    def _check_fd(self, fd: int) -> None:
+        sealed_shmem(fd, f"memfd {self.segment!r}")
 
 
 __all__ = ["CpuFdIPCWrapper", "CpuSegmentWrapper", "CpuShmIPCWrapper", "migration_scope"]

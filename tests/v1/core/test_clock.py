@@ -113,7 +113,7 @@ _ORPHAN = """
 import sys, torch
 from lmshm import empty_shared
 from lmshm.platform.cpu import segment_of
-t = empty_shared((1024,), torch.float16)
+t = empty_shared((1024,), torch.float16, kind="shm")   # a name, for the orphan sweep
 print(segment_of(t).name, flush=True)
 sys.stdin.read()
 """

@@ -110,7 +110,7 @@ def test_random_layouts_round_trip_through_the_mapping_and_through_a_file():
         # through named-shm files (preadv / pwritev), as the server copies named shm
         segs = []
         for seed in (1, 2):
-            shm = empty_shared((total,), torch.float16)
+            shm = empty_shared((total,), torch.float16, kind="shm")
             shm.copy_(torch.randint(-1000, 1000, (total,), generator=torch.Generator().manual_seed(seed)))
             segs.append(shm)
 

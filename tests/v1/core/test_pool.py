@@ -152,7 +152,7 @@ def test_a_copy_through_a_file_truncated_under_it_fails_instead_of_killing_the_p
     from lmshm.core.copier import FileSide, gather, scatter
     from lmshm.platform.cpu import empty_shared, segment_of
 
-    t = empty_shared((8, 4096), torch.uint8)
+    t = empty_shared((8, 4096), torch.uint8, kind="shm")
     t.fill_(7)
     seg = segment_of(t)
     layout = BlockLayout.of(["l"], [t])
@@ -172,3 +172,58 @@ def test_a_copy_through_a_file_truncated_under_it_fails_instead_of_killing_the_p
     assert os.stat(seg.path).st_size == 7 * 4096
     pool.abort([obj])
     del t
+
+
+def _smaps_entry(addr: int) -> dict[str, str]:
+    """This process's /proc/self/smaps lines for the mapping that starts at ``addr``."""
+    found: dict[str, str] = {}
+    with open("/proc/self/smaps") as f:
+        inside = False
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == addr
+            elif inside:
+                key, _, value = line.partition(":")
+                found[key] = value.strip()
+    return found
+
+
+def test_the_pool_asks_for_transparent_huge_pages_unless_told_not_to():
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off on this machine")
+    huge, small = Pool(8 << 20), Pool(8 << 20, huge_pages=False)
+    try:
+        assert huge.huge_pages and not small.huge_pages
+        assert "hg" in _smaps_entry(huge._addr)["VmFlags"].split()           # VM_HUGEPAGE: madvise took
+        assert "hg" not in _smaps_entry(small._addr)["VmFlags"].split()
+    finally:
+        huge.release()
+        small.release()
+
+
+def test_a_prefaulted_pool_becomes_resident_and_keeps_what_a_store_wrote_meanwhile():
+    import time
+
+    pool = Pool(256 << 20, prefault=True)
+    try:
+        _, obj = pool.reserve(0, b"early", 1 << 20, b"L", 1)        # a STORE racing the pre-fault
+        view = pool.view(obj)
+        view.fill_(0x5A)
+        deadline = time.monotonic() + 60
+        while pool.prefaulted < pool.capacity and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.prefaulted == pool.capacity
+        rss_kib = int(_smaps_entry(pool._addr)["Rss"].split()[0])
+        assert rss_kib * 1024 >= pool.capacity                      # every page is there now
+        assert int(view.sum()) == 0x5A * (1 << 20)                  # and the early bytes are intact
+        pool.abort([obj])
+    finally:
+        pool.release()
+
+
+def test_release_stops_a_prefault_that_is_still_running():
+    pool = Pool(4 << 30, prefault=True)                              # far more than it can fault at once
+    pool.release()                                                   # joins the thread between steps
+    assert pool.prefaulted < pool.capacity and not pool._prefaulter.is_alive()

@@ -18,4 +18,5 @@ def test_missing_fd_channel_names_the_kinds_and_says_what_to_change():
     assert msg.startswith("2 wrapper(s) of kind cpu-memfd hand their memory over as file descriptors")
     assert "no fd-channel link to the server at tcp://127.0.0.1:5555" in msg
     assert "--fd-socket" in msg and "LMSHM_FD_SOCKET" in msg
-    assert msg.count("isolated mode sends CPU memory") == 1, "one hint per kind, not per wrapper"
+    assert msg.count("CPU memory travels as sealed memfd") == 1, "one hint per kind, not per wrapper"
+    assert "LMSHM_CPU_SEGMENTS=shm" in msg

@@ -11,12 +11,14 @@ import time
 import pytest
 
 from harness import wait_for
+from lmshm.multiprocess.client import query_status
 from lmshm.core.pool import OBJECT_COST
 from lmshm.multiprocess.protocol import ErrorCode, StoreResult
 
 BLOCK_BYTES = 2 * 16 * 8 * 4           # one block of one layer: [2, 16, 8] float32
 CHUNK_BYTES = 2 * BLOCK_BYTES          # two layers, one block per chunk
 CHUNK_COST = CHUNK_BYTES + OBJECT_COST  # what one chunk counts against --capacity
+NAMED = {"LMSHM_CPU_SEGMENTS": "shm"}   # workers that register named segments (the default is memfd)
 
 
 def key(i: int, rank: int = 0) -> str:
@@ -73,10 +75,11 @@ def test_blocks_of_several_byte_runs_round_trip(start_worker, server):
 
 
 @pytest.mark.parametrize("what", ["truncated", "punched"])
-def test_a_worker_that_shrinks_its_segment_cannot_stop_the_server(start_worker, server, what):
-    a, ia = kv_worker(start_worker, server)
+def test_a_worker_that_shrinks_its_named_segment_cannot_stop_the_server(start_worker, server, what):
+    a = start_worker(server.url, env=NAMED)
+    ia = a.ok("register_kv")["instance_id"]
     a.ok("store", instance_id=ia, keys=[key(0)], blocks=[0], chunk_blocks=1)
-    a.ok("damage_segment", instance_id=ia, how=what)
+    assert a.ok("damage_segment", instance_id=ia, how=what)["refused"] is None   # a name cannot be sealed
     for op, kw in (("store", dict(keys=[key(1)], blocks=[1])), ("retrieve", dict(keys=[key(0)], blocks=[2]))):
         r = a.call(op, instance_id=ia, chunk_blocks=1, **kw)
         assert not r["ok"] and r["code"] in (ErrorCode.DATA_LOSS, ErrorCode.UNAVAILABLE), r
@@ -84,6 +87,71 @@ def test_a_worker_that_shrinks_its_segment_cannot_stop_the_server(start_worker, 
     assert server.alive
     b, ib = kv_worker(start_worker, server)
     assert b.ok("store", instance_id=ib, keys=[key(7)], blocks=[0], chunk_blocks=1)["results"] == [0]
+
+
+@pytest.mark.parametrize("what", ["truncated", "zero", "grown"])
+def test_a_sealed_memfd_cannot_be_resized_so_copies_go_on(start_worker, server, what):
+    a, ia = kv_worker(start_worker, server)             # the default: a sealed memfd
+    a.ok("fill_blocks", instance_id=ia, blocks=[0, 1], seed=3)
+    a.ok("store", instance_id=ia, keys=[key(0)], blocks=[0], chunk_blocks=1)
+    assert a.ok("damage_segment", instance_id=ia, how=what)["refused"] == "EPERM"
+    assert a.ok("store", instance_id=ia, keys=[key(1)], blocks=[1], chunk_blocks=1)["results"] == [StoreResult.STORED]
+    a.ok("retrieve", instance_id=ia, keys=[key(0), key(1)], blocks=[5, 6], chunk_blocks=1)
+    d = a.ok("digest_blocks", instance_id=ia, blocks=[0, 5, 1, 6])["digests"]
+    assert d[0] == d[1] and d[2] == d[3]
+
+
+def test_a_hole_punched_in_a_sealed_memfd_is_refused_before_the_copy(start_worker, server):
+    a, ia = kv_worker(start_worker, server)
+    a.ok("store", instance_id=ia, keys=[key(0)], blocks=[0], chunk_blocks=1)
+    assert a.ok("damage_segment", instance_id=ia, how="punched")["refused"] is None   # seals do not stop a punch
+    for op, kw in (("store", dict(keys=[key(1)], blocks=[1])), ("retrieve", dict(keys=[key(0)], blocks=[2]))):
+        r = a.call(op, instance_id=ia, chunk_blocks=1, **kw)
+        assert not r["ok"] and r["code"] == ErrorCode.DATA_LOSS and "holes" in r["message"], r
+    assert server.alive
+
+
+@pytest.mark.parametrize("how", ["punch", "shrink"])
+def test_a_worker_damaging_its_memfd_while_the_server_copies_gets_answers_not_a_crash(start_worker, server, how):
+    """A thread of the worker punches holes in its memfd (up to 1 MiB at a random place, written
+    again 0-2 ms later, every 0-3 ms; or tries to truncate it to 0) while the worker sends STOREs
+    of new keys and RETRIEVEs,
+    4 MiB each. The server checks for holes before each copy, but a punch can land during one:
+    the mapped fast path touches those pages while they vanish, and a punched page refaults (as
+    zeros), never SIGBUS. Every request is answered: copied, or refused for the holes."""
+    a, ia = kv_worker(start_worker, server, layers=4, blocks=64, shape=[16, 16, 64])  # 64 KiB per block and layer
+    keys = [key(i) for i in range(4)]
+    a.ok("store", instance_id=ia, keys=keys, blocks=list(range(16)), chunk_blocks=4)
+    r = a.ok("damage_while_copying", instance_id=ia, how=how, keys=keys, blocks=list(range(16)),
+             into=list(range(32, 48)), chunk_blocks=4, rounds=25)
+    assert r["attempts"] > 0
+    answered = sum(r["outcomes"].values())
+    assert answered == 50, r
+    allowed = {"store ok", "retrieve ok", "store DATA_LOSS: holes", "retrieve DATA_LOSS: holes"}
+    assert set(r["outcomes"]) <= allowed, r
+    if how == "shrink":
+        assert r["refusals"] == ["EPERM"] and set(r["outcomes"]) == {"store ok", "retrieve ok"}, r
+    else:
+        assert r["outcomes"].get("store ok", 0) + r["outcomes"].get("retrieve ok", 0) > 0, r  # copies did run
+    assert server.alive
+    b, ib = kv_worker(start_worker, server)
+    assert b.ok("store", instance_id=ib, keys=[key(9)], blocks=[0], chunk_blocks=1)["results"] == [StoreResult.STORED]
+
+
+def test_a_worker_that_closes_its_memfds_and_dies_mid_store_is_reclaimed_and_the_server_copies_on(
+        start_worker, start_server):
+    server = start_server("--reap-timeout", "5")
+    a, ia = kv_worker(start_worker, server, layers=8, blocks=64, shape=[16, 16, 64])   # 32 MiB
+    assert a.ok("store_and_die", instance_id=ia, keys=[key(i) for i in range(16)], blocks=list(range(64)),
+                chunk_blocks=4)["dying"]
+    a.proc.wait(10)
+    wait_for(lambda: not any(r.instance_id == ia for r in query_status(server.url).registrations), 10, 0.02,
+             "the dead worker's reclaim")
+    wait_for(lambda: query_status(server.url).pool.in_flight == 0, 10, 0.02, "the STORE to end")
+    status = query_status(server.url)
+    assert status.mappings == 0 and status.sessions == 0 and server.alive
+    b, ib = kv_worker(start_worker, server)
+    assert b.ok("store", instance_id=ib, keys=[key(9)], blocks=[0], chunk_blocks=1)["results"] == [StoreResult.STORED]
 
 
 def test_a_stored_key_is_skipped_and_reported(start_worker, server):

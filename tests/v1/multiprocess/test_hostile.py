@@ -41,6 +41,7 @@ from harness import (  # noqa: F401 - the two fixtures replace conftest's for th
 )
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
+NAMED = {"LMSHM_CPU_SEGMENTS": "shm"}   # workers that register named segments (the default is memfd)
 NOBODY = 65534
 MAX_REPLY = 2048
 
@@ -152,7 +153,7 @@ def test_a_process_of_another_uid_cannot_connect_to_the_fd_socket_or_is_refused_
 
 
 def test_another_sessions_segment_is_refused_and_its_registration_is_untouchable(srv, start_worker, baseline):
-    worker = start_worker(srv.url)
+    worker = start_worker(srv.url, env=NAMED)
     reg = worker.ok("register", layers=2, layout="one", instance_id="victim")
     worker.ok("fill", instance_id="victim", layer="model.layers.1.attn", bytes=[7, 6, 5, 4])
     [victim_seg] = reg["segments"]

@@ -78,7 +78,7 @@ _ORPHAN = """
 import sys, torch
 from lmshm import empty_shared
 from lmshm.platform.cpu import segment_of
-t = empty_shared((1024,), torch.float16)
+t = empty_shared((1024,), torch.float16, kind="shm")
 print(segment_of(t).name, flush=True)
 sys.stdin.read()
 """
@@ -101,7 +101,7 @@ def test_the_server_sweeps_dead_workers_names_at_start_and_periodically(tmp):
     server = ServerProcess(tmp, "--reap-timeout", "5", "--sweep-interval", "0.3")
     try:
         wait_for(lambda: before not in lmshm_segments(), 5, 0.05, "the start-up sweep")
-        live = empty_shared((16,), torch.float16)  # a live creator's name is never swept
+        live = empty_shared((16,), torch.float16, kind="shm")  # a live creator's name is never swept
         later = _orphan(tmp)
         wait_for(lambda: later not in lmshm_segments(), 5, 0.05, "a periodic sweep")
         assert "removed 1 orphaned segment name(s)" in server.log()

@@ -78,8 +78,8 @@ def test_named_shm_worker_in_a_private_dev_shm_is_refused_with_the_reason(start_
     server = start_server("--reap-timeout", "5")
     prefix = ["unshare", "--mount", "--ipc", "--fork", "sh", "-c",
               'mount -t tmpfs -o size=64m tmpfs /dev/shm && exec "$0" "$@"']
-    worker = start_worker(server.url, prefix=prefix)
+    worker = start_worker(server.url, prefix=prefix, env={"LMSHM_CPU_SEGMENTS": "shm"})
     reply = worker.call("register", layers=2)
     assert reply["error"] == "InvalidArgument" and "does not exist" in reply["message"]
-    assert "isolated mode" in reply["message"]
+    assert "isolated mode" in reply["message"] and "memfd" in reply["message"]
     assert query_status(server.url).registrations == []

@@ -387,11 +387,13 @@ def test_many_isolated_register_unregister_cycles_leak_no_fd_and_no_mapping(star
 def test_a_worker_with_1100_separate_layers_fits_a_1024_fd_server_and_another_worker_may_come_and_go(
         tmp, start_worker):
     # Each mapping used to hold an fd (Python's mmap keeps a dup), so 1,100 segments exhausted a
-    # 1,024-fd server, and pidfds numbered past 1023 crashed the select() liveness check.
+    # 1,024-fd server, and pidfds numbered past 1023 crashed the select() liveness check. Named
+    # segments: 1,100 memfds would need 1,100 fds in flight to the server at once (see
+    # docs/design/cpu-wrappers.md, "Limits and trust").
     server = PrefixedServerProcess(tmp, "--reap-timeout", "5", prefix=["prlimit", "--nofile=1024:1024"])
     try:
         start = server_counts(server.url)
-        big = start_worker(server.url)
+        big = start_worker(server.url, env={"LMSHM_CPU_SEGMENTS": "shm"})
         reg = big.ok("register", layers=1100, layout="per-layer", shape=[2, 4, 8], timeout_s=120)
         status = query_status(server.url)
         assert status.mappings == 1100 and status.open_fds < start["open_fds"] + 16, status.open_fds

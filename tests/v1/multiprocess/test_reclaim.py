@@ -27,12 +27,14 @@ def _reclaim_seconds(server, worker, iid: str) -> float:
     return time.monotonic() - t0
 
 
+@pytest.mark.parametrize("segments", ["memfd", "shm"])
 @pytest.mark.parametrize("layout", ["one", "per-layer"])
 def test_killed_worker_is_reclaimed_within_one_second_with_nothing_left_in_dev_shm(
-        fast_reap_server, start_worker, layout):
-    worker = start_worker(fast_reap_server.url)
+        fast_reap_server, start_worker, layout, segments):
+    worker = start_worker(fast_reap_server.url, env={"LMSHM_CPU_SEGMENTS": segments})
     reg = worker.ok("register", layers=8, layout=layout)
-    assert set(reg["segments"]) <= lmshm_segments()
+    # named segments are files the server must unlink for the dead worker; memfds have no name
+    assert set(reg["segments"]) <= lmshm_segments() if segments == "shm" else not set(reg["segments"]) & lmshm_segments()
     elapsed = _reclaim_seconds(fast_reap_server, worker, reg["instance_id"])
     assert elapsed < 1.0, f"reclaimed after {elapsed:.3f} s"
     assert not set(reg["segments"]) & lmshm_segments(), "the dead worker's segments are still in /dev/shm"

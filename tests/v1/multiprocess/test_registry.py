@@ -31,8 +31,9 @@ from lmshm.platform.kv_wrap import wrap_kv_caches
 
 @pytest.fixture
 def pool():
-    """Producer side: 4 layers in one segment, plus their producer wrappers."""
-    big = empty_shared((4, 2, 8, 16), torch.float16)
+    """Producer side: 4 layers in one named segment (no fd channel here), plus their producer
+    wrappers."""
+    big = empty_shared((4, 2, 8, 16), torch.float16, kind="shm")
     layers = {f"layer{i}": big[i] for i in range(4)}
     producers = wrap_kv_caches(layers)
     held = [layers, producers]
@@ -171,7 +172,7 @@ def test_every_registration_is_released_exactly_once(pool):
 
 
 def test_reclaiming_a_dead_owner_releases_orphaned_segment_names():
-    pool = empty_shared((2, 64), torch.float16)
+    pool = empty_shared((2, 64), torch.float16, kind="shm")
     producers = wrap_kv_caches({"a": pool[0], "b": pool[1]})
     path = f"/dev/shm/{producers[0].segment}"
     reg = Registry()

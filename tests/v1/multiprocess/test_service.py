@@ -47,7 +47,7 @@ def test_worker_registers_status_lists_it_and_unregister_removes_it(shared_serve
     status = query_status(shared_server.url)
     [row] = [r for r in status.registrations if r.instance_id == iid]
     assert (row.owner_pid, row.model_name, row.num_layers) == (worker.pid, "llama-test", 4)
-    assert row.nbytes == 4 * 2 * 8 * 16 * 2 and row.kinds == ["cpu-shm"] and row.devices == ["cpu"]
+    assert row.nbytes == 4 * 2 * 8 * 16 * 2 and row.kinds == ["cpu-memfd"] and row.devices == ["cpu"]  # the default
 
     table = subprocess.run([sys.executable, "-m", "lmshm.cli", "status", "--url", shared_server.url],
                            capture_output=True, text=True, timeout=60)

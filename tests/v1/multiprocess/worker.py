@@ -58,6 +58,21 @@ def vllm_kv_caches(spec: dict) -> dict:
     return {n: view_5d(1)[0].view(dtype) for n in names}
 
 
+def _reopen(seg) -> int:
+    """A new read-write fd for a segment: its name, or (a memfd) this process's own fd."""
+    return os.open(seg.path if seg.kind == "shm" else f"/proc/self/fd/{seg.fd}", os.O_RDWR)
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+    if libc.fallocate(fd, 3, ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True)
@@ -222,20 +237,87 @@ def main() -> int:
             return {"released": client.release(bytes.fromhex(cmd["lease"]))}
         if op == "damage_segment":  # what a hostile worker may do to its own registered segment
             seg = segment_of(next(iter(caches[cmd["instance_id"]].values())))
-            fd = os.open(seg.path, os.O_RDWR)
+            how = cmd["how"]
+            fd = _reopen(seg)
             try:
-                if cmd["how"] == "truncated":
-                    os.ftruncate(fd, 4096)
-                else:
-                    import ctypes
+                try:
+                    if how in ("truncated", "zero", "grown"):
+                        os.ftruncate(fd, {"truncated": 4096, "zero": 0, "grown": 2 * seg.size}[how])
+                    else:
+                        _punch(fd, 4096, seg.size - 4096)   # everything after the first page
+                except OSError as exc:  # a sealed memfd refuses: the cache stays intact and usable
+                    import errno
 
-                    libc = ctypes.CDLL(None, use_errno=True)
-                    # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE over everything after the first page
-                    assert libc.fallocate(fd, 3, ctypes.c_long(4096), ctypes.c_long(os.fstat(fd).st_size - 4096)) == 0
+                    return {"refused": errno.errorcode[exc.errno]}
             finally:
                 os.close(fd)
             caches.pop(cmd["instance_id"])  # this process must not touch those pages again either
-            return {}
+            return {"refused": None}
+        if op == "damage_while_copying":  # punch holes / try to shrink, in a loop, while copies run
+            import threading
+
+            seg = segment_of(next(iter(caches[cmd["instance_id"]].values())))
+            stop, attempts, refusals = threading.Event(), [0], set()
+
+            def damage() -> None:
+                import random
+
+                rng, pages = random.Random(cmd.get("seed", 0)), seg.size // 4096
+                fd = _reopen(seg)
+                try:
+                    while not stop.is_set():
+                        try:
+                            if cmd["how"] == "punch":   # a random run of pages, refilled a moment later
+                                n = rng.randint(1, 256)
+                                at = 4096 * rng.randrange(pages - n)
+                                _punch(fd, at, 4096 * n)
+                                time.sleep(rng.random() * 0.002)
+                                os.pwrite(fd, bytes(4096 * n), at)
+                            else:
+                                os.ftruncate(fd, 0)
+                        except OSError as exc:
+                            import errno
+
+                            refusals.add(errno.errorcode[exc.errno])
+                        attempts[0] += 1
+                        time.sleep(rng.random() * 0.003)
+                finally:
+                    os.close(fd)
+
+            th = threading.Thread(target=damage)
+            th.start()
+            outcomes: dict[str, int] = {}
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            cb, blocks, into = cmd["chunk_blocks"], cmd["blocks"], cmd["into"]
+            try:
+                for n in range(cmd["rounds"]):
+                    fresh = [bytes([0xF0, n]) + k[2:] for k in keys]   # every STORE copies: new keys each round
+                    for what, call in (("store", lambda: client.store(cmd["instance_id"], fresh, blocks, cb)),
+                                       ("retrieve", lambda: client.retrieve(cmd["instance_id"], keys, into, cb))):
+                        try:
+                            call()
+                            tag = f"{what} ok"
+                        except client_mod.ServerError as exc:
+                            reason = "holes" if "holes" in exc.message else exc.message[:80]
+                            tag = f"{what} {exc.code.name if hasattr(exc.code, 'name') else exc.code}: {reason}"
+                        outcomes[tag] = outcomes.get(tag, 0) + 1
+            finally:
+                stop.set()
+                th.join()
+            caches.pop(cmd["instance_id"])  # its pages may read back as zeros now
+            return {"outcomes": outcomes, "attempts": attempts[0], "refusals": sorted(refusals)}
+        if op == "store_and_die":  # a large STORE in flight, the memfd fds closed, then SIGKILL
+            import signal
+
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"], wait=False)
+            for t in caches[cmd["instance_id"]].values():
+                seg = segment_of(t)
+                if seg is not None:
+                    seg.unlink()     # memfd: closes the fd this process kept; the server's mapping stays
+            sys.stdout.write(json.dumps({"ok": True, "dying": True}) + "\n")   # (``out`` is a local name here)
+            sys.stdout.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         if op == "pool":
             import msgspec
 

@@ -1,4 +1,9 @@
-"""CPU wrappers across real processes: named POSIX shm and memfd over SCM_RIGHTS."""
+"""CPU wrappers across real processes: named POSIX shm and memfd over SCM_RIGHTS.
+
+Most tests here hand wrappers to a spawned consumer by name, without an fd channel, so they
+make named segments (``cpu_segments = "shm"``); the memfd tests say ``kind="memfd"``. The
+default kind (memfd) and its seals are tested in test_memfd_seals.py.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import socket
 import pytest
 import torch
 
+from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
@@ -24,6 +30,13 @@ KV_SHAPE = (2, 64, 16, 8, 64)  # [k/v, blocks, block_size, heads, head_dim]
 
 def _segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("lmshm-")}
+
+
+@pytest.fixture(autouse=True)
+def named_segments():
+    ipc_policy.set_cpu_segments("shm")
+    yield
+    ipc_policy.set_cpu_segments(None)
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ OWN_NS = own_pid_namespace()
 CREATOR = (
     "import sys, torch, lmshm\n"
     "from lmshm.platform.cpu import segment_of\n"
-    "t = lmshm.empty_shared((4096,), torch.uint8)\n"
+    "t = lmshm.empty_shared((4096,), torch.uint8, kind='shm')\n"
     "t.fill_(7)\n"
     "print(segment_of(t).name, flush=True)\n"
     "sys.stdin.read()\n"
@@ -181,7 +181,7 @@ def test_gc_removes_a_sigkilled_workers_segment_and_nothing_else(made, tmp_path)
 
     # Kept: a live process's segment (this one), another uid's file, another PID namespace,
     # names that are not exactly the format, a symlink.
-    live = empty_shared((64,), torch.uint8)
+    live = empty_shared((64,), torch.uint8, kind="shm")
     live_name = segment_of(live).name
     dead = _dead_pid()
     foreign = _file(made, _name(dead))
