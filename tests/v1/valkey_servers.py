@@ -56,9 +56,10 @@ def free_port(bus: bool = False) -> int:
     raise RuntimeError("no free loopback port")
 
 
-def command(port: int, *args: str, timeout_s: float = 2.0) -> bytes:
-    """Send one command over a fresh socket; the raw reply (enough for PING, CLUSTER INFO)."""
-    out = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a.encode()), a.encode()) for a in args)
+def command(port: int, *args: str | bytes, timeout_s: float = 2.0) -> bytes:
+    """Send one command over a fresh socket; the raw reply (enough for PING, SET, CLUSTER INFO)."""
+    parts = [a.encode() if isinstance(a, str) else bytes(a) for a in args]
+    out = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in parts)
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
         s.sendall(out)
         data = b""

@@ -207,7 +207,7 @@ def check_value(value: bytes, uid: int, key: bytes, secret: Optional[bytes]) -> 
         want.update(payload)
         if not hmac.compare_digest(want.digest(), mac):
             raise BadValue("bad MAC")
-    elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload) != digest:
+    elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload).ljust(len(digest), b"\0") != digest:
         raise BadValue("bad checksum" if mac_algo == MAC_NONE else "a signed value and no secret to check it")
     return meta, payload
 
