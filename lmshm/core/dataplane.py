@@ -75,7 +75,7 @@ class DataPlane:
                  max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
                  cuda_sync: Any = None, through_files: bool = True, max_objects: int = 0,
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
-                 max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: int = 256,
+                 max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
                  tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
                  prefault_pool: bool = False) -> None:
         self.registry = registry

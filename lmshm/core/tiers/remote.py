@@ -462,7 +462,16 @@ class RemoteTier(Tier):
         try:
             self._usage = (int(fields.get("maxmemory", 0)), int(fields.get("used_memory", 0)), int(keys))
         except ValueError:
-            pass
+            return
+        policy = fields.get("maxmemory_policy", "").strip()
+        if not self._usage[0] and not self.ttl_ms:
+            self.warnings.warn("unbounded", "lmshm: the remote %s has no maxmemory and --remote-ttl is 0: it will "
+                               "grow without bound; set maxmemory with an allkeys-lru policy (the eviction "
+                               "authority), or --remote-ttl", self.target.describe())
+        elif policy and not policy.startswith("allkeys-"):
+            self.warnings.warn("policy", "lmshm: the remote %s evicts with maxmemory-policy %s: lmshm's keys have no "
+                               "TTL unless --remote-ttl is set, so use an allkeys-* policy (allkeys-lru)",
+                               self.target.describe(), policy)
 
     def close(self) -> None:
         with self._lock:

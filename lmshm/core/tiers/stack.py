@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from lmshm.core.pool import BLOCKS, KEY, LAYOUT, NBYTES, OFFSET, UID, Pool, Reservation
 from lmshm.core.tiers.base import ChunkMeta, Tier
@@ -53,13 +53,14 @@ class Promotion:
 
 
 class TierStack:
-    def __init__(self, pool: Pool, tiers: Sequence[Tier], *, queue_limit: int, timeout_s: float,
-                 readers: int = 2, writers: int = 2) -> None:
+    def __init__(self, pool: Pool, tiers: Sequence[Tier], *, queue_limit: Union[int, Sequence[int]],
+                 timeout_s: float, readers: int = 2, writers: int = 2) -> None:
         self.pool = pool
         self.tiers = list(tiers)
-        self.queue_limit = queue_limit
+        # one limit for every tier, or one per tier (--disk-queue, --remote-queue)
+        self.queue_limits = [queue_limit] * len(self.tiers) if isinstance(queue_limit, int) else list(queue_limit)
         self.timeout_s = timeout_s
-        self._queues: list[queue.Queue] = [queue.Queue(maxsize=queue_limit) for _ in self.tiers]
+        self._queues: list[queue.Queue] = [queue.Queue(maxsize=n) for n in self.queue_limits]
         self.queue_bytes_limit = pool.capacity // 2
         self._queued_bytes = [0] * len(self.tiers)
         self._bytes_lock = threading.Lock()
@@ -145,7 +146,7 @@ class TierStack:
                 if obj is not None:
                     done.held.append(obj)
                     continue
-                found = self._find(uid, key)
+                found = self._find(uid, key, deadline)
                 if found is None:
                     stop = True
                     break
@@ -203,8 +204,11 @@ class TierStack:
             failed.set_result(False)
             return failed
 
-    def _find(self, uid: int, key: bytes) -> Optional[tuple[Tier, ChunkMeta]]:
+    def _find(self, uid: int, key: bytes, deadline: float) -> Optional[tuple[Tier, ChunkMeta]]:
         for tier in self.tiers:
+            if time.monotonic() >= deadline:    # a slow tier's lookups used the LOOKUP's time up
+                tier.stats.add(timeouts=1)
+                return None
             meta = tier.head(uid, key)
             if meta is not None:
                 tier.stats.add(hits=1)
@@ -231,7 +235,7 @@ class TierStack:
 
     # ---- state and lifecycle ------------------------------------------------------------
     def info(self) -> list:
-        return [t.info(q.qsize(), self.queue_limit) for t, q in zip(self.tiers, self._queues)]
+        return [t.info(q.qsize(), n) for t, q, n in zip(self.tiers, self._queues, self.queue_limits)]
 
     def close(self, timeout_s: float = 10.0) -> bool:
         """Stop the writers (queued write-throughs are dropped), wait for reads in progress,
