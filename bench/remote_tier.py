@@ -8,13 +8,14 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
 1. **client choice**: ``SET`` and ``GET`` of one value, with ``redis`` (redis-py, with the
    ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
 2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
-   (header, checksum or MAC, one ``SET``) and its read (``head``: one ``GETRANGE`` of the header;
+   (header, checksum or MAC, ``MULTI``/``SET`` header/``APPEND`` payload/``EXEC``) and its read (``head``: one ``GETRANGE`` of the header;
    ``get_into``: one ``GET``, the check, the copy into a pool-like buffer), without a secret
    (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
    and the ratio tier / bare client.
 
 Each repetition runs every method once, in turn, so that the machine's load hits them alike.
-GB/s are 1e9 payload bytes per second. The keys are deleted at the end.
+Every method overwrites its own key at each repetition, so the server reuses its memory alike
+for all. GB/s are 1e9 payload bytes per second. The keys are deleted at the end.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
                 times.setdefault((name, "GET"), []).append(timed(lambda: got.append(c.get(k))))
                 assert len(got[0]) == size
             for name, tier in tiers.items():
-                k = b"k%d-%d" % (size, rep)
+                k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
                 keys.append(tier.remote_key(1, k))
                 times.setdefault((name, "SET"), []).append(timed(lambda: tier.put(1, k, meta, memoryview(value))))
                 ok = []
@@ -108,7 +109,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
             rate = size / statistics.median(ts) / 1e9
             ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") else ""
             print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
-    for k in keys:
+    for k in set(keys):
         glide.delete([k])
     glide.close()
     plain.close()

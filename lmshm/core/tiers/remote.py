@@ -1,7 +1,8 @@
 """The remote tier (``--remote URL``): chunks in a Valkey/Redis server or cluster, shared by hosts.
 
-One value per chunk, in one key, written with one ``SET`` (so a reader sees the old value or the
-whole new one, never a torn one): a fixed header (``_HEAD``, little-endian: magic ``LMSHMRV\\0``,
+One value per chunk, in one key, written in one transaction (``MULTI``, ``SET`` of the header,
+``APPEND`` of the payload, ``EXEC``: a reader sees the old value or the whole new one, never a
+torn one): a fixed header (``_HEAD``, little-endian: magic ``LMSHMRV\\0``,
 format version, checksum algorithm, MAC algorithm, uid, blocks per chunk, payload length, the
 key, the layout digest, the payload's checksum, and the MAC), then the payload. The key is
 ``--remote-prefix`` + the uid (8 hex digits) + ``:`` + the chunk key in hex; the chunk key already
@@ -306,7 +307,6 @@ class RemoteTier(Tier):
         self._usage = (0, 0, 0)
         self._usage_at = 0.0
         self._closed = False
-        self._local = threading.local()
 
     # ---- keys and the client ------------------------------------------------------------
     def remote_key(self, uid: int, key: bytes) -> bytes:
@@ -427,14 +427,23 @@ class RemoteTier(Tier):
         return True
 
     def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
+        """One atomic transaction (MULTI: ``SET key header``, ``APPEND key payload``, EXEC): a
+        reader sees the old value or the whole new one. The payload goes to the client straight
+        from the pool object; joining header and payload into one buffer first would cost a copy,
+        as slow as the transfer itself here (bench/remote_tier.py)."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
-        value = self._staging(HEADER_BYTES + len(data))
-        value[:HEADER_BYTES] = encode_header(uid, key, meta, self.algorithm, self.secret, data)
-        value[HEADER_BYTES:] = data
-        expiry = self._glide.ExpirySet(self._glide.ExpiryType.MILLSEC, self.ttl_ms) if self.ttl_ms else None
+        header = encode_header(uid, key, meta, self.algorithm, self.secret, data)
+        g = self._glide
+        expiry = g.ExpirySet(g.ExpiryType.MILLSEC, self.ttl_ms) if self.ttl_ms else None
+
+        def write(client: Any) -> Any:
+            batch = (g.ClusterBatch if self.target.cluster else g.Batch)(is_atomic=True)
+            batch.set(rkey, header, expiry=expiry)
+            batch.append(rkey, data)
+            return client.exec(batch, raise_on_error=True)
         try:
-            self._call(rkey, "SET", lambda c: c.set(rkey, value, expiry=expiry))
+            self._call(rkey, "SET", write)
         except _Skip:
             self.stats.add(drops=1)
             return False
@@ -442,15 +451,6 @@ class RemoteTier(Tier):
         self.stats.add(puts=1)
         self._refresh_usage()
         return True
-
-    def _staging(self, n: int) -> memoryview:
-        """This writer thread's buffer for one value (header + payload), kept between puts: a
-        fresh one would cost a page fault per 4 KiB on every put. The client copies the value
-        before ``set`` returns (the sync client owns its own copy), so the next put may reuse it."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < n:
-            buf = self._local.buf = bytearray(n)
-        return memoryview(buf)[:n]
 
     def usage(self) -> tuple[int, int, int]:
         """``(maxmemory, used_memory, keys)`` of a standalone server, as last read (at most every
