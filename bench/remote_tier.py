@@ -9,7 +9,7 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
 2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
    (header, checksum or MAC, ``MULTI``/``SET`` header/``APPEND`` payload/``EXEC``) and its read (``head``: one ``GETRANGE`` of the header;
-   ``get_into``: one ``GET``, the check, the copy into a pool-like buffer), without a secret
+   ``get_into``: one ``GETRANGE`` of the value, the check, the copy into a pool-like buffer), without a secret
    (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
    and the ratio tier / bare client.
 

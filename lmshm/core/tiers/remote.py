@@ -407,11 +407,15 @@ class RemoteTier(Tier):
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
+        # GETRANGE, not GET: at most one byte more than the value ``head`` sized the slot for, so
+        # a writer who replaced it with a huge value cannot make this thread allocate its size
+        # (a longer value then fails the length check)
+        end = HEADER_BYTES + meta.nbytes
         try:
-            value = self._call(rkey, "GET", lambda c: c.get(rkey))
+            value = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, end))
         except _Skip:
             return False
-        if value is None:                   # expired or evicted since head: a plain miss
+        if not value:                       # expired or evicted since head: a plain miss
             return False
         try:
             got, payload = check_value(value, uid, key, self.secret)

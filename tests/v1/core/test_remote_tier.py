@@ -79,7 +79,7 @@ def test_a_damaged_value_is_a_miss_never_served(valkey, damage):
         assert tier.put(1, key(2), META, memoryview(data))
         rkey = tier.remote_key(1, key(2))
         good = bytes(tier._get_client().get(rkey))
-        bad = {"truncated": good[:-1], "extended": good + b"x",
+        bad = {"truncated": good[:-1], "extended": good + b"x" * (1 << 20),
                "flipped payload": good[:-5] + bytes([good[-5] ^ 1]) + good[-4:],
                "flipped header": good[:20] + bytes([good[20] ^ 1]) + good[21:],
                "garbage": os.urandom(len(good))}[damage]
