@@ -205,18 +205,18 @@ class ReleaseReply(Message, tag=int(MsgType.RELEASE_REPLY)):
 class TierInfo(msgspec.Struct, frozen=True):
     """3.5: one storage tier below the pool (docs/design/tiers.md), as STATUS shows it."""
 
-    name: str                # "disk", later "remote"
-    capacity: int = 0        # bytes the tier may use
-    used: int = 0            # bytes it uses now (files rounded up to whole 4 KiB pages, headers included)
+    name: str                # "disk" or "remote"
+    capacity: int = 0        # bytes the tier may use (remote: the server's maxmemory; 0 = unknown or none)
+    used: int = 0            # bytes it uses now (disk: files in whole 4 KiB pages; remote: the server's used_memory)
     objects: int = 0         # chunks it holds
     hits: int = 0            # chunks LOOKUP found here (not in the pool)
     misses: int = 0          # chunks LOOKUP looked for here and did not find, or could not read in time
     promotions: int = 0      # chunks read back into the pool
     puts: int = 0            # chunks written through
     drops: int = 0           # writes not made: queue full, tier full, write failed, already held
-    errors: int = 0          # failed reads and writes (I/O errors)
-    timeouts: int = 0        # promotions not finished within the LOOKUP's bound
-    corrupt: int = 0         # chunks whose header or checksum did not match: missed and deleted
+    errors: int = 0          # failed reads and writes (I/O errors; remote: failed calls)
+    timeouts: int = 0        # promotions not finished within the LOOKUP's bound (remote: calls timed out too)
+    corrupt: int = 0         # chunks whose header, checksum or MAC did not match: missed (disk: deleted)
     evictions: int = 0       # chunks the tier dropped to stay within its capacity
     read_bytes: int = 0
     written_bytes: int = 0

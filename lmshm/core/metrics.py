@@ -29,7 +29,7 @@ _POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evi
 _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", "max_objects", "metadata_bytes",
                 "pinned_bytes", "lease_pins", "uids")
 
-# TierInfo fields (one series per tier, labelled by its name: "disk").
+# TierInfo fields (one series per tier, labelled by its name: "disk", "remote").
 _TIER_COUNTERS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
                   "read_bytes", "written_bytes", "reads", "writes", "read_seconds", "write_seconds")
 _TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit")
