@@ -82,11 +82,13 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
     print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
           f"redis-py with {parser or '-'}")
     keys = []
+    times_by_size = {}
     for size in sizes:
         value = os.urandom(size)
         meta = ChunkMeta(size, b"bench-layout", 1)
         dest = memoryview(bytearray(size))
         times: dict[tuple[str, str], list[float]] = {}
+        times_by_size[size] = times
         for rep in range(reps):
             for name, c in clients.items():
                 k = f"bench:bare:{name}:{size}".encode()
@@ -109,6 +111,15 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
             rate = size / statistics.median(ts) / 1e9
             ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") else ""
             print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
+    # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
+    # slowest whole read of the largest value above
+    k = b"k%d-tier (checksum)" % sizes[-1]
+    heads = sorted(timed(lambda: plain.head(1, k)) for _ in range(500))
+    print(f"\nhead (GETRANGE of the header): median {statistics.median(heads) * 1e3:.3f} ms, "
+          f"p99 {heads[int(len(heads) * 0.99)] * 1e3:.3f} ms, max {heads[-1] * 1e3:.3f} ms")
+    slowest = max(max(times_by_size[sizes[-1]][(name, op)]) for name in tiers for op in ("GET", "SET"))
+    print(f"slowest tier read or write of a {sizes[-1] >> 20} MiB value: {slowest * 1e3:.1f} ms "
+          f"(the default --remote-timeout is 500 ms)")
     for k in set(keys):
         glide.delete([k])
     glide.close()
