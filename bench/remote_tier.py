@@ -11,9 +11,12 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    (header, checksum or MAC, ``MULTI``/``SET`` header/``APPEND`` payload/``EXEC``) and its read (``head``: one ``GETRANGE`` of the header;
    ``get_into``: one ``GETRANGE`` of the value, the check, the copy into a pool-like buffer), without a secret
    (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
-   and the ratio tier / bare client.
+   and the ratio tier / bare client; and, for SET, the tier's write as a bare transaction
+   (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``), which
+   separates the cost of the atomic two-command write from the tier's own (checksum or MAC).
 
-Each repetition runs every method once, in turn, so that the machine's load hits them alike.
+Each repetition runs every method once, in a shuffled order: what one method leaves to the next
+(the server freeing a large value, fresh pages to fault) then falls on all of them alike.
 Every method overwrites its own key at each repetition, so the server reuses its memory alike
 for all. GB/s are 1e9 payload bytes per second. The keys are deleted at the end.
 """
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
 import time
+from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
@@ -87,29 +92,48 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
         value = os.urandom(size)
         meta = ChunkMeta(size, b"bench-layout", 1)
         dest = memoryview(bytearray(size))
+        header = bytes(224)
         times: dict[tuple[str, str], list[float]] = {}
         times_by_size[size] = times
+        jobs: list[tuple[str, str, Callable[[], None]]] = []
+        for name, c in clients.items():
+            k = f"bench:bare:{name}:{size}".encode()
+            keys.append(k)
+
+            def bare_get(c=c, k=k) -> None:
+                assert len(c.get(k)) == size
+            jobs += [(name, "SET", lambda c=c, k=k: c.set(k, value)), (name, "GET", bare_get)]
+        # the tier's write as a bare transaction (a fixed header, the same payload): what the
+        # atomic two-command write costs by itself, against one SET
+        k = f"bench:bare:multi:{size}".encode()
+        keys.append(k)
+
+        def multi(k=k) -> None:
+            batch = g.Batch(is_atomic=True)
+            batch.set(k, header)
+            batch.append(k, value)
+            glide.exec(batch, raise_on_error=True)
+        jobs.append(("glide MULTI", "SET", multi))
+        for name, tier in tiers.items():
+            k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
+            keys.append(tier.remote_key(1, k))
+
+            def tier_get(tier=tier, k=k) -> None:
+                assert tier.get_into(1, k, tier.head(1, k), dest) and dest[:64] == value[:64]
+            jobs += [(name, "SET", lambda tier=tier, k=k: tier.put(1, k, meta, memoryview(value))),
+                     (name, "GET", tier_get)]
+        for _, _, fn in jobs:                   # every key exists before the first timed GET
+            fn()
+        order = random.Random(size)
         for rep in range(reps):
-            for name, c in clients.items():
-                k = f"bench:bare:{name}:{size}".encode()
-                keys.append(k)
-                times.setdefault((name, "SET"), []).append(timed(lambda: c.set(k, value)))
-                got = []
-                times.setdefault((name, "GET"), []).append(timed(lambda: got.append(c.get(k))))
-                assert len(got[0]) == size
-            for name, tier in tiers.items():
-                k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
-                keys.append(tier.remote_key(1, k))
-                times.setdefault((name, "SET"), []).append(timed(lambda: tier.put(1, k, meta, memoryview(value))))
-                ok = []
-                times.setdefault((name, "GET"), []).append(
-                    timed(lambda: ok.append(tier.get_into(1, k, tier.head(1, k), dest))))
-                assert ok == [True] and dest[:64] == value[:64]
+            order.shuffle(jobs)                 # the server's frees and page faults hit all alike
+            for name, op, fn in jobs:
+                times.setdefault((name, op), []).append(timed(fn))
         print(f"\n{size >> 20} MiB values: GB/s (median)")
         bare = {op: size / statistics.median(times[("glide", op)]) / 1e9 for op in ("SET", "GET")}
         for (name, op), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             rate = size / statistics.median(ts) / 1e9
-            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") else ""
+            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") or "MULTI" in name else ""
             print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
     # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
     # slowest whole read of the largest value above
