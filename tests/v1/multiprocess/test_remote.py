@@ -194,3 +194,32 @@ def test_a_password_in_the_url_is_refused_and_the_message_says_where_it_goes(tmp
                           str(tmp / "fds.sock"), "--remote", "memcached://127.0.0.1:1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "redis+cluster://" in out.stderr
+
+
+@pytest.mark.parametrize("source", ["environment", "file"])
+def test_the_remote_password_comes_from_the_environment_or_a_file(start_server, start_worker, valkey_dir, tmp,
+                                                                 source):
+    from valkey_servers import ValkeyServer
+    password = os.urandom(12).hex()
+    guarded = ValkeyServer(valkey_dir / "guarded", extra=("--requirepass", password))
+    try:
+        if source == "environment":
+            os.environ["LMSHM_REMOTE_PASSWORD"] = password
+            extra: tuple[str, ...] = ()
+        else:
+            f = tmp / "password"
+            f.write_text(password + "\n")
+            f.chmod(0o600)
+            extra = ("--remote-password-file", str(f))
+        try:
+            _, a, want = stored_by_one(start_server, start_worker, guarded.url, 1, *extra)
+        finally:
+            os.environ.pop("LMSHM_REMOTE_PASSWORD", None)
+        assert tiers(a)["remote"]["errors"] == 0
+        # without the password: refused by the server, so misses and drops, and no hit
+        anonymous = start_server("--remote", guarded.url, *REMOTE)
+        b = start_worker(anonymous.url)
+        assert lookup_and_retrieve(b, [key(0)], [3]) == (0, [])
+        assert tiers(b)["remote"]["errors"] + tiers(b)["remote"]["timeouts"] >= 1
+    finally:
+        guarded.close()
