@@ -103,7 +103,7 @@ class ValkeyServer:
         deadline = time.monotonic() + 10
         while True:
             try:
-                if command(self.port, "PING", timeout_s=0.5).startswith(b"+PONG"):
+                if command(self.port, "PING", timeout_s=0.5).startswith((b"+PONG", b"-NOAUTH")):
                     return
             except OSError:
                 pass
