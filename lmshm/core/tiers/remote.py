@@ -335,15 +335,21 @@ class RemoteTier(Tier):
         return g.GlideClient.create(config)
 
     def _get_client(self) -> Any:
+        """The client, made by the first call that needs one. A call that finds another thread
+        connecting does not wait for it (that could double its bound): it is a miss."""
         client = self._client
         if client is not None:
             return client
-        with self._lock:
+        if not self._lock.acquire(blocking=False):
+            raise _Skip
+        try:
             if self._closed:
                 raise _Skip
             if self._client is None:
                 self._client = self._connect()
             return self._client
+        finally:
+            self._lock.release()
 
     def _call(self, rkey: bytes, op: str, fn: Any) -> Any:
         """Run ``fn(client)`` for ``rkey`` through the breaker; ``_Skip`` after a counted failure."""
@@ -370,9 +376,15 @@ class RemoteTier(Tier):
         self.breaker.success(group)
         return result
 
-    def _drop_client(self) -> None:
-        with self._lock:
+    def _drop_client(self, wait: bool = False) -> None:
+        """Forget a broken client (the next call makes a new one). Without ``wait``, a thread
+        that finds another one connecting leaves it be, rather than wait past its own bound."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             client, self._client = self._client, None
+        finally:
+            self._lock.release()
         if client is not None:
             try:
                 client.close()
@@ -491,9 +503,9 @@ class RemoteTier(Tier):
                                self.target.describe(), policy)
 
     def close(self) -> None:
-        with self._lock:
+        with self._lock:                    # waits for a connection in progress (at most its timeout)
             self._closed = True
-        self._drop_client()
+        self._drop_client(wait=True)
 
 
 def _text(value: Any) -> str:
