@@ -290,3 +290,27 @@ def test_a_port_nobody_listens_on_is_a_quick_miss():
         assert time.monotonic() - t0 < TIMEOUT_S + 0.5
     finally:
         tier.close()
+
+
+def test_concurrent_calls_to_a_remote_silent_since_before_the_first_connection_each_stay_within_the_bound(valkey):
+    import threading
+    valkey.pause()                               # TCP connects (the kernel's backlog); nothing answers
+    tier = tier_for(valkey.url)
+    took: list[float] = []
+
+    def call() -> None:
+        for i in range(4):
+            t0 = time.monotonic()
+            assert tier.head(1, key(i)) is None
+            took.append(time.monotonic() - t0)
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(took) == 16
+        assert max(took) < TIMEOUT_S + 0.4, f"a call waited past its bound: {sorted(took)}"
+    finally:
+        valkey.resume()
+        tier.close()
