@@ -314,3 +314,31 @@ def test_concurrent_calls_to_a_remote_silent_since_before_the_first_connection_e
     finally:
         valkey.resume()
         tier.close()
+
+
+def test_the_servers_maxmemory_evicts_and_an_unbounded_remote_is_warned_about(valkey_dir, valkey, caplog):
+    from valkey_servers import ValkeyServer
+    with caplog.at_level("WARNING", logger="lmshm.tiers.remote"):
+        unbounded = tier_for(valkey.url)
+        try:
+            assert unbounded.put(1, key(1), META, memoryview(payload(1)))
+        finally:
+            unbounded.close()
+    assert any("grow without bound" in r.getMessage() for r in caplog.records)
+    small = ValkeyServer(valkey_dir / "small", maxmemory="4mb")
+    tier = tier_for(small.url)
+    try:
+        stored = [payload(i) for i in range(40)]       # 40 x 64 KiB: more than the server keeps
+        for i, data in enumerate(stored):
+            assert tier.put(1, key(i), META, memoryview(data))
+        capacity, used, objects = tier.usage()
+        assert capacity == 4 << 20 and 0 < objects < 40
+        got = [read(tier, 1, key(i)) for i in range(40)]
+        assert got[0] is None, "the least recently used chunk was not evicted"
+        assert got[-1] == stored[-1]
+        assert all(g is None or g == s for g, s in zip(got, stored))
+        s = tier.stats.snapshot()
+        assert s["errors"] == s["corrupt"] == s["drops"] == 0
+    finally:
+        tier.close()
+        small.close()
