@@ -334,13 +334,14 @@ class RemoteTier(Tier):
             advanced_config=g.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms))
         return g.GlideClient.create(config)
 
-    def _get_client(self) -> Any:
-        """The client, made by the first call that needs one. A call that finds another thread
-        connecting does not wait for it (that could double its bound): it is a miss."""
+    def _get_client(self, wait: bool = True) -> Any:
+        """The client, made by the first call that needs one. A read that finds another thread
+        connecting does not wait for it (that could double a LOOKUP's bound): it is a miss; a
+        write (on a writer thread, in the background) waits up to the timeout for it."""
         client = self._client
         if client is not None:
             return client
-        if not self._lock.acquire(blocking=False):
+        if not self._lock.acquire(timeout=self.timeout_s) if wait else not self._lock.acquire(blocking=False):
             raise _Skip
         try:
             if self._closed:
@@ -351,13 +352,13 @@ class RemoteTier(Tier):
         finally:
             self._lock.release()
 
-    def _call(self, rkey: bytes, op: str, fn: Any) -> Any:
+    def _call(self, rkey: bytes, op: str, fn: Any, wait: bool = False) -> Any:
         """Run ``fn(client)`` for ``rkey`` through the breaker; ``_Skip`` after a counted failure."""
         group = self._group(rkey)
         if not self.breaker.allow(group):
             raise _Skip
         try:
-            result = fn(self._get_client())
+            result = fn(self._get_client(wait))
         except _Skip:
             raise
         except Exception as exc:  # noqa: BLE001 - any client failure is a miss or a drop, counted
@@ -459,7 +460,7 @@ class RemoteTier(Tier):
             batch.append(rkey, data)
             return client.exec(batch, raise_on_error=True)
         try:
-            self._call(rkey, "SET", write)
+            self._call(rkey, "SET", write, wait=True)
         except _Skip:
             self.stats.add(drops=1)
             return False
