@@ -4,8 +4,8 @@
 
 - ``write_through(objs)``, after a STORE committed them to the pool: each object is pinned in
   the pool (``Pool.hold``) and queued for each tier; two writer threads per tier
-  (``lmshm-<tier>-writer``) put it and unpin it. A queue holds at most ``queue_limit``
-  chunks and half the pool's capacity in bytes; past either the chunk is dropped for
+  (``lmshm-<tier>-writer``) put it and unpin it. A queue holds at most its ``queue_limit``
+  chunks and its share of half the pool's capacity in bytes; past either the chunk is dropped for
   that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
   evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
   disk cost dropped writes, never a full pool.
@@ -61,7 +61,9 @@ class TierStack:
         self.queue_limits = [queue_limit] * len(self.tiers) if isinstance(queue_limit, int) else list(queue_limit)
         self.timeout_s = timeout_s
         self._queues: list[queue.Queue] = [queue.Queue(maxsize=n) for n in self.queue_limits]
-        self.queue_bytes_limit = pool.capacity // 2
+        # half the pool over all tiers: the queues of a slow disk and a slow remote together
+        # never pin more than that, so STOREs keep room to evict
+        self.queue_bytes_limit = pool.capacity // (2 * max(1, len(self.tiers)))
         self._queued_bytes = [0] * len(self.tiers)
         self._bytes_lock = threading.Lock()
         self._readers = cf.ThreadPoolExecutor(readers, thread_name_prefix="lmshm-tier-read")
