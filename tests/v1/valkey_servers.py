@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Optional
@@ -202,7 +201,3 @@ def key_slot(key: bytes) -> int:
             crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
             crc &= 0xFFFF
     return crc % SLOTS
-
-
-def scratch() -> tempfile.TemporaryDirectory:
-    return tempfile.TemporaryDirectory(prefix="lmshm-valkey-test-")
