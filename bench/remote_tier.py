@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -53,11 +54,12 @@ def main() -> None:
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
 
     server = None
+    scratch = tempfile.mkdtemp(prefix="lmshm-bench-valkey-")
     if args.remote:
         url = args.remote
     else:
         from valkey_servers import ValkeyServer
-        server = ValkeyServer(tempfile.mkdtemp(prefix="lmshm-bench-valkey-"))
+        server = ValkeyServer(scratch)
         url = server.url
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     try:
@@ -65,6 +67,7 @@ def main() -> None:
     finally:
         if server is not None:
             server.close()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
