@@ -105,6 +105,14 @@ def format_status_table(status) -> str:
             + (f", {p.failed} failed" if p.failed else ""))
     else:
         lines.append("pool: none (lmshm-server --capacity 0)")
+    for t in getattr(p, "tiers", ()):   # 3.5
+        lines.append(
+            f"{t.name}: {_human_bytes(t.used)} of {_human_bytes(t.capacity)} used, {t.objects} chunk(s); "
+            f"{t.hits} hit(s), {t.misses} miss(es), {t.promotions} promoted, {t.puts} written, "
+            f"queue {t.queue_depth}/{t.queue_limit}, {t.drops} dropped, {t.errors} error(s), {t.timeouts} timeout(s), "
+            f"{t.corrupt} corrupt, {t.evictions} eviction(s)"
+            + (f"; read {t.read_seconds / t.reads * 1e3:.2f} ms mean" if t.reads else "")
+            + (f", write {t.write_seconds / t.writes * 1e3:.2f} ms mean" if t.writes else ""))
     return "\n".join(lines)
 
 

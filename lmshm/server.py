@@ -327,7 +327,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ipc_policy.set_isolated_ipc(config.isolated_ipc)
     try:
         server = Server(config)
-    except (mq.TransportError, FdChannelError) as exc:
+    except (mq.TransportError, FdChannelError, ServerError) as exc:
         print(f"lmshm-server: {exc}", file=sys.stderr)
         return 1
     try:

@@ -41,3 +41,18 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     max_pins_per_uid: Count = 1 << 20
     max_leases_per_uid: Count = 16384
+    # the local-disk tier below the pool (lmshm/core/tiers/disk.py; docs/design/tiers.md)
+    disk: str = ""                                                       # a directory; "" = no disk tier
+    disk_capacity: Annotated[int, msgspec.Meta(ge=0, le=1 << 60)] = 0    # bytes; required with disk
+    disk_queue: Count = 256            # chunks waiting to be written through; more are dropped (counted)
+    disk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5   # longest a LOOKUP waits for promotions
+    disk_checksum: str = "auto"        # auto (xxh3 if installed, else crc32), xxh3, blake2b, crc32
+    # the remote tier below the disk (lmshm/core/tiers/remote.py; docs/design/tiers.md). Credentials
+    # are never settings: LMSHM_REMOTE_USERNAME / LMSHM_REMOTE_PASSWORD or remote_password_file
+    remote: str = ""                   # redis://, rediss://, redis+cluster://; "" = no remote tier
+    remote_prefix: Annotated[str, msgspec.Meta(max_length=256)] = "lmshm:"   # first part of every key
+    remote_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=1 << 31)] = 0.0     # 0 = no TTL (maxmemory evicts)
+    remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5     # every remote call, at most
+    remote_queue: Count = 256          # chunks waiting to be written to the remote; more are dropped (counted)
+    remote_secret_file: str = ""       # a key for HMAC-SHA256 over every value; "" = checksum only
+    remote_password_file: str = ""     # the remote's password (AUTH), instead of LMSHM_REMOTE_PASSWORD

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Hashable
+import time
+from typing import Any, Callable, Hashable, Sequence
 
 from lmshm.core.copier import (
     BlockLayout,
@@ -33,6 +34,7 @@ from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
+from lmshm.core.tiers.stack import TierStack
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.dataplane")
@@ -73,7 +75,9 @@ class DataPlane:
                  max_inflight_per_session: int, max_leases_per_session: int, reply: Reply,
                  cuda_sync: Any = None, through_files: bool = True, max_objects: int = 0,
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
-                 max_leases_per_uid: int = 1 << 30, pool_huge_pages: bool = True, prefault_pool: bool = False) -> None:
+                 max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
+                 tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
+                 prefault_pool: bool = False) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool)
@@ -86,6 +90,8 @@ class DataPlane:
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
         self.through_files = through_files  # named shm: preadv/pwritev (SIGBUS-safe), else memmove
+        # the tiers below the pool (core/tiers): written through after STORE, promoted by LOOKUP
+        self.tiers = TierStack(self.pool, tiers, queue_limit=tier_queue, timeout_s=tier_timeout_s) if tiers else None
 
     # ---- validation, on the loop --------------------------------------------------------
     def _owned(self, session: Any, instance_id: str, what: str) -> Any:
@@ -237,6 +243,8 @@ class DataPlane:
                                                    f"{sum(r == Reservation.STORED for r in results[:-1])} earlier "
                                                    "chunk(s) were stored, this and later ones were not")
             self.pool.commit([obj])
+            if self.tiers is not None:
+                self.tiers.write_through([obj])
             copied += size
         return protocol.StoreReply(results, copied)
 
@@ -323,6 +331,8 @@ class DataPlane:
                 logger.warning("lmshm: CUDA STORE from %s failed on the GPU: %s", quote(reg.instance_id, 60), exc)
                 return
             self.pool.commit(objs)
+            if self.tiers is not None:
+                self.tiers.write_through(objs)
 
         return _Then(protocol.StoreReply(results, size * len(objs), handle), after)
 
@@ -364,7 +374,7 @@ class DataPlane:
                 self.registry.let_go(reg)
         return cancel
 
-    def lookup(self, session: Any, req: protocol.Lookup) -> protocol.LookupReply:
+    def lookup(self, session: Any, req: protocol.Lookup) -> Any:
         if not self.pool.capacity:
             return protocol.LookupReply(0, b"", 0.0)
         lengths = {len(k) for k in req.keys}
@@ -383,8 +393,33 @@ class DataPlane:
                                  f"LOOKUP: uid {uid} holds {self.max_leases_per_uid} leases over all its sessions, the "
                                  "server's limit (lmshm-server --max-leases-per-uid); RELEASE or RETRIEVE them")
         ttl = min(req.ttl_s or self.lease_ttl_s, self.lease_ttl_s)
+        if (self.tiers is not None and self.copier.pending(session.id) < self.max_inflight
+                and not self.pool.all_visible(uid, req.keys)):
+            return self._lookup_tiers(session, req, uid, ttl)
         hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
         return protocol.LookupReply(hits, lease, ttl if hits else 0.0)
+
+    def _lookup_tiers(self, session: Any, req: protocol.Lookup, uid: int, ttl: float) -> Deferred:
+        """A LOOKUP with tiers below the pool: on a copier thread, promote the chunks found only
+        below (at most ``tier_timeout_s``), then pin the pool's leading chunks under a lease.
+        A LOOKUP waits at most that long for a tier, and never on the loop."""
+        deadline = time.monotonic() + self.tiers.timeout_s
+
+        def job(identity: bytes, rid: bytes) -> None:
+            if session.ended:
+                self._reply(identity, rid, _error(ErrorCode.UNAVAILABLE, "LOOKUP: the session ended"))
+                return
+            held = self.tiers.promote(uid, req.keys, deadline)
+            try:
+                hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
+            finally:
+                held.release()
+            self._reply(identity, rid, protocol.LookupReply(hits, lease, ttl if hits else 0.0))
+
+        def cancel(identity: bytes, rid: bytes) -> None:
+            self._reply(identity, rid, _error(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down"))
+
+        return Deferred(session.id, job, cancel)
 
     def release(self, session: Any, req: protocol.Release) -> protocol.ReleaseReply:
         return protocol.ReleaseReply(self.pool.release_lease(req.lease, session.peer.uid))
@@ -398,11 +433,14 @@ class DataPlane:
         self.pool.expire()
 
     def info(self) -> protocol.PoolInfo:
-        return protocol.PoolInfo(**self.pool.info())
+        tiers = self.tiers.info() if self.tiers is not None else []
+        return protocol.PoolInfo(**self.pool.info(), tiers=tiers)
 
     def shutdown(self) -> None:
         """Cancel queued copies, wait for running ones, drop the pool."""
         self.copier.shutdown()
+        if self.tiers is not None and not self.tiers.close():
+            return                          # a tier's thread is stuck on the pool's bytes: keep it mapped
         if self._cuda_sync is not None and hasattr(self._cuda_sync, "unpin_all"):
             try:
                 self._cuda_sync.unpin_all([self.pool.tensor])

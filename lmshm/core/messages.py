@@ -202,6 +202,32 @@ class ReleaseReply(Message, tag=int(MsgType.RELEASE_REPLY)):
     released: bool           # False: the lease had already ended
 
 
+class TierInfo(msgspec.Struct, frozen=True):
+    """3.5: one storage tier below the pool (docs/design/tiers.md), as STATUS shows it."""
+
+    name: str                # "disk" or "remote"
+    capacity: int = 0        # bytes the tier may use (remote: the server's maxmemory; 0 = unknown or none)
+    used: int = 0            # bytes it uses now (disk: files in whole 4 KiB pages; remote: the server's used_memory)
+    objects: int = 0         # chunks it holds
+    hits: int = 0            # chunks LOOKUP found here (not in the pool)
+    misses: int = 0          # chunks LOOKUP looked for here and did not find, or could not read in time
+    promotions: int = 0      # chunks read back into the pool
+    puts: int = 0            # chunks written through
+    drops: int = 0           # writes not made: queue full, tier full, write failed, already held
+    errors: int = 0          # failed reads and writes (I/O errors; remote: failed calls)
+    timeouts: int = 0        # promotions not finished within the LOOKUP's bound (remote: calls timed out too)
+    corrupt: int = 0         # chunks whose header, checksum or MAC did not match: missed (disk: deleted)
+    evictions: int = 0       # chunks the tier dropped to stay within its capacity
+    read_bytes: int = 0
+    written_bytes: int = 0
+    reads: int = 0
+    writes: int = 0
+    read_seconds: float = 0.0    # total time of the reads (mean latency = read_seconds / reads)
+    write_seconds: float = 0.0
+    queue_depth: int = 0     # write-throughs waiting
+    queue_limit: int = 0
+
+
 class PoolInfo(msgspec.Struct, frozen=True):
     capacity: int            # bytes; 0 = no data plane
     used: int                # bytes charged for objects, stored and in flight: extents and bookkeeping
@@ -224,6 +250,7 @@ class PoolInfo(msgspec.Struct, frozen=True):
     lease_pins: int = 0      # pins the leases hold (each lease pins each of its objects once)
     pins_capped: int = 0     # chunks LOOKUP found but did not pin: a per-uid cap
     uids: int = 0            # uids holding objects or leases
+    tiers: list[TierInfo] = []   # 3.5: the tiers below the pool, top first (none without --disk)
 
 
 class ErrorReply(Message, tag=int(MsgType.ERROR)):

@@ -29,6 +29,11 @@ _POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evi
 _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", "max_objects", "metadata_bytes",
                 "pinned_bytes", "lease_pins", "uids")
 
+# TierInfo fields (one series per tier, labelled by its name: "disk", "remote").
+_TIER_COUNTERS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
+                  "read_bytes", "written_bytes", "reads", "writes", "read_seconds", "write_seconds")
+_TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit")
+
 
 class Metrics:
     """``registry``: the core's ``Registry``; ``pool_info``: returns the data plane's ``PoolInfo``."""
@@ -106,3 +111,16 @@ class _StateCollector:
         for name in _POOL_COUNTERS:
             yield CounterMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')} so far",
                                       value=getattr(pool, name))
+        tiers = getattr(pool, "tiers", [])
+        for name in _TIER_GAUGES:
+            family = GaugeMetricFamily(f"lmshm_tier_{name}", f"Tier below the pool: {name.replace('_', ' ')}",
+                                       labels=("tier",))
+            for t in tiers:
+                family.add_metric((t.name,), getattr(t, name))
+            yield family
+        for name in _TIER_COUNTERS:
+            family = CounterMetricFamily(f"lmshm_tier_{name}", f"Tier below the pool: {name.replace('_', ' ')} so far",
+                                         labels=("tier",))
+            for t in tiers:
+                family.add_metric((t.name,), getattr(t, name))
+            yield family

@@ -722,6 +722,24 @@ class Pool:
         with self._lock:
             self.failed += 1
 
+    # ---- hooks of the tiers below the pool (core/tiers/stack.py) --------------------------
+    def hold(self, uid: int, key: bytes) -> Optional[tuple]:
+        """Pin the visible object ``(uid, key)`` and return it (None if there is none): a
+        write-through reads it, or a LOOKUP keeps it while it promotes later chunks. End
+        with ``unpin([obj], retrieved=False)``."""
+        with self._lock:
+            t = self._tenants.get(uid)
+            obj = t.visible(key) if t is not None else None
+            if obj is not None:
+                self._pin(t, obj)
+            return obj
+
+    def all_visible(self, uid: int, keys: list[list[bytes]]) -> bool:
+        """Whether every key of every rank is visible: a LOOKUP the tiers need not see."""
+        with self._lock:
+            t = self._tenants.get(uid)
+            return t is not None and all(t.visible(k) is not None for rank_keys in keys for k in rank_keys)
+
     # ---- introspection: counters only, whatever the pool holds ---------------------------
     def info(self) -> dict[str, int]:
         with self._lock:

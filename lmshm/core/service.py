@@ -32,6 +32,7 @@ thread.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 import time
@@ -104,13 +105,70 @@ class Core:
         self._lock = threading.Lock()
         self._stopped = False
         c = self.config
-        self.dataplane = DataPlane(
+        tiers = self._open_tiers(c)
+        try:
+            self.dataplane = self._data_plane(c, reply, tiers)
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+
+    def _data_plane(self, c: CoreConfig, reply: Optional[Reply], tiers: list) -> DataPlane:
+        return DataPlane(
             registry=self.registry, capacity=c.capacity, copy_threads=c.copy_threads, lease_ttl_s=c.lease_ttl_s,
             max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
             reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
             max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
             max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
+            tiers=tiers, tier_queue=[c.disk_queue if t.name == "disk" else c.remote_queue for t in tiers],
+            tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
             pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool)
+
+    @classmethod
+    def _open_tiers(cls, c: CoreConfig) -> list:
+        """The tiers below the pool that the settings ask for, top first (docs/design/tiers.md)."""
+        tiers = [] if not c.disk else [cls._open_disk(c)]
+        if c.remote:
+            try:
+                tiers.append(cls._open_remote(c))
+            except BaseException:
+                for tier in tiers:
+                    tier.close()
+                raise
+        return tiers
+
+    @staticmethod
+    def _open_disk(c: CoreConfig) -> Any:
+        if not c.capacity:
+            raise ServerError(ErrorCode.INVALID_ARG, "--disk needs a pool: it was given with --capacity 0")
+        if not c.disk_capacity:
+            raise ServerError(ErrorCode.INVALID_ARG, f"--disk {quote(c.disk, 80)} needs --disk-capacity SIZE "
+                                                     "(e.g. 100GiB): the most the tier may use on that disk")
+        from lmshm.core.tiers.disk import DiskTier
+
+        try:
+            return DiskTier(c.disk, c.disk_capacity, checksum=c.disk_checksum)
+        except (OSError, ValueError, ImportError) as exc:
+            raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the disk tier: {exc}") from None
+
+    @staticmethod
+    def _open_remote(c: CoreConfig) -> Any:
+        """The remote tier; its credentials come from the environment or files, never settings."""
+        if not c.capacity:
+            raise ServerError(ErrorCode.INVALID_ARG, "--remote needs a pool: it was given with --capacity 0")
+        from lmshm.core.tiers.remote import MIN_SECRET_BYTES, RemoteTier, read_secret_file
+
+        try:
+            secret = read_secret_file(c.remote_secret_file, "--remote-secret-file", MIN_SECRET_BYTES) \
+                if c.remote_secret_file else None
+            password = os.environ.get("LMSHM_REMOTE_PASSWORD", "")
+            if c.remote_password_file:
+                password = read_secret_file(c.remote_password_file, "--remote-password-file").decode()
+            return RemoteTier(c.remote, prefix=c.remote_prefix, ttl_s=c.remote_ttl_s, timeout_s=c.remote_timeout_s,
+                              secret=secret, username=os.environ.get("LMSHM_REMOTE_USERNAME", ""),
+                              password=password, checksum=c.disk_checksum)
+        except (OSError, ValueError, ImportError, UnicodeDecodeError) as exc:
+            raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the remote tier: {exc}") from None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "Core":

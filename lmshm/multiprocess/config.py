@@ -176,6 +176,46 @@ SETTINGS: tuple[Setting, ...] = (
             "default 1048576, about 8 bytes each)", "N"),
     Setting("max_leases_per_uid", "--max-leases-per-uid", "LMSHM_MAX_LEASES_PER_UID", "max_leases_per_uid",
             "LOOKUP leases one uid may hold at once, over all its sessions (default 16384)", "N"),
+    Setting("disk", "--disk", "LMSHM_DISK", "disk",
+            "keep chunks in this directory too, below the pool: STOREs are written through in the background, a "
+            "LOOKUP reads back what the pool lost, and what was stored before a restart is found after it. One file "
+            "per chunk, checked on read (docs/design/tiers.md). The directory must be the server's own, not "
+            "writable by others, one server each (default: no disk tier)", "DIR"),
+    Setting("disk_capacity", "--disk-capacity", "LMSHM_DISK_CAPACITY", "disk_capacity",
+            "bytes the disk tier may use, e.g. 100GiB (required with --disk); least recently used chunks are "
+            "deleted past 95%% of it, down to 90%%", "SIZE", "size"),
+    Setting("disk_queue", "--disk-queue", "LMSHM_DISK_QUEUE", "disk_queue",
+            "stored chunks waiting to be written to disk (each stays pinned in the pool until written); more are "
+            "not written, and counted as drops (default 256)", "N"),
+    Setting("disk_timeout_s", "--disk-timeout", "LMSHM_DISK_TIMEOUT", "disk_timeout",
+            "longest a LOOKUP waits for chunks read back from disk, in seconds; what is not read by then is a "
+            "miss (default 0.5)", "SECONDS"),
+    Setting("disk_checksum", "--disk-checksum", "LMSHM_DISK_CHECKSUM", "disk_checksum",
+            "checksum of each chunk file: auto (xxh3-128 if the xxhash package is installed, else CRC-32), xxh3, "
+            "blake2b or crc32; any of them is read back (default auto)", "NAME"),
+    Setting("remote", "--remote", "LMSHM_REMOTE", "remote",
+            "keep chunks in a Valkey/Redis server too, shared with other hosts: redis://HOST[:PORT][/DB], "
+            "rediss://... (TLS), or a cluster as redis+cluster://HOST:PORT[,HOST:PORT...] (rediss+cluster:// with "
+            "TLS). STOREs are written through in the background; a LOOKUP reads back what the pool and the disk "
+            "lack. No password in the URL: LMSHM_REMOTE_USERNAME, LMSHM_REMOTE_PASSWORD or "
+            "--remote-password-file (default: no remote tier)", "URL"),
+    Setting("remote_prefix", "--remote-prefix", "LMSHM_REMOTE_PREFIX", "remote_prefix",
+            "first part of every remote key, one per deployment (default lmshm:)", "PREFIX"),
+    Setting("remote_ttl_s", "--remote-ttl", "LMSHM_REMOTE_TTL", "remote_ttl",
+            "expire remote values after this many seconds (default 0: never; the server's maxmemory policy "
+            "evicts, and should be an allkeys-* one)", "SECONDS"),
+    Setting("remote_timeout_s", "--remote-timeout", "LMSHM_REMOTE_TIMEOUT", "remote_timeout",
+            "longest any remote call may take, in seconds: a slow or dead remote is a miss by then, and after 3 "
+            "failures in a row it is skipped for a back-off of 1 s doubling to 30 s (default 0.5)", "SECONDS"),
+    Setting("remote_queue", "--remote-queue", "LMSHM_REMOTE_QUEUE", "remote_queue",
+            "stored chunks waiting to be written to the remote (each stays pinned in the pool until written); "
+            "more are not written, and counted as drops (default 256)", "N"),
+    Setting("remote_secret_file", "--remote-secret-file", "LMSHM_REMOTE_SECRET_FILE", "remote_secret_file",
+            "a file (mode 600, at least 16 bytes) with a secret shared by the servers of one deployment: every "
+            "remote value then carries an HMAC-SHA256 under it, checked before a byte reaches the pool, and a "
+            "value without a valid one is a miss (default: a checksum only)", "PATH"),
+    Setting("remote_password_file", "--remote-password-file", "LMSHM_REMOTE_PASSWORD_FILE", "remote_password_file",
+            "a file (mode 600) holding the remote's password, instead of LMSHM_REMOTE_PASSWORD", "PATH"),
     Setting("http_port", "--http-port", "LMSHM_HTTP_PORT", "http_port",
             "serve Triton's HTTP/REST health, metadata and shared-memory routes and Prometheus /metrics on this "
             "port (default off; 0 picks a free port)", "N"),

@@ -234,6 +234,29 @@ def test_every_message_encodes_to_the_same_bytes_as_protocol_3_3():
         if isinstance(m, p.RegisterKVCache):  # the wrapper's pickle is its own: compare the frame around it
             raw = msgspec.msgpack.decode(data, ext_hook=lambda c, b: msgspec.msgpack.Ext(c, b"WRAPPER"))
             data = msgspec.msgpack.encode(raw)
+        if isinstance(m, p.StatusReply):   # 3.5 added pool.tiers (empty here): the rest is 3.3's bytes
+            raw = msgspec.msgpack.decode(data)
+            assert raw["pool"].pop("tiers") == []
+            data = msgspec.msgpack.encode(raw)
         assert data.hex() == WIRE_3_3[type(m).__name__], type(m).__name__
-    # 3.4 added STATUS's optional fields and STATUS_PAGE_REPLY; every 3.3 message keeps its bytes
-    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 4)
+    # 3.4 added STATUS's optional fields and STATUS_PAGE_REPLY; every 3.3 message keeps its bytes,
+    # 3.5 added pool.tiers (taken out above: the rest of STATUS_REPLY is 3.3's bytes)
+    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 5)
+
+
+def test_a_3_3_status_decodes_as_3_5_and_a_3_3_pool_reads_a_3_5_one():
+    """Minor 5 added ``pool.tiers``: an older server's STATUS has none, and an older client's
+    ``PoolInfo`` (no ``tiers`` field) ignores them."""
+    p = protocol
+    old = codec.decode_reply(bytes.fromhex(WIRE_3_3["StatusReply"]))
+    assert old.pool.tiers == [] and old.pool.uids == 2
+
+    class PoolInfo33(msgspec.Struct, frozen=True):
+        capacity: int
+        used: int
+        uids: int = 0
+
+    tier = p.TierInfo("disk", capacity=1 << 30, used=8192, objects=1, promotions=3)
+    new = msgspec.structs.replace(old.pool, tiers=[tier])
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=PoolInfo33) == PoolInfo33(1 << 30, 4096, 2)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=p.PoolInfo).tiers == [tier]

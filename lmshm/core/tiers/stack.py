@@ -1,0 +1,273 @@
+"""The tiers below the pool, as the data plane uses them: write-through and promotion.
+
+``TierStack(pool, tiers, queue_limit=..., timeout_s=...)``:
+
+- ``write_through(objs)``, after a STORE committed them to the pool: each object is pinned in
+  the pool (``Pool.hold``) and queued for each tier; two writer threads per tier
+  (``lmshm-<tier>-writer``) put it and unpin it. A queue holds at most its ``queue_limit``
+  chunks and its share of half the pool's capacity in bytes; past either the chunk is dropped for
+  that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
+  evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
+  disk cost dropped writes, never a full pool.
+- ``promote(uid, keys, deadline)``, for a LOOKUP (on a copier thread, never on an endpoint's
+  loop): the leading chunks that every rank has in the pool or in some tier; the ones only in
+  a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
+  commit) and kept pinned until the LOOKUP has pinned them under its lease. It waits for the
+  reads at most until ``deadline``: a chunk not read by then ends the promoted prefix (a
+  ``timeouts`` count); its read finishes in the background and is committed then (or
+  dropped), so a slow tier costs misses, never a stalled request. RETRIEVE only ever sees
+  the pool, so it never waits on a tier and never returns part of a chunk.
+
+The easy thing to get wrong: a promotion reserves pool space, and reserving may evict. The
+LOOKUP's own chunks must not be evicted by its later promotions, so every chunk of the prefix
+is held (pinned) from the moment it is found or committed until ``release`` runs after the
+LOOKUP has pinned them under its lease.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import queue
+import threading
+import time
+from typing import Any, Optional, Sequence, Union
+
+from lmshm.core.pool import BLOCKS, KEY, LAYOUT, NBYTES, OFFSET, UID, Pool, Reservation
+from lmshm.core.tiers.base import ChunkMeta, Tier
+
+logger = logging.getLogger("lmshm.tiers")
+
+
+class Promotion:
+    """What ``promote`` leaves pinned for the LOOKUP; ``release()`` once it has its lease."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.held: list[tuple] = []
+
+    def release(self) -> None:
+        if self.held:
+            self.pool.unpin(self.held, retrieved=False)
+            self.held = []
+
+
+class TierStack:
+    def __init__(self, pool: Pool, tiers: Sequence[Tier], *, queue_limit: Union[int, Sequence[int]],
+                 timeout_s: float, readers: int = 2, writers: int = 2) -> None:
+        self.pool = pool
+        self.tiers = list(tiers)
+        # one limit for every tier, or one per tier (--disk-queue, --remote-queue)
+        self.queue_limits = [queue_limit] * len(self.tiers) if isinstance(queue_limit, int) else list(queue_limit)
+        self.timeout_s = timeout_s
+        self._queues: list[queue.Queue] = [queue.Queue(maxsize=n) for n in self.queue_limits]
+        # half the pool over all tiers: the queues of a slow disk and a slow remote together
+        # never pin more than that, so STOREs keep room to evict
+        self.queue_bytes_limit = pool.capacity // (2 * max(1, len(self.tiers)))
+        self._queued_bytes = [0] * len(self.tiers)
+        self._bytes_lock = threading.Lock()
+        self._readers = cf.ThreadPoolExecutor(readers, thread_name_prefix="lmshm-tier-read")
+        self._busy = threading.Condition()     # reads submitted and not finished
+        self._reading = 0
+        self._closed = False
+        self._writers = [threading.Thread(target=self._write_loop, args=(t, q), name=f"lmshm-{t.name}-writer",
+                                          daemon=True) for t, q in zip(self.tiers, self._queues) for _ in range(writers)]
+        for w in self._writers:
+            w.start()
+
+    # ---- write-through ------------------------------------------------------------------
+    def write_through(self, objs: Sequence[tuple]) -> None:
+        if self._closed:
+            return
+        for i, (tier, q) in enumerate(zip(self.tiers, self._queues)):
+            for obj in objs:
+                with self._bytes_lock:
+                    room = self._queued_bytes[i] + obj[NBYTES] <= self.queue_bytes_limit
+                    if room:
+                        self._queued_bytes[i] += obj[NBYTES]
+                if not room:
+                    tier.stats.add(drops=1)
+                    continue
+                held = self.pool.hold(obj[UID], obj[KEY])
+                try:
+                    if held is not obj:             # evicted or replaced already
+                        raise LookupError
+                    q.put_nowait((i, obj))
+                except (queue.Full, LookupError) as why:
+                    if held is not None:
+                        self.pool.unpin([held], retrieved=False)
+                    self._unqueue(i, obj)
+                    if isinstance(why, queue.Full):
+                        tier.stats.add(drops=1)
+
+    def _unqueue(self, i: int, obj: tuple) -> None:
+        with self._bytes_lock:
+            self._queued_bytes[i] -= obj[NBYTES]
+
+    def _write_loop(self, tier: Tier, q: queue.Queue) -> None:
+        while True:
+            try:
+                item = q.get(timeout=0.1)
+            except queue.Empty:
+                if self._closed:
+                    return
+                continue
+            i, obj = item
+            if self._closed:                    # shutting down: dropped, as close() drops the queue
+                self.pool.unpin([obj], retrieved=False)
+                self._unqueue(i, obj)
+                tier.stats.add(drops=1)
+                continue
+            try:
+                data = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
+                tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data)
+            except Exception:  # noqa: BLE001 - a tier's bug drops one chunk, never the writer
+                tier.stats.add(drops=1, errors=1)
+                logger.exception("lmshm: the %s tier failed a write-through", tier.name)
+            finally:
+                self.pool.unpin([obj], retrieved=False)
+                self._unqueue(i, obj)
+
+    # ---- promotion ----------------------------------------------------------------------
+    def promote(self, uid: int, keys: list[list[bytes]], deadline: float) -> Promotion:
+        """Make the leading chunks that every rank has somewhere visible in the pool, held,
+        as far as ``deadline`` allows (see the module docstring)."""
+        done = Promotion(self.pool)
+        n = min(len(k) for k in keys) if keys else 0
+        budget = int(self.pool.capacity * self.pool.max_pinned_fraction_per_uid)
+        reads: list[tuple[cf.Future, tuple, Tier]] = []
+        seen: set[bytes] = set()
+        stop = False
+        for i in range(n):
+            for rank_keys in keys:
+                key = rank_keys[i]
+                if key in seen:
+                    continue
+                seen.add(key)
+                obj = self.pool.hold(uid, key)
+                if obj is not None:
+                    done.held.append(obj)
+                    continue
+                found = self._find(uid, key, deadline)
+                if found is None:
+                    stop = True
+                    break
+                tier, meta = found
+                budget -= meta.nbytes
+                outcome, obj = self.pool.reserve(uid, key, meta.nbytes, meta.layout, meta.blocks) \
+                    if budget >= 0 else (Reservation.NO_SPACE, None)
+                if obj is None:
+                    stop = True                     # no room, or a STORE of it is in flight
+                    break
+                dest = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
+                reads.append((self._submit_read(tier, uid, key, meta, dest), obj, tier))
+            if stop:
+                break
+        failed = False
+        for fut, obj, tier in reads:
+            if failed:
+                fut.add_done_callback(self._finish_late(obj, tier))
+                continue
+            try:
+                ok = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except cf.TimeoutError:
+                tier.stats.add(timeouts=1)
+                fut.add_done_callback(self._finish_late(obj, tier))
+                failed = True
+                continue
+            except Exception:  # noqa: BLE001 - a tier's bug is a miss
+                logger.exception("lmshm: the %s tier failed a read", tier.name)
+                ok = False
+            if ok:
+                self._commit_held(obj, tier, done)
+            else:
+                self.pool.abort([obj])
+                tier.stats.add(misses=1)
+                failed = True
+        return done
+
+    def _submit_read(self, tier: Tier, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> cf.Future:
+        with self._busy:
+            self._reading += 1
+
+        def read() -> bool:
+            try:
+                return tier.get_into(uid, key, meta, dest)
+            finally:
+                with self._busy:
+                    self._reading -= 1
+                    self._busy.notify_all()
+        try:
+            return self._readers.submit(read)
+        except RuntimeError:                    # closed meanwhile: a miss
+            with self._busy:
+                self._reading -= 1
+            failed: cf.Future = cf.Future()
+            failed.set_result(False)
+            return failed
+
+    def _find(self, uid: int, key: bytes, deadline: float) -> Optional[tuple[Tier, ChunkMeta]]:
+        for tier in self.tiers:
+            if time.monotonic() >= deadline:    # a slow tier's lookups used the LOOKUP's time up
+                tier.stats.add(timeouts=1)
+                return None
+            meta = tier.head(uid, key)
+            if meta is not None:
+                tier.stats.add(hits=1)
+                return tier, meta
+        if self.tiers:
+            self.tiers[-1].stats.add(misses=1)
+        return None
+
+    def _commit_held(self, obj: tuple, tier: Tier, done: Promotion) -> None:
+        self.pool.commit([obj])
+        tier.stats.add(promotions=1)
+        held = self.pool.hold(obj[UID], obj[KEY])
+        if held is not None:
+            done.held.append(held)
+
+    def _finish_late(self, obj: tuple, tier: Tier) -> Any:
+        def finish(fut: cf.Future) -> None:
+            if not fut.cancelled() and fut.exception() is None and fut.result():
+                self.pool.commit([obj])
+                tier.stats.add(promotions=1)
+            else:
+                self.pool.abort([obj])
+        return finish
+
+    # ---- state and lifecycle ------------------------------------------------------------
+    def info(self) -> list:
+        return [t.info(q.qsize(), n) for t, q, n in zip(self.tiers, self._queues, self.queue_limits)]
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the writers (queued write-throughs are dropped), wait for reads in progress,
+        close the tiers. Before the pool is released: the threads read and write its bytes.
+        False if a read or write was still stuck (a hung medium) after ``timeout_s``: then the
+        pool must stay mapped, or that thread would fault when the medium wakes up."""
+        if self._closed:
+            return True
+        self._closed = True
+        for tier, q in zip(self.tiers, self._queues):
+            while True:
+                try:
+                    item = q.get_nowait()
+                except queue.Empty:
+                    break
+                self.pool.unpin([item[1]], retrieved=False)
+                self._unqueue(*item)
+                tier.stats.add(drops=1)
+        deadline = time.monotonic() + timeout_s
+        for w in self._writers:
+            w.join(max(0.0, deadline - time.monotonic()))
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        with self._busy:
+            self._busy.wait_for(lambda: self._reading == 0, max(0.0, deadline - time.monotonic()))
+            stuck = self._reading
+        stuck += sum(w.is_alive() for w in self._writers)
+        if stuck:
+            logger.error("lmshm: %d tier read(s) or write(s) still stuck after %g s at shutdown; the pool stays "
+                         "mapped until the process exits", stuck, timeout_s)
+            return False
+        for tier in self.tiers:
+            tier.close()
+        return True

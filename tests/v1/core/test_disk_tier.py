@@ -1,0 +1,337 @@
+"""The disk tier and the tier stack without an endpoint: real files in a temp directory, real
+processes for concurrent writers. (End to end, through a real lmshm-server and workers:
+tests/v1/multiprocess/test_tiers.py.)"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from lmshm.core.pool import NBYTES, OFFSET, Pool, Reservation
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.disk import HEADER_BYTES, DiskTier, BadFile, file_bytes, read_file, write_file
+from lmshm.core.tiers.stack import TierStack
+
+META = ChunkMeta(10_000, b"L" * 16, 2)
+
+
+_CYCLE = bytes(range(251)) * 2
+
+
+def payload(seed: int, n: int = META.nbytes) -> bytes:
+    """``n`` bytes that differ for every seed (a rotation of 0..250)."""
+    start = seed * 7 % 251
+    return (_CYCLE[start:start + 251] * (n // 251 + 1))[:n]
+
+
+@pytest.fixture
+def disk_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "disk"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_a_chunk_round_trips_and_another_uid_never_sees_it(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        assert tier.put(7, b"k0", META, memoryview(payload(1)))
+        dest = bytearray(META.nbytes)
+        assert tier.get_into(7, b"k0", META, memoryview(dest)) and bytes(dest) == payload(1)
+        assert tier.contains(7, [b"k0", b"k1"]) == 1 and tier.contains(8, [b"k0"]) == 0
+        assert not tier.get_into(8, b"k0", META, memoryview(dest))
+        assert tier.head(7, b"k0") == META and tier.head(8, b"k0") is None
+        s = tier.stats.snapshot()
+        assert s["puts"] == 1 and s["reads"] == 1 and s["read_bytes"] == META.nbytes
+    finally:
+        tier.close()
+
+
+def test_a_restart_rebuilds_the_index_and_removes_temp_files(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    for i in range(5):
+        tier.put(0, bytes([i]) * 16, META, memoryview(payload(i)))
+    used = tier.usage()
+    tier.close()
+    stale = Path(tier.path_of(0, bytes([0]) * 16)).parent / ".tmp-1-dead"
+    stale.write_bytes(b"half a chunk")
+    again = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        assert again.usage() == used and not stale.exists()
+        dest = bytearray(META.nbytes)
+        assert again.get_into(0, bytes([3]) * 16, META, memoryview(dest)) and bytes(dest) == payload(3)
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("damage", ["flip-payload", "truncate", "flip-header", "other-key"])
+def test_a_damaged_file_is_a_miss_and_is_deleted(disk_dir, damage):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        tier.put(0, b"good", META, memoryview(payload(1)))
+        tier.put(0, b"else", META, memoryview(payload(2)))
+        path = Path(tier.path_of(0, b"good"))
+        raw = bytearray(path.read_bytes())
+        if damage == "flip-payload":
+            raw[HEADER_BYTES + 5000] ^= 1
+        elif damage == "truncate":
+            raw = raw[:HEADER_BYTES + 100]
+        elif damage == "flip-header":
+            raw[20] ^= 1
+        else:
+            raw = bytearray(Path(tier.path_of(0, b"else")).read_bytes())
+        path.write_bytes(raw)
+        dest = bytearray(META.nbytes)
+        assert not tier.get_into(0, b"good", META, memoryview(dest))
+        assert not path.exists() and tier.contains(0, [b"good"]) == 0
+        assert tier.stats.snapshot()["corrupt"] == 1
+        assert tier.get_into(0, b"else", META, memoryview(dest)) and bytes(dest) == payload(2)
+    finally:
+        tier.close()
+
+
+def test_usage_stays_within_capacity_under_churn_and_pending_reads_are_not_evicted(disk_dir):
+    capacity = 10 * file_bytes(META.nbytes)
+    tier = DiskTier(str(disk_dir), capacity)
+    try:
+        tier.put(0, b"kept", META, memoryview(payload(0)))
+        with tier._lock:
+            tier._index[(0, b"kept")].readers += 1       # as a read in progress holds it
+        for i in range(30 * 3):                          # 3x overfill, three times over
+            tier.put(0, i.to_bytes(4, "big"), META, memoryview(payload(i)))
+            assert tier.usage()[1] <= capacity
+        on_disk = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file() and f.name != ".lock")
+        assert on_disk <= capacity and tier.stats.snapshot()["evictions"] > 0
+        assert tier.contains(0, [b"kept"]) == 1
+    finally:
+        tier.close()
+
+
+def test_a_second_server_cannot_open_the_same_directory(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        with pytest.raises(OSError, match="in use by another lmshm-server"):
+            DiskTier(str(disk_dir), 1 << 20)
+    finally:
+        tier.close()
+
+
+def test_a_directory_others_may_write_is_refused(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    d.chmod(0o777)
+    with pytest.raises(PermissionError, match="writable by others"):
+        DiskTier(str(d), 1 << 20)
+
+
+def test_a_failing_write_is_dropped_and_counted_never_raised(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        blocker = disk_dir / "0"
+        blocker.write_bytes(b"")       # a file where the uid's directory must go: every write fails
+        assert not tier.put(0, b"k", META, memoryview(payload(1)))
+        s = tier.stats.snapshot()
+        assert s["drops"] == 1 and tier.usage()[1] == 0 and tier.contains(0, [b"k"]) == 0
+    finally:
+        tier.close()
+
+
+def _writer(path: str, seed: int, until: float) -> None:
+    data = memoryview(payload(seed, 1 << 20))
+    meta = ChunkMeta(1 << 20, b"L" * 16, 1)
+    while time.monotonic() < until:
+        write_file(path, 0, b"same", meta, 3, data)
+
+
+def test_concurrent_writers_of_one_key_never_leave_a_partial_file(disk_dir):
+    path = str(disk_dir / "same")
+    meta = ChunkMeta(1 << 20, b"L" * 16, 1)
+    write_file(path, 0, b"same", meta, 3, memoryview(payload(1, 1 << 20)))
+    ctx = multiprocessing.get_context("spawn")
+    until = time.monotonic() + 3
+    procs = [ctx.Process(target=_writer, args=(path, seed, until)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    wanted = {payload(1, 1 << 20), payload(2, 1 << 20)}
+    reads = 0
+    dest = bytearray(1 << 20)
+    while any(p.is_alive() for p in procs):
+        read_file(path, 0, b"same", meta, memoryview(dest))   # BadFile here would be a torn file
+        assert bytes(dest) in wanted
+        reads += 1
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    assert reads > 10
+    assert [n for n in os.listdir(disk_dir) if n.startswith(".tmp-")] == []
+
+
+def test_a_file_of_another_chunk_is_refused_by_read_file(disk_dir):
+    path = str(disk_dir / "x")
+    write_file(path, 0, b"a", META, 1, memoryview(payload(1)))
+    with pytest.raises(BadFile):
+        read_file(path, 0, b"b", META, memoryview(bytearray(META.nbytes)))
+    with pytest.raises(BadFile):
+        read_file(path, 1, b"a", META, memoryview(bytearray(META.nbytes)))
+
+
+# ---- the stack: write-through and promotion against a real pool ---------------------------
+
+def stored(pool: Pool, uid: int, key: bytes, data: bytes) -> tuple:
+    outcome, obj = pool.reserve(uid, key, len(data), META.layout, META.blocks)
+    assert outcome == Reservation.STORED
+    pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]] = data
+    pool.commit([obj])
+    return obj
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_write_through_then_promotion_brings_evicted_chunks_back_pinned(disk_dir):
+    pool = Pool(4 * (META.nbytes + 1024), max_pinned_fraction_per_uid=1.0)
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    stack = TierStack(pool, [tier], queue_limit=16, timeout_s=2.0)
+    try:
+        for i in range(3):                                 # written through one by one (queue: half the pool)
+            stack.write_through([stored(pool, 5, bytes([i]) * 8, payload(i))])
+            wait_for(lambda: tier.usage()[2] == i + 1)
+        wait_for(lambda: pool.pinned == 0)                 # write-through pins end once written
+        for i in range(3, 7):                              # the first three are evicted from the pool
+            stored(pool, 5, bytes([i]) * 8, payload(i))
+        assert pool.hold(5, bytes([0]) * 8) is None
+        keys = [[bytes([i]) * 8 for i in range(3)] + [b"missing!"]]
+        held = stack.promote(5, keys, time.monotonic() + 2)
+        assert len(held.held) == 3 and pool.pinned == 3
+        hits, lease = pool.lookup(5, keys, "s", 10)
+        held.release()
+        assert hits == 3 and pool.pinned == 3              # now pinned by the lease alone
+        for i in range(3):
+            obj = pool.hold(5, bytes([i]) * 8)
+            assert bytes(pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]) == payload(i)
+            pool.unpin([obj], retrieved=False)
+        assert stack.promote(6, keys, time.monotonic() + 2).held == []    # another uid: nothing
+        info = stack.info()[0]
+        assert info.promotions == 3 and info.puts == 3 and info.objects == 3
+    finally:
+        stack.close()
+        pool.release()
+
+
+def test_a_full_queue_drops_write_throughs_and_counts_them(disk_dir):
+    pool = Pool(1 << 20)
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    stack = TierStack(pool, [tier], queue_limit=1, timeout_s=1.0)
+    gate = __import__("threading").Event()
+    real_put = tier.put
+    tier.put = lambda *a: gate.wait(5) and real_put(*a)      # a slow disk: the writer is stuck
+    try:
+        objs = [stored(pool, 0, bytes([i]) * 8, payload(i, 100)) for i in range(5)]
+        stack.write_through(objs)
+        assert tier.stats.snapshot()["drops"] >= 2            # at most one in each of 2 writers, one queued
+        gate.set()
+        wait_for(lambda: pool.pinned == 0)
+    finally:
+        gate.set()
+        stack.close()
+        pool.release()
+
+
+def test_a_slow_tier_makes_promotion_a_miss_within_its_deadline(disk_dir):
+    pool = Pool(1 << 20, max_pinned_fraction_per_uid=1.0)
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    tier.put(0, b"k" * 8, META, memoryview(payload(1)))
+    stack = TierStack(pool, [tier], queue_limit=4, timeout_s=0.2)
+    gate = __import__("threading").Event()
+    real_get = tier.get_into
+    tier.get_into = lambda *a: gate.wait(5) and real_get(*a)
+    try:
+        t0 = time.monotonic()
+        held = stack.promote(0, [[b"k" * 8]], t0 + 0.2)
+        assert time.monotonic() - t0 < 1.0 and held.held == []
+        assert stack.info()[0].timeouts == 1
+        gate.set()                                          # the late read completes: committed then
+        wait_for(lambda: pool.objects == 1)
+    finally:
+        gate.set()
+        stack.close()
+        pool.release()
+
+
+def test_write_through_never_pins_more_than_half_the_pool(disk_dir):
+    pool = Pool(1 << 20)
+    tier = DiskTier(str(disk_dir), 8 << 20)
+    stack = TierStack(pool, [tier], queue_limit=100, timeout_s=1.0)
+    gate = __import__("threading").Event()
+    real_put = tier.put
+    tier.put = lambda *a: gate.wait(5) and real_put(*a)
+    try:
+        objs = [stored(pool, 0, bytes([i]) * 8, payload(i, 100_000)) for i in range(8)]
+        stack.write_through(objs)
+        assert pool.pinned_bytes <= pool.capacity // 2 + 8 * 1024
+        assert tier.stats.snapshot()["drops"] == 3            # 5 x 100 kB fit in 512 KiB
+        gate.set()
+        wait_for(lambda: pool.pinned == 0 and tier.usage()[2] == 5)
+    finally:
+        gate.set()
+        stack.close()
+        pool.release()
+
+
+def test_metrics_show_each_tier_by_name():
+    from lmshm.core.messages import PoolInfo, TierInfo
+    from lmshm.core.metrics import Metrics
+    from lmshm.core.registry import Registry
+
+    tier = TierInfo("disk", capacity=1 << 30, used=8192, objects=1, promotions=3, drops=2, queue_depth=4)
+    pool = PoolInfo(1 << 30, 4096, 1, 0, 0, 0, 3, 1, 1, 0, 0, 0, 2, 0, tiers=[tier])
+    text = Metrics(Registry(), lambda: pool).text().decode()
+    for line in ('lmshm_tier_promotions_total{tier="disk"} 3.0', 'lmshm_tier_drops_total{tier="disk"} 2.0',
+                 'lmshm_tier_queue_depth{tier="disk"} 4.0', 'lmshm_tier_capacity{tier="disk"} 1.073741824e+09'):
+        assert line in text, line
+
+
+def test_a_fifo_in_place_of_a_chunk_file_is_a_miss_and_never_blocks(disk_dir):
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        tier.put(0, b"k", META, memoryview(payload(1)))
+        path = tier.path_of(0, b"k")
+        os.unlink(path)
+        os.mkfifo(path)                                    # opening it for reading would wait for a writer
+        t0 = time.monotonic()
+        assert not tier.get_into(0, b"k", META, memoryview(bytearray(META.nbytes)))
+        assert time.monotonic() - t0 < 1 and not os.path.exists(path)
+        os.mkfifo(path)
+    finally:
+        tier.close()
+    again = DiskTier(str(disk_dir), 1 << 20)               # the scan does not block on it either
+    try:
+        assert again.contains(0, [b"k"]) == 0 and not os.path.exists(path)
+    finally:
+        again.close()
+
+
+def test_shutdown_with_a_stuck_read_reports_it_and_keeps_the_pool_mapped(disk_dir):
+    pool = Pool(1 << 20, max_pinned_fraction_per_uid=1.0)
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    tier.put(0, b"k" * 8, META, memoryview(payload(1)))
+    stack = TierStack(pool, [tier], queue_limit=4, timeout_s=0.1)
+    gate = __import__("threading").Event()
+    real_get = tier.get_into
+    tier.get_into = lambda *a: gate.wait(10) and real_get(*a)
+    try:
+        stack.promote(0, [[b"k" * 8]], time.monotonic() + 0.1)
+        t0 = time.monotonic()
+        assert stack.close(timeout_s=0.3) is False and time.monotonic() - t0 < 2
+    finally:
+        gate.set()
+        wait_for(lambda: stack._reading == 0)
+        tier.close()
+        pool.release()

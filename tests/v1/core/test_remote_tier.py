@@ -1,0 +1,344 @@
+"""The remote tier alone (lmshm/core/tiers/remote.py) against real Valkey servers started by the
+fixtures (tests/v1/conftest.py): standalone and a 3-master cluster, with real faults (SIGKILL,
+SIGSTOP) and values written directly to the server by a hostile writer."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, RemoteTier, check_value, parse_url,
+                                     read_secret_file)
+from valkey_servers import command, free_port
+
+TIMEOUT_S = 0.3
+META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
+
+
+def key(i: int) -> bytes:
+    return bytes([0xA5, i % 256, i // 256]) * 8
+
+
+def payload(i: int, n: int = META.nbytes) -> bytes:
+    return (bytes([i % 251]) + os.urandom(15)) * (n // 16)
+
+
+def tier_for(url: str, **kw) -> RemoteTier:
+    kw.setdefault("timeout_s", TIMEOUT_S)
+    return RemoteTier(url, prefix="t:", **kw)
+
+
+def read(tier: RemoteTier, uid: int, k: bytes) -> bytes | None:
+    meta = tier.head(uid, k)
+    if meta is None:
+        return None
+    dest = bytearray(b"\xee" * meta.nbytes)
+    if not tier.get_into(uid, k, meta, memoryview(dest)):
+        assert dest == b"\xee" * meta.nbytes, "a refused value reached the slot"
+        return None
+    return bytes(dest)
+
+
+def test_a_stored_chunk_reads_back_equal_and_only_for_its_uid(valkey):
+    tier = tier_for(valkey.url)
+    try:
+        data = payload(1)
+        assert tier.put(7, key(1), META, memoryview(data))
+        assert tier.head(7, key(1)) == META
+        assert read(tier, 7, key(1)) == data
+        assert tier.head(8, key(1)) is None, "another uid saw the chunk"
+        assert tier.contains(7, [key(1), key(2), key(1)]) == 1
+        stored = command(valkey.port, "STRLEN", tier.remote_key(7, key(1)))
+        assert stored == b":%d\r\n" % (HEADER_BYTES + META.nbytes)
+        assert tier.remote_key(7, key(1)).startswith(b"t:00000007:")
+        s = tier.stats.snapshot()
+        assert s["puts"] == 1 and s["reads"] == 1 and s["read_bytes"] == META.nbytes
+    finally:
+        tier.close()
+
+
+def test_the_ttl_is_set_on_every_value(valkey):
+    tier = tier_for(valkey.url, ttl_s=30)
+    try:
+        assert tier.put(1, key(1), META, memoryview(payload(1)))
+        ttl = int(command(valkey.port, "PTTL", tier.remote_key(1, key(1)))[1:])
+        assert 25_000 < ttl <= 30_000
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "extended", "flipped payload", "flipped header", "garbage"])
+def test_a_damaged_value_is_a_miss_never_served(valkey, damage):
+    tier = tier_for(valkey.url)
+    try:
+        data = payload(2)
+        assert tier.put(1, key(2), META, memoryview(data))
+        rkey = tier.remote_key(1, key(2))
+        good = bytes(tier._get_client().get(rkey))
+        bad = {"truncated": good[:-1], "extended": good + b"x" * (1 << 20),
+               "flipped payload": good[:-5] + bytes([good[-5] ^ 1]) + good[-4:],
+               "flipped header": good[:20] + bytes([good[20] ^ 1]) + good[21:],
+               "garbage": os.urandom(len(good))}[damage]
+        assert command(valkey.port, "SET", rkey, bad).startswith(b"+OK")
+        assert read(tier, 1, key(2)) is None
+        assert tier.stats.snapshot()["corrupt"] == 1
+        assert command(valkey.port, "EXISTS", rkey) == b":1\r\n", "the tier deleted a value it did not own"
+    finally:
+        tier.close()
+
+
+def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_bytes(os.urandom(32))
+    secret_file.chmod(0o600)
+    secret = read_secret_file(str(secret_file), "--remote-secret-file", 16)
+    signed = tier_for(valkey.url, secret=secret)
+    unsigned = tier_for(valkey.url)                          # a writer without the secret
+    forger = tier_for(valkey.url, secret=os.urandom(32))     # a writer with another secret
+    try:
+        good = payload(3)
+        assert signed.put(1, key(3), META, memoryview(good))
+        assert read(signed, 1, key(3)) == good
+        assert read(unsigned, 1, key(3)) is None, "a signed value was served without a secret to check it"
+        # poisoning: the same key, overwritten by a writer without the secret, and by a forger
+        for writer in (unsigned, forger):
+            assert writer.put(1, key(3), META, memoryview(payload(99)))
+            assert read(signed, 1, key(3)) is None, "a value without a valid MAC was served"
+        # a valid value moved to another key (or uid) is refused: the MAC covers uid and key
+        assert signed.put(1, key(4), META, memoryview(good))
+        value = bytes(signed._get_client().get(signed.remote_key(1, key(4))))
+        command(valkey.port, "SET", signed.remote_key(1, key(5)), value)
+        command(valkey.port, "SET", signed.remote_key(2, key(4)), value)
+        assert read(signed, 1, key(5)) is None and read(signed, 2, key(4)) is None
+        # a forged header with the right MAC length and a payload the forger chose
+        forged = bytearray(value)
+        forged[HEADER_BYTES:HEADER_BYTES + 8] = b"EVILEVIL"
+        command(valkey.port, "SET", signed.remote_key(1, key(4)), bytes(forged))
+        assert read(signed, 1, key(4)) is None
+        assert signed.stats.snapshot()["corrupt"] >= 5
+    finally:
+        for t in (signed, unsigned, forger):
+            t.close()
+
+
+def test_a_secret_file_others_can_read_is_refused(tmp_path):
+    f = tmp_path / "secret"
+    f.write_bytes(os.urandom(32))
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        read_secret_file(str(f), "--remote-secret-file", 16)
+    f.chmod(0o600)
+    f.write_bytes(b"short")
+    with pytest.raises(ValueError, match="at least 16"):
+        read_secret_file(str(f), "--remote-secret-file", 16)
+
+
+@pytest.mark.parametrize("url, message", [
+    ("http://127.0.0.1:6379", "is not a URL lmshm accepts"),
+    ("127.0.0.1:6379", "is not a URL lmshm accepts"),
+    ("redis://:hunter2@127.0.0.1:6379", "LMSHM_REMOTE_PASSWORD"),
+    ("redis://u:hunter2@127.0.0.1", "--remote-password-file"),
+    ("redis://127.0.0.1:1,127.0.0.1:2", "redis\\+cluster://"),
+    ("redis+cluster://127.0.0.1:1/3", "database number"),
+    ("redis://127.0.0.1:99999", "HOST:PORT"),
+    ("redis://127.0.0.1:6379?ssl=true", "query strings"),
+])
+def test_unaccepted_urls_are_refused_naming_what_is_accepted(url, message):
+    with pytest.raises(ValueError, match=message) as err:
+        parse_url(url)
+    assert "hunter2" not in str(err.value)
+
+
+def test_accepted_url_forms():
+    assert parse_url("redis://h").nodes == (("h", 6379),)
+    t = parse_url("rediss://user@h:7000/2")
+    assert t.tls and not t.cluster and t.db == 2 and t.username == "user"
+    c = parse_url("redis+cluster://a:1,b:2,[::1]:3")
+    assert c.cluster and c.nodes == (("a", 1), ("b", 2), ("::1", 3))
+
+
+def test_a_dead_remote_at_start_costs_misses_then_is_found_when_it_comes_up(valkey):
+    port = valkey.port
+    valkey.kill()
+    tier = tier_for(f"redis://127.0.0.1:{port}")
+    try:
+        t0 = time.monotonic()
+        assert tier.head(1, key(1)) is None
+        assert not tier.put(1, key(1), META, memoryview(payload(1)))
+        assert time.monotonic() - t0 < 2 * TIMEOUT_S + 0.5
+        valkey.start()
+        data = payload(1)
+        wait_until(lambda: tier.put(1, key(1), META, memoryview(data)), 40)
+        assert read(tier, 1, key(1)) == data
+    finally:
+        tier.close()
+
+
+def wait_until(predicate, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not true in time"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_a_silent_or_dead_remote_answers_misses_within_the_timeout_opens_the_breaker_and_recovers(valkey, fault):
+    tier = tier_for(valkey.url)
+    try:
+        data = payload(5)
+        assert tier.put(1, key(5), META, memoryview(data))
+        if fault == "SIGSTOP":
+            valkey.pause()
+        else:
+            valkey.kill()
+        took = []
+        for _ in range(BREAKER_FAILURES + 3):
+            t0 = time.monotonic()
+            assert tier.head(1, key(5)) is None
+            took.append(time.monotonic() - t0)
+        assert max(took) < TIMEOUT_S + 0.4, f"a call waited past its timeout: {took}"
+        assert max(took[BREAKER_FAILURES:]) < 0.01, f"the breaker did not open: {took}"
+        s = tier.stats.snapshot()
+        assert s["timeouts"] + s["errors"] >= 1
+        if fault == "SIGSTOP":
+            valkey.resume()
+        else:
+            valkey.start()              # the value died with the server: stored again below
+        wait_until(lambda: fault == "SIGSTOP" or tier.put(1, key(5), META, memoryview(data)), 40)
+        wait_until(lambda: read(tier, 1, key(5)) == data, 40)
+    finally:
+        tier.close()
+
+
+def test_a_cluster_stores_and_finds_and_a_node_down_costs_only_its_slots(valkey_cluster):
+    tier = tier_for(valkey_cluster.url)
+    try:
+        keys = [key(i) for i in range(24)]
+        for i, k in enumerate(keys):
+            assert tier.put(1, k, META, memoryview(payload(i, 4096) * 16))
+        by_node = {id(n): [] for n in valkey_cluster.nodes}
+        for k in keys:
+            by_node[id(valkey_cluster.node_for(tier.remote_key(1, k)))].append(k)
+        assert all(by_node.values()), "the keys did not spread over the three masters"
+        for k in keys:
+            assert read(tier, 1, k) is not None
+        down = valkey_cluster.nodes[1]
+        down.kill()
+        t0 = time.monotonic()
+        for _ in range(2):                    # twice: the breaker must not spill over other slots
+            for k in keys:
+                got = read(tier, 1, k)
+                if k in by_node[id(down)]:
+                    assert got is None
+                else:
+                    assert got is not None, "a key on a live node was a miss"
+        assert time.monotonic() - t0 < 2 * len(by_node[id(down)]) * (TIMEOUT_S + 0.2) + 5
+    finally:
+        tier.close()
+
+
+def _hammer(url: str, fill: int, until: float) -> None:
+    tier = RemoteTier(url, prefix="t:", timeout_s=2)
+    data = memoryview(bytes([fill]) * META.nbytes)
+    while time.time() < until:
+        tier.put(1, key(9), META, data)
+    tier.close()
+
+
+def test_two_writers_of_one_key_never_give_a_reader_a_torn_value(valkey):
+    ctx = mp.get_context("spawn")
+    until = time.time() + 3
+    writers = [ctx.Process(target=_hammer, args=(valkey.url, fill, until)) for fill in (0x11, 0x22)]
+    for w in writers:
+        w.start()
+    tier = tier_for(valkey.url, timeout_s=2)
+    seen = set()
+    try:
+        while time.time() < until + 0.2:
+            got = read(tier, 1, key(9))
+            if got is not None:
+                assert got in (b"\x11" * META.nbytes, b"\x22" * META.nbytes), "a torn value was served"
+                seen.add(got[0])
+    finally:
+        tier.close()
+        for w in writers:
+            w.join(30)
+            assert w.exitcode == 0
+    assert seen, "no read succeeded"
+    assert tier.stats.snapshot()["corrupt"] == 0
+
+
+def test_check_value_refuses_a_value_for_another_key_without_a_secret():
+    tier_meta = ChunkMeta(16, b"x", 1)
+    from lmshm.core.tiers.remote import encode_header, BadValue
+    body = b"p" * 16
+    value = encode_header(1, b"k1", tier_meta, 3, None, memoryview(body)) + body
+    assert bytes(check_value(value, 1, b"k1", None)[1]) == body
+    with pytest.raises(BadValue):
+        check_value(value, 1, b"k2", None)
+
+
+def test_a_port_nobody_listens_on_is_a_quick_miss():
+    tier = tier_for(f"redis://127.0.0.1:{free_port()}")
+    try:
+        t0 = time.monotonic()
+        assert tier.head(1, key(1)) is None
+        assert time.monotonic() - t0 < TIMEOUT_S + 0.5
+    finally:
+        tier.close()
+
+
+def test_concurrent_calls_to_a_remote_silent_since_before_the_first_connection_each_stay_within_the_bound(valkey):
+    import threading
+    valkey.pause()                               # TCP connects (the kernel's backlog); nothing answers
+    tier = tier_for(valkey.url)
+    took: list[float] = []
+
+    def call() -> None:
+        for i in range(4):
+            t0 = time.monotonic()
+            assert tier.head(1, key(i)) is None
+            took.append(time.monotonic() - t0)
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(took) == 16
+        assert max(took) < TIMEOUT_S + 0.4, f"a call waited past its bound: {sorted(took)}"
+    finally:
+        valkey.resume()
+        tier.close()
+
+
+def test_the_servers_maxmemory_evicts_and_an_unbounded_remote_is_warned_about(valkey_dir, valkey, caplog):
+    from valkey_servers import ValkeyServer
+    with caplog.at_level("WARNING", logger="lmshm.tiers.remote"):
+        unbounded = tier_for(valkey.url)
+        try:
+            assert unbounded.put(1, key(1), META, memoryview(payload(1)))
+        finally:
+            unbounded.close()
+    assert any("grow without bound" in r.getMessage() for r in caplog.records)
+    small = ValkeyServer(valkey_dir / "small", maxmemory="4mb")
+    tier = tier_for(small.url)
+    try:
+        stored = [payload(i) for i in range(40)]       # 40 x 64 KiB: more than the server keeps
+        for i, data in enumerate(stored):
+            assert tier.put(1, key(i), META, memoryview(data))
+        capacity, used, objects = tier.usage()
+        assert capacity == 4 << 20 and 0 < objects < 40
+        got = [read(tier, 1, key(i)) for i in range(40)]
+        assert got[0] is None, "the least recently used chunk was not evicted"
+        assert got[-1] == stored[-1]
+        assert all(g is None or g == s for g, s in zip(got, stored))
+        s = tier.stats.snapshot()
+        assert s["errors"] == s["corrupt"] == s["drops"] == 0
+    finally:
+        tier.close()
+        small.close()
