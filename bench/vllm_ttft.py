@@ -61,8 +61,6 @@ class Bench:
         self.env.pop("PYTHONPATH", None)   # the engine imports lmshm from its own venv, run from ROOT
         self.model = tmp / "model"
         self.batch = tmp / "batch.json"
-        self.disk = tmp / "disk"
-        self.disk.mkdir(mode=0o700)
 
     def engine(self, url: str, *extra: str) -> list[dict]:
         """One engine process over the batch; its results, the warm-up prompt left out."""
@@ -75,17 +73,13 @@ class Bench:
             raise RuntimeError(f"the engine exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         return json.loads(out.read_text())["batches"][0][1:]
 
-    def server(self, *, disk: bool = True, remote: Optional[str] = None) -> BenchServer:
+    def server(self, disk: Optional[Path], remote: Optional[str] = None) -> BenchServer:
         args = ["--capacity", "2GiB", *self.args.server_arg]
-        if disk:
-            args += ["--disk", str(self.disk), "--disk-capacity", "4GiB"]
+        if disk is not None:
+            args += ["--disk", str(disk), "--disk-capacity", "4GiB"]
         if remote:
             args += ["--remote", remote]
         return BenchServer(*args)
-
-
-def promotions(server: BenchServer) -> dict[str, int]:
-    return {t.name: t.promotions for t in query_status(server.url).pool.tiers}
 
 
 def written_through(server: BenchServer) -> None:
@@ -127,12 +121,17 @@ def resident(files: list[Path]) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reps", "--prompts", dest="reps", type=int, default=5, help="prompts per length (each row serves the same ones)")
+    ap.add_argument("--reps", "--prompts", dest="reps", type=int, default=5,
+                    help="prompts per length and round (each row of a round serves the same ones)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every row this many times, in turn, on fresh prompts and a fresh disk directory; "
+                         "medians over all rounds (spreads the drift of a shared machine over every row)")
     ap.add_argument("--lengths", default="4096", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--remote", default="", help="a Valkey/Redis URL for the remote row (lmshm-server --remote)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="one more lmshm-server argument for every server (repeat: --server-arg=--remote-ttl ...)")
+    ap.add_argument("--verbose", action="store_true", help="print every prompt's TTFT too")
     ap.add_argument("--no-baseline", action="store_true", help="leave out the vLLM-alone row")
     args = ap.parse_args()
     if not VLLM_PYTHON.exists():
@@ -144,66 +143,95 @@ def main() -> int:
     elif importlib.util.find_spec("lmshm.core.tiers.remote") is None:
         remote, skipped = None, "this lmshm has no remote tier (lmshm.core.tiers.remote)"
     lengths = [int(x) for x in args.lengths.split(",")]
-    r = random.Random(11)
-    warmup = [r.randrange(1, 500) for _ in range(300)]
-    prompts = [[r.randrange(1, 500) for _ in range(n)] for n in lengths for _ in range(args.reps)]
     tmp = Path(tempfile.mkdtemp(prefix="lmshm-ttft-", dir="/tmp"))
+    rows: dict[str, Row] = {}
+    cache: list[tuple[int, int]] = []
     try:
         bench = Bench(args, tmp)
         subprocess.run([str(VLLM_PYTHON), *ENGINE, "build", str(bench.model)], check=True, env=bench.env,
                        capture_output=True, cwd=ROOT)
-        bench.batch.write_text(json.dumps([warmup, *prompts]))
-        rows, cache = run_rows(bench, remote)
+        for i in range(args.rounds):
+            r = random.Random(11 + i)
+            warmup = [r.randrange(1, 500) for _ in range(300)]
+            prompts = [[r.randrange(1, 500) for _ in range(n)] for n in lengths for _ in range(args.reps)]
+            bench.batch.write_text(json.dumps([warmup, *prompts]))
+            cache.append(run_round(bench, tmp / f"disk-{i}", remote, rows))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"tiny Llama (2 layers, 128 hidden, float32), vLLM CPU single-process, block 32, chunk "
-          f"{args.chunk_tokens} tokens, max_tokens=1, {args.reps} prompts per length (medians), "
-          f"{os.cpu_count()} CPUs")
-    print(f"disk files in the page cache before the cold row: {cache[0]} bytes, after dropping: {cache[1]} bytes")
-    print(f"{'row':<16} {'prompt':>7} {'computed':>9} {'loaded':>7} {'promoted':>9} {'TTFT ms':>9} {'x miss':>7}")
+          f"{args.chunk_tokens} tokens, max_tokens=1, {args.rounds} round(s) x {args.reps} prompts per length "
+          f"(medians), {os.cpu_count()} CPUs")
+    print("disk files in the page cache before / after the drop, per round (bytes): "
+          + "; ".join(f"{a} / {b}" for a, b in cache))
+    print(f"{'row':<16} {'prompt':>7} {'computed':>9} {'loaded':>7} {'promoted (reads)':>20} {'TTFT ms':>9} "
+          f"{'x miss':>7}")
     for n in lengths:
-        miss = statistics.median(x["seconds"] for x in rows["miss"][0] if x["prompt"] == n)
-        for name, (results, promoted) in rows.items():
-            mine = [x for x in results if x["prompt"] == n]
+        miss = statistics.median(x["seconds"] for x in rows["miss"].results if x["prompt"] == n)
+        for name, row in rows.items():
+            mine = [x for x in row.results if x["prompt"] == n]
             ttft = statistics.median(x["seconds"] for x in mine)
             cached = statistics.median(x["cached"] for x in mine)
-            print(f"{name:<16} {n:>7} {n - cached:>9.0f} {cached:>7.0f} {promoted:>9} {ttft * 1e3:>9.1f} "
+            source = f"{row.promotions} in {row.read_s * 1e3:.0f} ms" if row.tier else "-"
+            print(f"{name:<16} {n:>7} {n - cached:>9.0f} {cached:>7.0f} {source:>20} {ttft * 1e3:>9.1f} "
                   f"{ttft / miss:>7.2f}")
+            if args.verbose:
+                each = ", ".join(f"{x['seconds'] * 1e3:.1f}" for x in mine)
+                print(f"{'':<16} each, ms: {each}")
     if skipped:
         print(f"remote hit: skipped ({skipped})")
     return 0
 
 
-def run_rows(bench: Bench, remote: Optional[str]) -> tuple[dict, tuple[int, int]]:
-    """Every row, in order; per row its results and the chunks its server promoted (all prompts,
-    the warm-up included)."""
-    rows: dict[str, tuple[list[dict], str]] = {}
-    server = bench.server(remote=remote)
+class Row:
+    """One row's results over the rounds, and what its servers' tier promoted (every prompt, the
+    warm-ups included)."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.results: list[dict] = []
+        self.promotions = 0
+        self.read_s = 0.0
+
+    def add(self, results: list[dict], server: Optional[BenchServer] = None) -> None:
+        self.results += results
+        if server is not None and self.tier:
+            t = next(t for t in query_status(server.url).pool.tiers if t.name == self.tier)
+            self.promotions += t.promotions
+            self.read_s += t.read_seconds
+
+
+def run_round(bench: Bench, disk: Path, remote: Optional[str], rows: dict[str, Row]) -> tuple[int, int]:
+    """Every row once, in order, on ``bench.batch``; returns the page-cache bytes of the disk
+    files before and after they were dropped for the cold row."""
+    def row(name: str, tier: str = "") -> Row:
+        return rows.setdefault(name, Row(tier))
+
+    disk.mkdir(mode=0o700)
+    server = bench.server(disk, remote=remote)
     try:
         if not bench.args.no_baseline:
-            rows["vLLM alone"] = (bench.engine(server.url, "--no-connector"), "-")
-        rows["miss"] = (bench.engine(server.url), "-")
-        rows["pool hit"] = (bench.engine(server.url), "-")
+            row("vLLM alone").add(bench.engine(server.url, "--no-connector"))
+        row("miss").add(bench.engine(server.url))
+        row("pool hit").add(bench.engine(server.url))
         written_through(server)
     finally:
         check(server)
     cache = (-1, -1)
     for name in ("disk hit", "disk hit, cold"):
         if name.endswith("cold"):
-            cache = drop_page_cache(bench.disk)
-        server = bench.server()
+            cache = drop_page_cache(disk)
+        server = bench.server(disk)
         try:
-            results = bench.engine(server.url)
-            rows[name] = (results, str(promotions(server).get("disk", 0)))
+            row(name, "disk").add(bench.engine(server.url), server)
         finally:
             check(server)
     if remote:
-        server = bench.server(disk=False, remote=remote)
+        server = bench.server(None, remote=remote)
         try:
-            rows["remote hit"] = (bench.engine(server.url), str(promotions(server).get("remote", 0)))
+            row("remote hit", "remote").add(bench.engine(server.url), server)
         finally:
             check(server)
-    return rows, cache
+    return cache
 
 
 def check(server: BenchServer) -> None:

@@ -179,14 +179,18 @@ def test_a_new_engine_on_a_fresh_pool_gets_the_prompt_from_the_tier_with_identic
     second = site.second(first)
     pool = query_status(second.url).pool
     assert pool.objects == 0 and pool.stored == 0           # a fresh pool: whatever B gets came from a tier
-    b = Engine(model, second.url, tmp, batch, name="B").results()[0]
+    engine = Engine(model, second.url, tmp, batch, name="B", extra=("--metrics",))
+    b = engine.results()[0]
     assert [r["output"] for r in b] == [r["output"] for r in a]
     for r in b:                                             # vLLM's own count of the tokens the connector supplied
         assert r["cached"] >= 0.8 * r["prompt"], b
         assert r["cached"] == min(r["prompt"] // CHUNK * CHUNK, r["prompt"] - 1), b
+    loaded = sum(-(-r["cached"] // CHUNK) for r in b)
+    metrics = engine.report()["metrics"]                    # the connector's own counters, through vLLM
+    assert metrics["vllm:lmshm_hit_tokens"] == sum(r["cached"] for r in b), metrics
+    assert metrics["vllm:lmshm_loaded_chunks"] == loaded and metrics["vllm:lmshm_failed_loads"] == 0, metrics
     pool = query_status(second.url).pool
     tier = next(t for t in pool.tiers if t.name == site.tier)
-    loaded = sum(r["cached"] for r in b) // CHUNK
     # every chunk B loaded was promoted from the tier into the pool, checked, and copied into B
     assert tier.promotions >= loaded and tier.hits >= loaded and tier.corrupt == 0 and tier.timeouts == 0, tier
     assert pool.retrieved >= loaded and pool.failed == 0 and pool.leases == 0 and pool.pinned == 0, pool
