@@ -6,7 +6,7 @@ Needs .venv-vllm (scripts/bootstrap-vllm). Builds the tiny random Llama of the r
 and runs one engine process per row, one after another (single-process mode, vLLM's prefix
 caching off, so every cached token came from lmshm), each serving the same ``--reps`` fresh
 prompts per length one at a time with ``max_tokens=1`` (one warm-up prompt per engine, not
-counted). All rows come from one run:
+counted), with one unbound OpenMP thread each (``--engine-threads``). All rows come from one run:
 
 - ``vLLM alone``: no connector (the reference; ``--no-baseline`` leaves it out);
 - ``miss``: LmshmConnector on an empty ``lmshm-server --disk DIR`` (computes, stores; the
@@ -59,6 +59,11 @@ class Bench:
                     "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "TMPDIR": str(tmp),
                     "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         self.env.pop("PYTHONPATH", None)   # the engine imports lmshm from its own venv, run from ROOT
+        if args.engine_threads:
+            # vLLM binds one OpenMP thread per core; on a small machine shared with other work a
+            # descheduled thread stalls every parallel region, and a whole engine process runs
+            # several times slower at random (measured: 12 vs 120 ms for the same pool hit)
+            self.env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.engine_threads))
         self.model = tmp / "model"
         self.batch = tmp / "batch.json"
 
@@ -131,6 +136,9 @@ def main() -> int:
     ap.add_argument("--remote", default="", help="a Valkey/Redis URL for the remote row (lmshm-server --remote)")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="one more lmshm-server argument for every server (repeat: --server-arg=--remote-ttl ...)")
+    ap.add_argument("--engine-threads", type=int, default=1,
+                    help="OpenMP threads per engine, unbound (default 1: stable on a shared 2-core machine); "
+                         "0: vLLM's own binding, one thread per core")
     ap.add_argument("--verbose", action="store_true", help="print every prompt's TTFT too")
     ap.add_argument("--no-baseline", action="store_true", help="leave out the vLLM-alone row")
     args = ap.parse_args()
@@ -160,7 +168,8 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"tiny Llama (2 layers, 128 hidden, float32), vLLM CPU single-process, block 32, chunk "
           f"{args.chunk_tokens} tokens, max_tokens=1, {args.rounds} round(s) x {args.reps} prompts per length "
-          f"(medians), {os.cpu_count()} CPUs")
+          f"(medians), engine threads {args.engine_threads or 'vLLM-bound'}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print("disk files in the page cache before / after the drop, per round (bytes): "
           + "; ".join(f"{a} / {b}" for a, b in cache))
     print(f"{'row':<16} {'prompt':>7} {'computed':>9} {'loaded':>7} {'promoted (reads)':>20} {'TTFT ms':>9} "
