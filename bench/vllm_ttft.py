@@ -1,6 +1,6 @@
 """Time to first token of the tiny vLLM engine: a miss, and a hit from each tier of lmshm.
 
-    .venv/bin/python bench/vllm_ttft.py [--reps 5] [--lengths 4096] [--remote URL]
+    .venv/bin/python bench/vllm_ttft.py [--reps 5] [--rounds 3] [--lengths 4096] [--remote URL]
 
 Needs .venv-vllm (scripts/bootstrap-vllm). Builds the tiny random Llama of the real-engine tests
 and runs one engine process per row, one after another (single-process mode, vLLM's prefix
