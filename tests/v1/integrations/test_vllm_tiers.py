@@ -23,9 +23,7 @@ import os
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
