@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import SHM_DIR, ServerProcess, WorkerProcess, lmshm_segments, scratch_dir, serving
+from harness import SHM_DIR, ServerProcess, WorkerProcess, exit_all, lmshm_segments, scratch_dir, serving
 
 
 @pytest.fixture
@@ -64,9 +64,7 @@ def start_worker():
         return worker
 
     yield start
-    for worker in workers:
-        if worker.proc.poll() is None:
-            worker.exit()
+    exit_all(workers)
 
 
 @pytest.fixture(autouse=True)
