@@ -55,7 +55,9 @@ def server(start_server) -> ServerProcess:
 
 
 @pytest.fixture
-def start_worker():
+def start_worker(start_server):
+    """Start workers; at teardown they exit side by side, before the servers stop (a worker
+    leaving a stopped server waits out its timeouts)."""
     workers: list[WorkerProcess] = []
 
     def start(url: str, *args: str, **kw: Any) -> WorkerProcess:

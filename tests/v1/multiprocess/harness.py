@@ -476,7 +476,9 @@ def narrow_segment_guard():
 
 
 @pytest.fixture(name="start_worker")
-def local_start_worker():
+def local_start_worker(start_server):
+    """Start workers; at teardown they exit side by side, before the servers stop (a worker
+    leaving a stopped server waits out its timeouts)."""
     workers: list[WorkerProcess] = []
 
     def start(url: str, *args: str, **kw: Any) -> WorkerProcess:
