@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from harness import SHM_DIR, ServerProcess, WorkerProcess, lmshm_segments, scratch_dir, serving
+from harness import SHM_DIR, ServerProcess, WorkerProcess, exit_all, lmshm_segments, scratch_dir, serving
 
 
 @pytest.fixture
@@ -55,7 +55,9 @@ def server(start_server) -> ServerProcess:
 
 
 @pytest.fixture
-def start_worker():
+def start_worker(start_server):
+    """Start workers; at teardown they exit side by side, before the servers stop (a worker
+    leaving a stopped server waits out its timeouts)."""
     workers: list[WorkerProcess] = []
 
     def start(url: str, *args: str, **kw: Any) -> WorkerProcess:
@@ -64,9 +66,7 @@ def start_worker():
         return worker
 
     yield start
-    for worker in workers:
-        if worker.proc.poll() is None:
-            worker.exit()
+    exit_all(workers)
 
 
 @pytest.fixture(autouse=True)

@@ -117,13 +117,17 @@ class WorkerProcess:
         assert reply.get("ok"), reply
         return reply
 
-    def exit(self, timeout_s: float = 20) -> int:
+    def ask_to_exit(self) -> None:
+        """Send ``exit`` without waiting: a teardown asks every worker first, then waits for all."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "exit"}) + "\n")
                 self.proc.stdin.flush()
             except BrokenPipeError:
                 pass
+
+    def exit(self, timeout_s: float = 20) -> int:
+        self.ask_to_exit()
         try:
             return self.proc.wait(timeout_s)
         finally:
@@ -141,6 +145,15 @@ class WorkerProcess:
                 stream.close()
             except (OSError, BrokenPipeError):
                 pass
+
+
+def exit_all(workers: list[WorkerProcess]) -> None:
+    """Stop the workers still running: ask each, then wait for each (they exit side by side)."""
+    alive = [w for w in workers if w.proc.poll() is None]
+    for worker in alive:
+        worker.ask_to_exit()
+    for worker in alive:
+        worker.exit()
 
 
 def wait_for(predicate, timeout_s: float, interval_s: float = 0.01, what: str = "condition"):
@@ -463,7 +476,9 @@ def narrow_segment_guard():
 
 
 @pytest.fixture(name="start_worker")
-def local_start_worker():
+def local_start_worker(start_server):
+    """Start workers; at teardown they exit side by side, before the servers stop (a worker
+    leaving a stopped server waits out its timeouts)."""
     workers: list[WorkerProcess] = []
 
     def start(url: str, *args: str, **kw: Any) -> WorkerProcess:
@@ -473,9 +488,7 @@ def local_start_worker():
         return worker
 
     yield start
-    for worker in workers:
-        if worker.proc.poll() is None:
-            worker.exit()
+    exit_all(workers)
 
 
 def assert_an_honest_worker_registers(url: str, *, server_pid: Optional[int] = None) -> None:
