@@ -12,23 +12,24 @@ Integrity: without ``--remote-secret-file`` the payload carries a checksum (xxh3
 as the disk tier's ``auto``), against accidents. With a secret, a keyed BLAKE3 MAC (its key
 derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
 a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
-without the secret cannot make a value any reader accepts. A value of another format version
-(version 1 carried HMAC-SHA256) is a plain miss, overwritten by the next write-through. Either is checked on the
-value read into the client's buffer, *before* a byte is copied into the pool slot. Reads are
-``GETRANGE`` bounded by the slot's size, never ``GET``: glide receives a whole ``GET`` reply
-(even one read into a given buffer) before it looks at its size, so a planted huge value would
-make the reader allocate it. A value that
-fails (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in
-place: it may be another server's newer write, and the next write-through of that chunk
-overwrites it. The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl``
-optionally expires values too.
+without the secret cannot make a value any reader accepts. Either is checked on the value read
+into the client's buffer, *before* a byte is copied into the pool slot. A value that fails
+(wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in place:
+it may be another server's newer write, and the next write-through of that chunk overwrites it.
+A value of another format version (version 1 carried HMAC-SHA256) is a plain miss, uncounted.
+The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl`` optionally
+expires values too.
+
+The easy thing to get wrong: reads are ``GETRANGE`` bounded by the slot's size, never ``GET``.
+glide receives a whole ``GET`` reply (even one read into a given buffer) before it looks at its
+size, so a planted huge value would make the reader allocate it.
 
 Every call is bounded by ``--remote-timeout`` (the client's request and connect timeouts).
 Failures (timeouts, refused connections) feed a circuit breaker per hash slot group (one for a
 standalone server): after ``BREAKER_FAILURES`` in a row it skips the remote for a back-off (1 s,
-doubling to 30 s) and then lets one probe through; warnings are rate-limited. The easy thing to
-get wrong: the client is created lazily and re-created by the probes, so a server that starts
-with the remote down still starts, and finds the remote when it comes up.
+doubling to 30 s) and then lets one probe through; warnings are rate-limited. The client is
+created lazily and re-created by the probes, so a server that starts with the remote down still
+starts, and finds the remote when it comes up.
 
 The client is ``valkey-glide-sync`` (chosen by ``bench/remote_tier.py``; docs/design/tiers.md),
 imported only when a remote is configured.
