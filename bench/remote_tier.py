@@ -8,12 +8,21 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
 1. **client choice**: ``SET`` and ``GET`` of one value, with ``redis`` (redis-py, with the
    ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
 2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
-   (header, checksum or MAC, ``MULTI``/``SET`` header/``APPEND`` payload/``EXEC``) and its read (``head``: one ``GETRANGE`` of the header;
-   ``get_into``: one ``GETRANGE`` of the value, the check, the copy into a pool-like buffer), without a secret
-   (the checksum: xxh3-128 if ``xxhash`` is installed, else CRC-32) and with one (HMAC-SHA256),
-   and the ratio tier / bare client; and, for SET, the tier's write as a bare transaction
-   (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``), which
-   separates the cost of the atomic two-command write from the tier's own (checksum or MAC).
+   (the copy of header and payload into its staging buffer, the checksum or MAC, one ``SET``)
+   and its read (``head``: one ``GETRANGE`` of the header; ``get_into``: one ``GETRANGE`` of the
+   value, the check, the copy into a pool-like buffer), without a secret (the checksum: xxh3-128
+   if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3), and the ratio tier /
+   bare client. Bare references that separate the costs: for SET, format 1's write as a bare
+   transaction (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``)
+   and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
+   its checksum); for GET, one ``GETRANGE`` of the whole value (the bounded read, without the
+   header read, the check and the copy into the slot).
+
+3. **two threads at once**, as the tier is used (the stack reads with two threads and writes
+   with two, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
+   own, and GB/s is all their bytes over the wall time; bare glide (one client, as the tier's)
+   against the tier, with the checksum and with the MAC. One thread's checksum, MAC and copies
+   then overlap the other's transfer.
 
 Each repetition runs every method once, in a shuffled order: what one method leaves to the next
 (the server freeing a large value, fresh pages to fault) then falls on all of them alike.
@@ -30,6 +39,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable
 
@@ -49,6 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", default="1,4,16")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--per-thread", type=int, default=8, help="values per thread in the two-thread part")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
     args = ap.parse_args()
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
@@ -63,14 +74,14 @@ def main() -> None:
         url = server.url
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     try:
-        run(url, host, int(port), sizes, args.reps)
+        run(url, host, int(port), sizes, args.reps, args.per_thread)
     finally:
         if server is not None:
             server.close()
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
+def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread: int) -> None:
     import glide_sync as g
 
     glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, port)], request_timeout=10_000))
@@ -85,10 +96,10 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
     secret = os.urandom(32)
     plain = RemoteTier(url, prefix="bench:", timeout_s=10)
     signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
-    tiers = {"tier (checksum)": plain, "tier (HMAC)": signed}
+    tiers = {"tier (checksum)": plain, "tier (BLAKE3 MAC)": signed}
     from lmshm.core.tiers.disk import CHECKSUMS
     print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
-          f"redis-py with {parser or '-'}")
+          f"redis-py with {parser or '-'}; load average {os.getloadavg()[0]:.2f} at the start")
     keys = []
     times_by_size = {}
     for size in sizes:
@@ -117,6 +128,22 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
             batch.append(k, value)
             glide.exec(batch, raise_on_error=True)
         jobs.append(("glide MULTI", "SET", multi))
+        # one SET from a warm staging buffer that header and payload are copied into
+        k = f"bench:bare:staged:{size}".encode()
+        keys.append(k)
+        stage = memoryview(bytearray(len(header) + size))
+
+        def staged(k=k) -> None:
+            stage[len(header):] = value
+            stage[:len(header)] = header
+            glide.set(k, stage)
+        jobs.append(("glide staged SET", "SET", staged))
+        # the bounded read alone: one GETRANGE of the whole value
+        k_plain = f"bench:bare:glide:{size}".encode()
+
+        def getrange(k=k_plain) -> None:
+            assert len(glide.getrange(k, 0, size)) == size
+        jobs.append(("glide GETRANGE", "GET", getrange))
         for name, tier in tiers.items():
             k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
             keys.append(tier.remote_key(1, k))
@@ -136,8 +163,10 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
         bare = {op: size / statistics.median(times[("glide", op)]) / 1e9 for op in ("SET", "GET")}
         for (name, op), ts in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
             rate = size / statistics.median(ts) / 1e9
-            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name.startswith("tier") or "MULTI" in name else ""
-            print(f"  {op:3s} {name:16s} {rate:6.2f}{ratio}")
+            ratio = f"  {rate / bare[op]:.2f}x bare glide" if name != "glide" and "redis" not in name else ""
+            print(f"  {op:3s} {name:18s} {rate:6.2f}{ratio}")
+    for size in sizes:
+        two_threads(glide, tiers, size, reps, per_thread, keys)
     # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
     # slowest whole read of the largest value above
     k = b"k%d-tier (checksum)" % sizes[-1]
@@ -147,11 +176,60 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int) -> None:
     slowest = max(max(times_by_size[sizes[-1]][(name, op)]) for name in tiers for op in ("GET", "SET"))
     print(f"slowest tier read or write of a {sizes[-1] >> 20} MiB value: {slowest * 1e3:.1f} ms "
           f"(the default --remote-timeout is 500 ms)")
+    print(f"load average {os.getloadavg()[0]:.2f} at the end")
     for k in set(keys):
         glide.delete([k])
     glide.close()
     plain.close()
     signed.close()
+
+
+def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys: list) -> None:
+    """Part 3: two threads at once, each with ``per_thread`` values of its own."""
+    values = [os.urandom(size) for _ in range(2)]
+    dests = [memoryview(bytearray(size)) for _ in range(2)]
+    meta = ChunkMeta(size, b"bench-layout", 1)
+
+    def bare_key(t: int, i: int) -> bytes:
+        return b"bench:two:%d:%d:%d" % (size, t, i)
+    jobs: dict[tuple[str, str], Callable[[int, int], None]] = {
+        ("SET", "glide"): lambda t, i: glide.set(bare_key(t, i), values[t]),
+        ("GET", "glide"): lambda t, i: glide.get(bare_key(t, i)),
+    }
+    keys += [bare_key(t, i) for t in range(2) for i in range(per_thread)]
+    for name, tier in tiers.items():
+        def tkey(t: int, i: int, name=name) -> bytes:
+            return b"two%d-%s-%d-%d" % (size, name.encode(), t, i)
+        keys += [tier.remote_key(1, tkey(t, i)) for t in range(2) for i in range(per_thread)]
+        jobs[("SET", name)] = lambda t, i, tier=tier, tkey=tkey: tier.put(1, tkey(t, i), meta, memoryview(values[t]))
+
+        def get(t: int, i: int, tier=tier, tkey=tkey) -> None:
+            assert tier.get_into(1, tkey(t, i), tier.head(1, tkey(t, i)), dests[t])
+        jobs[("GET", name)] = get
+
+    def both(fn: Callable[[int, int], None]) -> float:
+        threads = [threading.Thread(target=lambda t=t: [fn(t, i) for i in range(per_thread)]) for t in range(2)]
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return time.perf_counter() - t0
+    for (op, _), fn in jobs.items():            # every key exists before the first timed GET
+        if op == "SET":
+            both(fn)
+    times: dict[tuple[str, str], list[float]] = {k: [] for k in jobs}
+    order = list(jobs)
+    shuffle = random.Random(size + 1)
+    for _ in range(reps):
+        shuffle.shuffle(order)
+        for k in order:
+            times[k].append(both(jobs[k]))
+    rate = {k: 2 * per_thread * size / statistics.median(ts) / 1e9 for k, ts in times.items()}
+    print(f"\n{size >> 20} MiB values, two threads at once ({per_thread} values each): GB/s (median)")
+    for (op, name), r in sorted(rate.items()):
+        ratio = f"  {r / rate[(op, 'glide')]:.2f}x bare glide" if name != "glide" else ""
+        print(f"  {op:3s} {name:18s} {r:6.2f}{ratio}")
 
 
 if __name__ == "__main__":

@@ -54,5 +54,5 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=1 << 31)] = 0.0     # 0 = no TTL (maxmemory evicts)
     remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5     # every remote call, at most
     remote_queue: Count = 256          # chunks waiting to be written to the remote; more are dropped (counted)
-    remote_secret_file: str = ""       # a key for HMAC-SHA256 over every value; "" = checksum only
+    remote_secret_file: str = ""       # a key for a keyed BLAKE3 MAC over every value; "" = checksum only
     remote_password_file: str = ""     # the remote's password (AUTH), instead of LMSHM_REMOTE_PASSWORD

@@ -212,7 +212,7 @@ SETTINGS: tuple[Setting, ...] = (
             "more are not written, and counted as drops (default 256)", "N"),
     Setting("remote_secret_file", "--remote-secret-file", "LMSHM_REMOTE_SECRET_FILE", "remote_secret_file",
             "a file (mode 600, at least 16 bytes) with a secret shared by the servers of one deployment: every "
-            "remote value then carries an HMAC-SHA256 under it, checked before a byte reaches the pool, and a "
+            "remote value then carries a keyed BLAKE3 MAC under it, checked before a byte reaches the pool, and a "
             "value without a valid one is a miss (default: a checksum only)", "PATH"),
     Setting("remote_password_file", "--remote-password-file", "LMSHM_REMOTE_PASSWORD_FILE", "remote_password_file",
             "a file (mode 600) holding the remote's password, instead of LMSHM_REMOTE_PASSWORD", "PATH"),

@@ -1,29 +1,35 @@
 """The remote tier (``--remote URL``): chunks in a Valkey/Redis server or cluster, shared by hosts.
 
-One value per chunk, in one key, written in one transaction (``MULTI``, ``SET`` of the header,
-``APPEND`` of the payload, ``EXEC``: a reader sees the old value or the whole new one, never a
-torn one): a fixed header (``_HEAD``, little-endian: magic ``LMSHMRV\\0``,
+One value per chunk, in one key, written by one ``SET`` (atomic: a reader sees the old value or
+the whole new one, never a torn one) from a per-thread staging buffer that header and payload
+are copied into once: a fixed header (``_HEAD``, little-endian: magic ``LMSHMRV\\0``,
 format version, checksum algorithm, MAC algorithm, uid, blocks per chunk, payload length, the
 key, the layout digest, the payload's checksum, and the MAC), then the payload. The key is
 ``--remote-prefix`` + the uid (8 hex digits) + ``:`` + the chunk key in hex; the chunk key already
 names model, layout, rank, world size and salt (docs/design/dataplane.md).
 
 Integrity: without ``--remote-secret-file`` the payload carries a checksum (xxh3-128 or CRC-32,
-as the disk tier's ``auto``), against accidents. With a secret, an HMAC-SHA256 under it covers
-the header (uid and key included, so a valid value moved to another key fails) and the payload:
-a writer without the secret cannot make a value any reader accepts. Either is checked on the
-value read into the client's buffer, *before* a byte is copied into the pool slot. A value that
-fails (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in
-place: it may be another server's newer write, and the next write-through of that chunk
-overwrites it. The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl``
-optionally expires values too.
+as the disk tier's ``auto``), against accidents. With a secret, a keyed BLAKE3 MAC (its key
+derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
+a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
+without the secret cannot make a value any reader accepts. Either is checked on the value read
+into the client's buffer, *before* a byte is copied into the pool slot. A value that fails
+(wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in place:
+it may be another server's newer write, and the next write-through of that chunk overwrites it.
+A value of another format version (version 1 carried HMAC-SHA256) is a plain miss, uncounted.
+The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl`` optionally
+expires values too.
+
+The easy thing to get wrong: reads are ``GETRANGE`` bounded by the slot's size, never ``GET``.
+glide receives a whole ``GET`` reply (even one read into a given buffer) before it looks at its
+size, so a planted huge value would make the reader allocate it.
 
 Every call is bounded by ``--remote-timeout`` (the client's request and connect timeouts).
 Failures (timeouts, refused connections) feed a circuit breaker per hash slot group (one for a
 standalone server): after ``BREAKER_FAILURES`` in a row it skips the remote for a back-off (1 s,
-doubling to 30 s) and then lets one probe through; warnings are rate-limited. The easy thing to
-get wrong: the client is created lazily and re-created by the probes, so a server that starts
-with the remote down still starts, and finds the remote when it comes up.
+doubling to 30 s) and then lets one probe through; warnings are rate-limited. The client is
+created lazily and re-created by the probes, so a server that starts with the remote down still
+starts, and finds the remote when it comes up.
 
 The client is ``valkey-glide-sync`` (chosen by ``bench/remote_tier.py``; docs/design/tiers.md),
 imported only when a remote is configured.
@@ -32,7 +38,7 @@ imported only when a remote is configured.
 from __future__ import annotations
 
 import binascii
-import hashlib
+import functools
 import hmac
 import logging
 import os
@@ -50,8 +56,9 @@ from lmshm.core.tiers.disk import CHECKSUMS, MAX_KEY, MAX_LAYOUT, checksum_algor
 logger = logging.getLogger("lmshm.tiers.remote")
 
 MAGIC = b"LMSHMRV\0"
-VERSION = 1
-MAC_NONE, MAC_HMAC_SHA256 = 0, 1
+VERSION = 2                 # 1: HMAC-SHA256 and a MULTI write; its values are misses now
+MAC_NONE, MAC_BLAKE3 = 0, 2     # 1 was HMAC-SHA256 (version 1)
+MAC_CONTEXT = "lmshm remote tier 2026-12 value MAC (keyed BLAKE3)"
 #: magic, version, checksum algorithm, MAC algorithm, uid, blocks, payload length, key length,
 #: layout length, key, layout digest, checksum; then the MAC (zeros without a secret).
 _HEAD = struct.Struct("<8sHBBIIQBBxx64s64s32s")
@@ -70,6 +77,10 @@ ACCEPTED = ("redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS), "
 
 class BadValue(Exception):
     """A value that is not an lmshm chunk of this key, or is damaged or forged."""
+
+
+class OtherVersion(BadValue):
+    """An lmshm value of another format version (an older lmshm wrote it): a plain miss."""
 
 
 @dataclass(frozen=True)
@@ -163,18 +174,29 @@ def key_slot(key: bytes) -> int:
     return binascii.crc_hqx(key, 0) % SLOTS
 
 
+@functools.lru_cache(maxsize=8)
+def mac_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key for ``secret`` (BLAKE3's key derivation, under ``MAC_CONTEXT``)."""
+    return _blake3()(secret, derive_key_context=MAC_CONTEXT).digest()
+
+
+def _mac(secret: bytes, head: memoryview | bytes, payload: memoryview) -> bytes:
+    mac = _blake3()(head, key=mac_key(secret))
+    mac.update(payload)
+    return mac.digest()
+
+
 def encode_header(uid: int, key: bytes, meta: ChunkMeta, algorithm: int, secret: Optional[bytes],
                   payload: memoryview) -> bytes:
-    """The value's header for ``payload``: its checksum, or (with a secret) the MAC over both."""
+    """The value's header for ``payload``: its checksum, or (with a secret) the MAC over both
+    (and no checksum: the MAC covers the payload already)."""
     if secret is None:
         head = _HEAD.pack(MAGIC, VERSION, algorithm, MAC_NONE, uid, meta.blocks, meta.nbytes, len(key),
                           len(meta.layout), key, meta.layout, CHECKSUMS[algorithm][1](payload))
         return head + bytes(_MAC_BYTES)
-    head = _HEAD.pack(MAGIC, VERSION, 0, MAC_HMAC_SHA256, uid, meta.blocks, meta.nbytes, len(key),
+    head = _HEAD.pack(MAGIC, VERSION, 0, MAC_BLAKE3, uid, meta.blocks, meta.nbytes, len(key),
                       len(meta.layout), key, meta.layout, bytes(32))
-    mac = hmac.new(secret, head, hashlib.sha256)
-    mac.update(payload)
-    return head + mac.digest()
+    return head + _mac(secret, head, payload)
 
 
 def decode_header(raw: bytes, uid: int, key: bytes) -> tuple[ChunkMeta, int, int, bytes, bytes]:
@@ -184,16 +206,19 @@ def decode_header(raw: bytes, uid: int, key: bytes) -> tuple[ChunkMeta, int, int
         raise BadValue("short value")
     magic, version, algo, mac_algo, vuid, blocks, nbytes, klen, llen, vkey, layout, digest = \
         _HEAD.unpack_from(raw, 0)
-    if magic != MAGIC or version != VERSION:
-        raise BadValue(f"not an lmshm chunk value of version {VERSION}")
+    if magic != MAGIC:
+        raise BadValue("not an lmshm chunk value")
+    if version != VERSION:
+        raise OtherVersion(f"an lmshm value of format version {version}, not {VERSION}")
     if not 0 < klen <= MAX_KEY or llen > MAX_LAYOUT or vuid != uid or vkey[:klen] != key:
         raise BadValue("the header names another chunk")
-    if mac_algo == MAC_NONE and algo not in CHECKSUMS or mac_algo not in (MAC_NONE, MAC_HMAC_SHA256):
+    if mac_algo == MAC_NONE and algo not in CHECKSUMS or mac_algo not in (MAC_NONE, MAC_BLAKE3):
         raise BadValue("unknown checksum or MAC algorithm")
     return ChunkMeta(nbytes, layout[:llen], blocks), algo, mac_algo, digest, raw[_HEAD.size:HEADER_BYTES]
 
 
-def check_value(value: bytes, uid: int, key: bytes, secret: Optional[bytes]) -> tuple[ChunkMeta, memoryview]:
+def check_value(value: bytes | memoryview, uid: int, key: bytes,
+                secret: Optional[bytes]) -> tuple[ChunkMeta, memoryview]:
     """The chunk's meta and payload in ``value``, checked; ``BadValue`` on any doubt. With a secret
     only a value with a valid MAC passes (an unsigned one is refused: it could be anyone's)."""
     meta, algo, mac_algo, digest, mac = decode_header(value, uid, key)
@@ -202,11 +227,9 @@ def check_value(value: bytes, uid: int, key: bytes, secret: Optional[bytes]) -> 
     view = memoryview(value)
     payload = view[HEADER_BYTES:]
     if secret is not None:
-        if mac_algo != MAC_HMAC_SHA256:
+        if mac_algo != MAC_BLAKE3:
             raise BadValue("an unsigned value where a MAC is required")
-        want = hmac.new(secret, view[:_HEAD.size], hashlib.sha256)
-        want.update(payload)
-        if not hmac.compare_digest(want.digest(), mac):
+        if not hmac.compare_digest(_mac(secret, view[:_HEAD.size], payload), mac):
             raise BadValue("bad MAC")
     elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload).ljust(len(digest), b"\0") != digest:
         raise BadValue("bad checksum" if mac_algo == MAC_NONE else "a signed value and no secret to check it")
@@ -296,12 +319,15 @@ class RemoteTier(Tier):
         self.ttl_ms = int(ttl_s * 1000)
         self.timeout_s = timeout_s
         self.secret = secret
+        if secret is not None:
+            mac_key(secret)                 # fails now, at start, if blake3 is not installed
         self.username = username or self.target.username
         self.password = password
         self.algorithm = checksum_algorithm(checksum)
         self.breaker = Breaker()
         self.warnings = _Warnings()
         self._lock = threading.Lock()      # guards the client's creation and replacement
+        self._local = threading.local()    # each writer thread's staging buffer
         self._client: Any = None
         self._glide = _import_glide()
         self._usage = (0, 0, 0)
@@ -411,6 +437,8 @@ class RemoteTier(Tier):
             return None
         try:
             return decode_header(raw, uid, key)[0]
+        except OtherVersion:
+            return None
         except BadValue as exc:
             self.stats.add(corrupt=1)
             self.warnings.warn("corrupt", "lmshm: remote value %r is not a chunk of this key (%s): a miss",
@@ -434,6 +462,8 @@ class RemoteTier(Tier):
             got, payload = check_value(value, uid, key, self.secret)
             if got != meta or len(dest) != meta.nbytes:
                 raise BadValue("the value changed since it was looked up")
+        except OtherVersion:
+            return False
         except BadValue as exc:
             self.stats.add(corrupt=1)
             self.warnings.warn("corrupt", "lmshm: remote value %r refused (%s): a miss, never served",
@@ -444,23 +474,21 @@ class RemoteTier(Tier):
         return True
 
     def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
-        """One atomic transaction (MULTI: ``SET key header``, ``APPEND key payload``, EXEC): a
-        reader sees the old value or the whole new one. The payload goes to the client straight
-        from the pool object; joining header and payload into one buffer first would cost a copy,
-        as slow as the transfer itself here (bench/remote_tier.py)."""
+        """One ``SET`` of header and payload (atomic: a reader sees the old value or the whole new
+        one). Both are copied once into this thread's staging buffer, which glide sends from
+        without another copy; the checksum or MAC is computed on the staged payload. One copy
+        into a warm buffer costs less than ``MULTI``/``SET`` header/``APPEND`` payload, whose
+        ``APPEND`` the server copies, or than joining into a new object, whose fresh pages fault
+        (bench/remote_tier.py)."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
-        header = encode_header(uid, key, meta, self.algorithm, self.secret, data)
+        value = self._staging(HEADER_BYTES + len(data))
+        value[HEADER_BYTES:] = data
+        value[:HEADER_BYTES] = encode_header(uid, key, meta, self.algorithm, self.secret, value[HEADER_BYTES:])
         g = self._glide
         expiry = g.ExpirySet(g.ExpiryType.MILLSEC, self.ttl_ms) if self.ttl_ms else None
-
-        def write(client: Any) -> Any:
-            batch = (g.ClusterBatch if self.target.cluster else g.Batch)(is_atomic=True)
-            batch.set(rkey, header, expiry=expiry)
-            batch.append(rkey, data)
-            return client.exec(batch, raise_on_error=True)
         try:
-            self._call(rkey, "SET", write, wait=True)
+            self._call(rkey, "SET", lambda client: client.set(rkey, value, expiry=expiry), wait=True)
         except _Skip:
             self.stats.add(drops=1)
             return False
@@ -468,6 +496,14 @@ class RemoteTier(Tier):
         self.stats.add(puts=1)
         self._refresh_usage()
         return True
+
+    def _staging(self, nbytes: int) -> memoryview:
+        """``nbytes`` of this thread's staging buffer (grown when a larger chunk comes; the stack
+        writes with two threads per tier, so at most two chunks' worth stay allocated)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     def usage(self) -> tuple[int, int, int]:
         """``(maxmemory, used_memory, keys)`` of a standalone server, as last read (at most every
@@ -511,6 +547,16 @@ class RemoteTier(Tier):
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def _blake3() -> Any:
+    """The keyed BLAKE3 of the ``blake3`` package (the ``remote`` extra), needed with a secret."""
+    try:
+        from blake3 import blake3
+    except ImportError:
+        raise ImportError("--remote-secret-file needs the blake3 package (keyed BLAKE3 MACs): "
+                          "pip install 'lmshm[remote]'") from None
+    return blake3
 
 
 def _import_glide() -> Any:

@@ -328,12 +328,14 @@ def test_the_servers_maxmemory_evicts_and_an_unbounded_remote_is_warned_about(va
     small = ValkeyServer(valkey_dir / "small", maxmemory="4mb")
     tier = tier_for(small.url)
     try:
-        stored = [payload(i) for i in range(40)]       # 40 x 64 KiB: more than the server keeps
+        # 80 x 64 KiB: more than the server keeps (each value is one SET of its exact size; the
+        # MULTI/APPEND writes of format 1 held about twice that, and 40 were enough then)
+        stored = [payload(i) for i in range(80)]
         for i, data in enumerate(stored):
             assert tier.put(1, key(i), META, memoryview(data))
         capacity, used, objects = tier.usage()
-        assert capacity == 4 << 20 and 0 < objects < 40
-        got = [read(tier, 1, key(i)) for i in range(40)]
+        assert capacity == 4 << 20 and 0 < objects < 80
+        got = [read(tier, 1, key(i)) for i in range(80)]
         assert got[0] is None, "the least recently used chunk was not evicted"
         assert got[-1] == stored[-1]
         assert all(g is None or g == s for g, s in zip(got, stored))
@@ -342,3 +344,72 @@ def test_the_servers_maxmemory_evicts_and_an_unbounded_remote_is_warned_about(va
     finally:
         tier.close()
         small.close()
+
+
+def old_format_value(uid: int, k: bytes, data: bytes, secret: bytes | None) -> bytes:
+    """A value as format version 1 wrote it: a checksum (xxh3-128 or CRC-32) without a secret,
+    HMAC-SHA256 with one."""
+    import hashlib
+    import hmac
+    import struct
+    from lmshm.core.tiers.disk import CHECKSUMS, checksum_algorithm
+    head = struct.Struct("<8sHBBIIQBBxx64s64s32s")
+    algo = checksum_algorithm("auto")
+    if secret is None:
+        h = head.pack(b"LMSHMRV\0", 1, algo, 0, uid, META.blocks, len(data), len(k), len(META.layout), k,
+                      META.layout, CHECKSUMS[algo][1](memoryview(data)))
+        return h + bytes(32) + data
+    h = head.pack(b"LMSHMRV\0", 1, 0, 1, uid, META.blocks, len(data), len(k), len(META.layout), k,
+                  META.layout, bytes(32))
+    return h + hmac.new(secret, h + data, hashlib.sha256).digest() + data
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_value_of_the_old_format_is_a_plain_miss_and_the_next_write_replaces_it(valkey, signed):
+    secret = os.urandom(32) if signed else None
+    tier = tier_for(valkey.url, secret=secret)
+    try:
+        data = payload(6)
+        rkey = tier.remote_key(1, key(6))
+        assert len(old_format_value(1, key(6), data, secret)) == HEADER_BYTES + META.nbytes
+        command(valkey.port, "SET", rkey, old_format_value(1, key(6), data, secret))
+        assert tier.head(1, key(6)) is None
+        assert tier.get_into(1, key(6), META, memoryview(bytearray(META.nbytes))) is False
+        s = tier.stats.snapshot()
+        assert s["corrupt"] == s["errors"] == s["timeouts"] == 0, "an old value was counted as a fault"
+        assert tier.put(1, key(6), META, memoryview(data))
+        assert read(tier, 1, key(6)) == data
+    finally:
+        tier.close()
+
+
+def _read_planted(url: str, k: bytes, out) -> None:
+    import resource
+    tier = tier_for(url)
+    try:
+        meta = tier.head(1, k)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        served = tier.get_into(1, k, meta, memoryview(bytearray(meta.nbytes)))
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        out.put((meta == META, served, grew << 10, tier.stats.snapshot()["corrupt"]))
+    finally:
+        tier.close()
+
+
+def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(valkey):
+    tier = tier_for(valkey.url)
+    try:
+        assert tier.put(1, key(7), META, memoryview(payload(7)))
+        # a hostile writer keeps the valid header and grows the value to 256 MiB (one SETRANGE)
+        huge = 256 << 20
+        command(valkey.port, "SETRANGE", tier.remote_key(1, key(7)), str(huge - 1), b"x", timeout_s=20)
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        reader = ctx.Process(target=_read_planted, args=(valkey.url, key(7), out))
+        reader.start()
+        header_ok, served, grew, corrupt = out.get(timeout=60)
+        reader.join(10)
+        assert header_ok and not served and corrupt == 1
+        assert grew < 32 << 20, f"the reader grew by {grew >> 20} MiB reading a {huge >> 20} MiB value"
+    finally:
+        tier.close()
