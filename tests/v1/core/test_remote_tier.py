@@ -336,7 +336,9 @@ def test_the_servers_maxmemory_evicts_and_an_unbounded_remote_is_warned_about(va
         capacity, used, objects = tier.usage()
         assert capacity == 4 << 20 and 0 < objects < 80
         got = [read(tier, 1, key(i)) for i in range(80)]
-        assert got[0] is None, "the least recently used chunk was not evicted"
+        # Which ones went is Valkey's choice: its LRU clock ticks once a second and it samples a
+        # few keys, so chunks written within a second are evicted in no particular order.
+        assert any(g is None for g in got), "the server evicted nothing"
         assert got[-1] == stored[-1]
         assert all(g is None or g == s for g, s in zip(got, stored))
         s = tier.stats.snapshot()
