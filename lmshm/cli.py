@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -202,7 +204,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gc.add_argument("--json", action="store_true", help="print the result as JSON")
     gc.set_defaults(func=_gc)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        rc = args.func(args)
+        sys.stdout.flush()          # here, not at exit, so that a closed pipe is caught below
+        return rc
+    except BrokenPipeError:
+        # The reader went away (`lmshm status | head`): stop quietly, as a command killed by
+        # SIGPIPE would, and point stdout at /dev/null so the interpreter's final flush is silent.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

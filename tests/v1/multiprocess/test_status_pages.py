@@ -109,6 +109,17 @@ def test_lmshm_status_prints_a_page_and_who_holds_the_rest_and_all_of_them_with_
     assert bad.returncode == 2 and "whole number" in bad.stderr
 
 
+def test_lmshm_status_into_a_reader_that_stops_early_ends_quietly(crowded):
+    """``lmshm status --all | head -1``: the table is far longer than the pipe holds, so the
+    CLI writes into a closed pipe; it stops without a traceback, as a command killed by SIGPIPE."""
+    server, _, _ = crowded
+    out = subprocess.run(["bash", "-c", 'set -o pipefail; "$0" -m lmshm.cli status --all --url "$1" | head -1',
+                          sys.executable, server.url], capture_output=True, text=True, timeout=60)
+    assert out.stdout.count("\n") == 1 and out.stdout.strip()
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
+    assert out.returncode == 141, (out.returncode, out.stderr)
+
+
 def test_a_session_that_ends_takes_only_its_own_registrations_and_limits_count_each_owners_own(crowded):
     from harness import WorkerProcess
 
