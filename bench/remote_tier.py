@@ -8,7 +8,9 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
 1. **client choice**: ``SET`` and ``GET`` of one value, with ``redis`` (redis-py, with the
    ``hiredis`` parser when installed) and with ``valkey-glide-sync`` (the tier's client);
 2. **the tier against its bare client** (glide, same server, same sizes): the tier's ``put``
-   (the copy of header and payload into its staging buffer, the checksum or MAC, one ``SET``)
+   as the server's write-through calls it (the header written into the room the pool keeps
+   before each object, the checksum or MAC, one ``SET`` of room and object; "staged": its
+   fallback for a pool without the room, a copy of header and payload into a staging buffer)
    and its read (``head``: one ``GETRANGE`` of the header; ``get_into``: one ``GETRANGE`` of the
    value, the check, the copy into a pool-like buffer), without a secret (the checksum: xxh3-128
    if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3), and the ratio tier /
@@ -16,7 +18,8 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    transaction (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``)
    and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
    its checksum); for GET, one ``GETRANGE`` of the whole value (the bounded read, without the
-   header read, the check and the copy into the slot).
+   header read, the check and the copy into the slot), and that ``GETRANGE`` followed by one
+   copy of the value into a slot-sized buffer (the bound of a read checked before the slot).
 
 3. **two threads at once**, as the tier is used (the stack reads with two threads and writes
    with two, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
@@ -138,20 +141,32 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
             stage[:len(header)] = header
             glide.set(k, stage)
         jobs.append(("glide staged SET", "SET", staged))
-        # the bounded read alone: one GETRANGE of the whole value
+        # the bounded read alone: one GETRANGE of the whole value; and with the one copy into
+        # the slot that checking before the slot takes (the tier's read without header and check)
         k_plain = f"bench:bare:glide:{size}".encode()
 
         def getrange(k=k_plain) -> None:
             assert len(glide.getrange(k, 0, size)) == size
-        jobs.append(("glide GETRANGE", "GET", getrange))
+
+        def getrange_copy(k=k_plain) -> None:
+            dest[:] = glide.getrange(k, 0, size - 1)
+        jobs += [("glide GETRANGE", "GET", getrange), ("glide GETRANGE+copy", "GET", getrange_copy)]
+        # the tier writes as the server's write-through does: from a pool object with the
+        # header's room before it (``framed``); "staged" is its fallback, a copy into a buffer
+        frame = memoryview(bytearray(RemoteTier.head_room + size))
+        frame[RemoteTier.head_room:] = value
         for name, tier in tiers.items():
             k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
             keys.append(tier.remote_key(1, k))
 
             def tier_get(tier=tier, k=k) -> None:
                 assert tier.get_into(1, k, tier.head(1, k), dest) and dest[:64] == value[:64]
-            jobs += [(name, "SET", lambda tier=tier, k=k: tier.put(1, k, meta, memoryview(value))),
-                     (name, "GET", tier_get)]
+
+            def tier_set(tier=tier, k=k) -> None:
+                assert tier.put(1, k, meta, frame[RemoteTier.head_room:], frame)
+            jobs += [(name, "SET", tier_set), (name, "GET", tier_get)]
+        jobs.append(("tier (checksum) staged", "SET", lambda k=b"k%d-staged" % size: plain.put(1, k, meta, memoryview(value))))
+        keys.append(plain.remote_key(1, b"k%d-staged" % size))
         for _, _, fn in jobs:                   # every key exists before the first timed GET
             fn()
         order = random.Random(size)
@@ -187,6 +202,10 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
 def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys: list) -> None:
     """Part 3: two threads at once, each with ``per_thread`` values of its own."""
     values = [os.urandom(size) for _ in range(2)]
+    room = RemoteTier.head_room
+    frames = [memoryview(bytearray(room + size)) for _ in range(2)]     # pool objects with their room
+    for f, v in zip(frames, values):
+        f[room:] = v
     dests = [memoryview(bytearray(size)) for _ in range(2)]
     meta = ChunkMeta(size, b"bench-layout", 1)
 
@@ -201,7 +220,7 @@ def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys:
         def tkey(t: int, i: int, name=name) -> bytes:
             return b"two%d-%s-%d-%d" % (size, name.encode(), t, i)
         keys += [tier.remote_key(1, tkey(t, i)) for t in range(2) for i in range(per_thread)]
-        jobs[("SET", name)] = lambda t, i, tier=tier, tkey=tkey: tier.put(1, tkey(t, i), meta, memoryview(values[t]))
+        jobs[("SET", name)] = lambda t, i, tier=tier, tkey=tkey: tier.put(1, tkey(t, i), meta, frames[t][room:], frames[t])
 
         def get(t: int, i: int, tier=tier, tkey=tkey) -> None:
             assert tier.get_into(1, tkey(t, i), tier.head(1, tkey(t, i)), dests[t])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import functools
 import hashlib
 import logging
 import math
@@ -39,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -103,11 +105,27 @@ class LayerPlan:
         """Address of block 0's first byte."""
         return self.flat.data_ptr() + self.start
 
+    @functools.cached_property
+    def rows(self) -> list[np.ndarray]:
+        """Per grid position, the layer's blocks as the rows of a ``[num_blocks, run]`` numpy
+        view of the mapping (CPU layers whose runs of one grid position are back to back)."""
+        g, flat = self.geometry, self.flat.numpy()
+        size = g.num_blocks * g.run
+        return [flat[self.start + off:self.start + off + size].reshape(g.num_blocks, g.run) for off in g.offsets]
+
 
 @dataclass(frozen=True)
 class BlockLayout:
     layers: tuple[LayerPlan, ...]
     num_blocks: int
+
+    @functools.cached_property
+    def rows(self) -> bool:
+        """Every layer is on the CPU, copied through its mapping (not a file), and the runs of one
+        grid position follow each other block after block (every dense layer; K/V-first layers
+        too): the copies go by ``_take_or_put``, rows of numpy views."""
+        return all(p.file is None and p.flat.device.type == "cpu" and p.geometry.block_stride == p.geometry.run
+                   for p in self.layers)
     block_bytes: int          # one block of every layer
     digest: bytes             # see the module docstring; not num_blocks
     cuda_device: int = -1     # the registration's GPU (ordinal), or -1 for CPU memory
@@ -299,6 +317,25 @@ def _file_pieces(plan: LayerPlan, obj_layer: torch.Tensor, todo: list[tuple[int,
         os.close(fd)
 
 
+def _take_or_put(plan: LayerPlan, obj_all: np.ndarray, ids: np.ndarray, chunk_blocks: int, store: bool) -> None:
+    """Per grid position, the blocks as rows of a ``[num_blocks, run]`` array: STORE ``np.take``
+    of the rows ``ids`` into the object's ``[blocks, run]`` part, RETRIEVE an indexed assignment
+    back. Both loop in C with the GIL released, one ``memmove`` per row: two copier threads run
+    at once, where a Python loop of ``memmove`` calls spends their time taking turns at the GIL
+    (a shuffled 256 MiB request: 0.60x of one memcpy that way, 0.9-1.1x this way; docs/benchmarks.md).
+    ``mode="clip"``: ``out`` is then written directly (the default ``"raise"`` buffers it);
+    the ids were checked against ``num_blocks`` already, so nothing is clipped."""
+    g = plan.geometry
+    n = len(ids) * g.run
+    for k, kv in enumerate(plan.rows):
+        obj0 = k * chunk_blocks * g.run
+        part = obj_all[obj0:obj0 + n].reshape(len(ids), g.run)
+        if store:
+            np.take(kv, ids, axis=0, out=part, mode="clip")
+        else:
+            kv[ids] = part
+
+
 def _copy_layer(plan: LayerPlan, obj_layer: torch.Tensor, runs: list[tuple[int, int, int]], chunk_blocks: int,
                 *, store: bool, pool: PoolBytes | None = None) -> None:
     todo = pieces(plan, runs, chunk_blocks)
@@ -330,7 +367,7 @@ def copy_parallelism() -> int:
 
 
 #: A chunk of at least this many bytes is split by layer over ``copy_parallelism()`` threads.
-_SPLIT_BYTES = 8 << 20
+_SPLIT_BYTES = 1 << 20
 _splitter: ThreadPoolExecutor | None = None
 _splitter_lock = threading.Lock()
 
@@ -340,13 +377,29 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
     global _splitter
     if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
         raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
-    runs = _runs(block_ids)
-    pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
+    if layout.rows:
+        ids = np.asarray(block_ids, dtype=np.intp)
+        obj_all, at, pairs = obj.numpy(), 0, []
+        for p in layout.layers:
+            n = p.block_bytes * chunk_blocks
+            pairs.append((p, obj_all[at:at + n]))
+            at += n
+
+        def copy(p: LayerPlan, o: Any) -> None:
+            _take_or_put(p, o, ids, chunk_blocks, store)
+        short = True
+    else:
+        runs = _runs(block_ids)
+        pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
+
+        def copy(p: LayerPlan, o: Any) -> None:
+            _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
+        # Split what no torch copy parallelises: short runs (memmove; ctypes drops the GIL) and
+        # copies through files (preadv/pwritev; the kernel's copy runs on the calling thread).
+        # (numpy's row copies above are always split: they drop the GIL for the whole layer.)
+        short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].geometry.run < TORCH_COPY_BYTES
+                 or (store and pool is not None and layout.layers[0].file is not None))
     ways = min(copy_parallelism(), len(pairs))
-    # Split what no torch copy parallelises: short runs (memmove; ctypes drops the GIL) and
-    # copies through files (preadv/pwritev; the kernel's copy runs on the calling thread).
-    short = (len(runs) * 2 > len(block_ids) or runs[0][2] * layout.layers[0].geometry.run < TORCH_COPY_BYTES
-             or (store and pool is not None and layout.layers[0].file is not None))
     # (Not pwritev of long runs: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
     if short and ways > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
         with _splitter_lock:
@@ -359,7 +412,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
 
         def layers(part: list) -> None:
             for p, o in part:
-                _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
+                copy(p, o)
 
         others = [_splitter.submit(layers, part) for part in parts[1:]]
         try:
@@ -369,7 +422,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
                 f.result()
         return
     for p, o in pairs:
-        _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
+        copy(p, o)
 
 
 def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,

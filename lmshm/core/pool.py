@@ -15,8 +15,8 @@ Life of an object:
 - ``commit`` after the copy has completed makes it *ready* (visible); ``abort`` frees it.
 So an object is visible all or nothing.
 
-Accounting: an object costs its extent (its bytes rounded up to ``ALIGN``) plus ``OBJECT_COST``
-bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
+Accounting: an object costs its extent (its bytes and the pool's ``head_room``, rounded up to
+``ALIGN``) plus ``OBJECT_COST`` bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
 whole cost in server memory stays within ``capacity``. ``max_objects`` caps the count too.
 Every figure ``info()`` reports is a counter kept as objects change; no method walks the
 objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU and
@@ -111,9 +111,9 @@ def parse_size(text: str | int) -> int:
     return int(value * units[unit])
 
 
-def cost_of(nbytes: int) -> int:
-    """What an object of ``nbytes`` is charged against the capacity."""
-    return -(-nbytes // ALIGN) * ALIGN + OBJECT_COST
+def cost_of(nbytes: int, head_room: int = 0) -> int:
+    """What an object of ``nbytes`` is charged against the capacity (in a pool with ``head_room``)."""
+    return -(-(nbytes + head_room) // ALIGN) * ALIGN + OBJECT_COST
 
 
 class Reservation:
@@ -231,8 +231,13 @@ class Pool:
     ``max_objects`` means no cap beside the capacity."""
 
     def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
-                 max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False) -> None:
+                 max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False,
+                 head_room: int = 0) -> None:
         self.capacity = capacity
+        #: bytes kept free right before every object, part of its extent: a tier below the pool
+        #: writes its header there and sends header and chunk as one value without copying the
+        #: chunk (core/tiers: ``Tier.head_room``); a multiple of ``ALIGN``, so objects stay aligned
+        self.head_room = -(-head_room // ALIGN) * ALIGN
         self.max_objects = max_objects
         self.max_pinned_fraction_per_uid = max_pinned_fraction_per_uid
         self.max_pins_per_uid = max_pins_per_uid
@@ -349,7 +354,7 @@ class Pool:
         self._uncharge(t, obj, cost)
 
     def _uncharge(self, t: _Tenant, obj: tuple, cost: int) -> None:
-        self._extents.give(obj[OFFSET], cost - OBJECT_COST)
+        self._extents.give(obj[OFFSET] - self.head_room, cost - OBJECT_COST)
         t.used -= cost
         self.used -= cost
         self._forget_if_empty(obj[UID], t)
@@ -449,7 +454,7 @@ class Pool:
                     self.store_skipped += 1
                     return Reservation.NO_SPACE, None
                 self._drop(t, existing)
-            cost = cost_of(nbytes)
+            cost = cost_of(nbytes, self.head_room)
             busy_bytes = self.used - self._evictable_bytes          # what eviction cannot free
             busy_objects = self.objects + self.in_flight - self._evictable
             if (nbytes <= 0 or busy_bytes + cost > self.capacity
@@ -461,6 +466,7 @@ class Pool:
                         not self.max_objects or self.objects + self.in_flight < self.max_objects):
                     offset = self._extents.take(cost - OBJECT_COST)
                     if offset is not None:
+                        offset += self.head_room
                         break
                 if not self._evict_one():       # what is left is fragmented by pinned objects
                     self.store_skipped += 1

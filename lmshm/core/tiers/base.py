@@ -77,6 +77,10 @@ class Tier(abc.ABC):
 
     #: a short name for STATUS, logs and metrics labels ("disk", "remote")
     name: str = "tier"
+    #: bytes the tier may write right before a chunk in the pool, for its header: the pool then
+    #: keeps that much free in front of every object (``Pool.head_room``) and ``put`` gets
+    #: ``framed``, so header and chunk go out as one value without copying the chunk. 0: none.
+    head_room: int = 0
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -96,9 +100,13 @@ class Tier(abc.ABC):
         the bad copy)."""
 
     @abc.abstractmethod
-    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
+    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview,
+            framed: Optional[memoryview] = None) -> bool:
         """Keep ``data`` (a pool object's bytes, read-only for the call) under ``(uid, key)``.
-        False (counted as a drop) when it cannot: full, failing, or already held."""
+        False (counted as a drop) when it cannot: full, failing, or already held. ``framed``,
+        when the pool keeps ``head_room`` bytes before its objects, is those bytes and ``data``
+        (which ends it): the tier may write its header into the first ``head_room`` bytes, and
+        only there; no other thread reads or writes them meanwhile."""
 
     @abc.abstractmethod
     def usage(self) -> tuple[int, int, int]:

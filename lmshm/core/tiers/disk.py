@@ -374,7 +374,8 @@ class DiskTier(Tier):
         if delete:
             _unlink(self.path_of(*k))
 
-    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview) -> bool:
+    def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview,
+            framed: Optional[memoryview] = None) -> bool:
         k = (uid, key)
         size = file_bytes(meta.nbytes)
         with self._lock:

@@ -119,8 +119,11 @@ class TierStack:
                 tier.stats.add(drops=1)
                 continue
             try:
-                data = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
-                tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data)
+                start, end = obj[OFFSET], obj[OFFSET] + obj[NBYTES]
+                data = self.pool.bytes.view[start:end]
+                framed = self.pool.bytes.view[start - tier.head_room:end] \
+                    if 0 < tier.head_room <= self.pool.head_room else None
+                tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data, framed)
             except Exception:  # noqa: BLE001 - a tier's bug drops one chunk, never the writer
                 tier.stats.add(drops=1, errors=1)
                 logger.exception("lmshm: the %s tier failed a write-through", tier.name)

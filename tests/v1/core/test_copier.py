@@ -43,7 +43,7 @@ def round_trip(a: list[torch.Tensor], b: list[torch.Tensor], bd: int, src: list[
     assert la.digest == lb.digest
     if files is not None:
         la, lb = files[0](la), files[1](lb)
-    pool = Pool(1 << 22)
+    pool = Pool(max(1 << 22, 2 * la.chunk_bytes(len(src))))
     _, obj = pool.reserve(0, b"k", la.chunk_bytes(len(src)), la.digest, len(src))
     gather(la, src, pool.view(obj), len(src), pool.bytes)
     scatter(lb, dst, pool.view(obj), len(src), pool.bytes)
@@ -74,6 +74,38 @@ def test_blocks_move_along_their_dim_in_as_few_runs_as_memory_allows(case):
     layout = round_trip(a, b, bd, src, dst)
     assert [len(p.geometry.offsets) for p in layout.layers] == [runs, runs]
     assert all(blocks_equal(x, y, bd, src, dst) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("case", [
+    # (logical shape, physical order, block_dim, pad, copied as numpy rows)
+    ((10, 4, 16, 8), (0, 1, 2, 3), 0, 0, True),      # vLLM CPU: blocks first, dense
+    ((2, 10, 16, 4, 8), (0, 1, 2, 3, 4), 1, 0, True),  # K/V first: each half's blocks back to back
+    ((10, 2, 16, 4, 8), (0, 1, 3, 2, 4), 0, 0, True),  # HND under an NHD view: still one run per block
+    ((10, 64), (0, 1), 0, 16, False),                # gaps between blocks: pieces
+    ((10, 2, 16, 8), (1, 0, 2, 3), 0, 0, True),      # K/V outermost under a blocks-first view: 2 runs
+    ((10, 2, 16, 8), (0, 1, 2, 3), 0, 4, False),     # K and V in a block, then a gap: pieces
+])
+def test_cpu_layers_whose_blocks_are_rows_are_copied_as_rows_and_the_others_as_pieces(case):
+    logical, order, bd, pad, rows = case
+    a, b = permuted(logical, order, pad=pad), permuted(logical, order, pad=pad)
+    src, dst = [7, 3, 3, 9, 0], [1, 8, 2, 0, 5]         # shuffled, a repeated source block
+    layout = round_trip([a], [b], bd, src, dst)
+    assert layout.rows is rows
+    assert blocks_equal(a, b, bd, src, dst)
+
+
+def test_a_large_shuffled_chunk_split_over_threads_round_trips_as_rows():
+    layers, blocks, block_elems = 6, 48, 16 << 10        # 32 KiB blocks: 16 per chunk is 3 MiB, split
+    a = [torch.randint(-1000, 1000, (blocks, block_elems)).to(torch.float16) for _ in range(layers)]
+    b = [torch.zeros(blocks, block_elems, dtype=torch.float16) for _ in range(layers)]
+    order = list(range(blocks))
+    random.Random(5).shuffle(order)
+    src, dst = order[:16], order[16:32]
+    layout = round_trip(a, b, 0, src, dst)
+    assert layout.rows and layout.chunk_bytes(16) >= 2 << 20
+    assert all(blocks_equal(x, y, 0, src, dst) for x, y in zip(a, b))
+    untouched = sorted(set(range(blocks)) - set(dst))
+    assert all(not y[untouched].any() for y in b), "a RETRIEVE wrote blocks it was not asked to"
 
 
 def test_random_layouts_round_trip_through_the_mapping_and_through_a_file():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lmshm.core.copier import BlockLayout, LayoutError
-from lmshm.core.pool import ALIGN, Pool, Reservation, _Extents, cost_of, parse_size
+from lmshm.core.pool import ALIGN, KEY, OBJECT_COST, OFFSET, Pool, Reservation, _Extents, cost_of, parse_size
 
 ONE = cost_of(ALIGN)   # what an object of 64 bytes is charged: its extent and its bookkeeping
 
@@ -39,6 +39,28 @@ def test_freed_space_is_merged_and_reused():
     extents.give(0, 128)
     assert extents.take(128) == 0           # best fit: the 128-byte extent, not the larger one
     assert extents.take(192) == 1024 and extents.take(64) == 1216 and len(extents) == 0
+
+
+def test_head_room_stays_free_before_every_object_and_is_charged_and_returned():
+    room = 200                                      # rounded up to a multiple of ALIGN: 256
+    per = cost_of(1000, 256)
+    pool = Pool(3 * per, head_room=room)
+    assert pool.head_room == 256 and per == 1280 + OBJECT_COST
+    objs = [stored(pool, 0, bytes([i]), 1000) for i in range(3)]
+    starts = sorted(o[OFFSET] for o in objs)
+    assert starts == [256, 256 + 1280, 256 + 2 * 1280] and pool.used == 3 * per
+    for o in objs:                                  # room and payload of one never overlap another's
+        pool.bytes.view[o[OFFSET] - 256:o[OFFSET] + 1000] = bytes([o[KEY][0] + 1]) * 1256
+    for o in objs:
+        assert bytes(pool.bytes.view[o[OFFSET]:o[OFFSET] + 1000]) == bytes([o[KEY][0] + 1]) * 1000
+    outcome, new = pool.reserve(0, b"x", 1000, b"L", 1)     # evicts the oldest; its extent is reused
+    assert outcome == Reservation.STORED and new[OFFSET] == objs[0][OFFSET] and pool.used == 3 * per
+    pool.abort([new])
+    assert pool.used == 2 * per
+    outcome, big = pool.reserve(0, b"y", 1280 + 1000, b"L", 1)   # evicts the next: two extents, merged
+    assert outcome == Reservation.STORED and big[OFFSET] == 256 and pool.evictions == 2
+    assert pool.used == per + cost_of(2280, 256)
+    pool.release()
 
 
 def test_objects_are_visible_only_once_committed_and_only_to_their_uid():

@@ -415,3 +415,39 @@ def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(
         assert grew < 32 << 20, f"the reader grew by {grew >> 20} MiB reading a {huge >> 20} MiB value"
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a_copy(valkey, signed, tmp_path):
+    from lmshm.core.pool import OFFSET, Pool, Reservation
+    from lmshm.core.tiers.stack import TierStack
+    secret = os.urandom(32) if signed else None
+    tier = tier_for(valkey.url, secret=secret)
+    pool = Pool(8 << 20, head_room=tier.head_room)
+    assert pool.head_room >= HEADER_BYTES
+
+    def no_staging(nbytes):
+        raise AssertionError("the chunk was copied into a staging buffer")
+    tier._staging = no_staging
+    stack = TierStack(pool, [tier], queue_limit=16, timeout_s=2.0)
+    reader = tier_for(valkey.url, secret=secret)
+    try:
+        objs, datas = [], [payload(i) for i in range(4)]
+        for i in range(4):                              # neighbours: each one's room ends at the next
+            outcome, obj = pool.reserve(3, key(i), META.nbytes, META.layout, META.blocks)
+            assert outcome == Reservation.STORED
+            pool.bytes.view[obj[OFFSET]:obj[OFFSET] + META.nbytes] = datas[i]
+            pool.commit([obj])
+            objs.append(obj)
+        stack.write_through(objs)
+        end = time.monotonic() + 5
+        while tier.stats.snapshot()["puts"] < 4:
+            assert time.monotonic() < end and not tier.stats.snapshot()["drops"], tier.stats.snapshot()
+            time.sleep(0.01)
+        for i, obj in enumerate(objs):
+            assert bytes(pool.bytes.view[obj[OFFSET]:obj[OFFSET] + META.nbytes]) == datas[i], "a header overwrote a chunk"
+            assert read(reader, 3, key(i)) == datas[i]
+    finally:
+        stack.close()
+        reader.close()
+        pool.release()
