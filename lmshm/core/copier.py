@@ -407,16 +407,20 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
                 _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
         # Contiguous runs of layers: each thread writes its own stretch of the object, so two
         # threads never fault the same (huge) pool page at once.
-        cut = [len(pairs) * i // ways for i in range(ways + 1)]
-        parts = [pairs[cut[i]:cut[i + 1]] for i in range(ways)]
+        # Taken from a shared queue of stretches, 4 per thread: a thread held up (by the loop,
+        # another request) leaves its later stretches to the others.
+        n = ways * 4 if len(pairs) >= ways * 4 else ways
+        cut = [len(pairs) * i // n for i in range(n + 1)]
+        stretches = iter([pairs[cut[i]:cut[i + 1]] for i in range(n)])
 
-        def layers(part: list) -> None:
-            for p, o in part:
-                copy(p, o)
+        def layers(_: Any = None) -> None:
+            for part in stretches:          # a list iterator hands each stretch out once
+                for p, o in part:
+                    copy(p, o)
 
-        others = [_splitter.submit(layers, part) for part in parts[1:]]
+        others = [_splitter.submit(layers) for _ in range(ways - 1)]
         try:
-            layers(parts[0])
+            layers()
         finally:
             for f in others:
                 f.result()
