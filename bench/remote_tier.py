@@ -21,8 +21,8 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    header read, the check and the copy into the slot), and that ``GETRANGE`` followed by one
    copy of the value into a slot-sized buffer (the bound of a read checked before the slot).
 
-3. **two threads at once**, as the tier is used (the stack reads with two threads and writes
-   with two, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
+3. **two threads at once**, as the tier is used (the stack writes with two threads and reads
+   with up to four, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
    own, and GB/s is all their bytes over the wall time; bare glide (one client, as the tier's)
    against the tier, with the checksum and with the MAC. One thread's checksum, MAC and copies
    then overlap the other's transfer.

@@ -81,7 +81,8 @@ class DataPlane:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool,
-                         head_room=max((t.head_room for t in tiers), default=0))
+                         head_room=max((t.head_room for t in tiers), default=0),
+                         align=max((t.align for t in tiers), default=0))
         self.copier = OrderedExecutor(copy_threads)
         self.lease_ttl_s = lease_ttl_s
         self.max_inflight = max_inflight_per_session

@@ -222,6 +222,7 @@ class TierInfo(msgspec.Struct, frozen=True):
     written_bytes: int = 0
     reads: int = 0
     writes: int = 0
+    direct_writes: int = 0   # disk: chunks written with O_DIRECT, from the pool object past the page cache
     read_seconds: float = 0.0    # total time of the reads (mean latency = read_seconds / reads)
     write_seconds: float = 0.0
     queue_depth: int = 0     # write-throughs waiting

@@ -16,7 +16,7 @@ Life of an object:
 So an object is visible all or nothing.
 
 Accounting: an object costs its extent (its bytes and the pool's ``head_room``, rounded up to
-``ALIGN``) plus ``OBJECT_COST`` bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
+its ``align``, ``ALIGN`` unless a tier asks for more) plus ``OBJECT_COST`` bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
 whole cost in server memory stays within ``capacity``. ``max_objects`` caps the count too.
 Every figure ``info()`` reports is a counter kept as objects change; no method walks the
 objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU and
@@ -111,9 +111,10 @@ def parse_size(text: str | int) -> int:
     return int(value * units[unit])
 
 
-def cost_of(nbytes: int, head_room: int = 0) -> int:
-    """What an object of ``nbytes`` is charged against the capacity (in a pool with ``head_room``)."""
-    return -(-(nbytes + head_room) // ALIGN) * ALIGN + OBJECT_COST
+def cost_of(nbytes: int, head_room: int = 0, align: int = ALIGN) -> int:
+    """What an object of ``nbytes`` is charged against the capacity (in a pool with ``head_room``
+    and objects aligned to ``align``)."""
+    return -(-(nbytes + head_room) // align) * align + OBJECT_COST
 
 
 class Reservation:
@@ -232,12 +233,15 @@ class Pool:
 
     def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
                  max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False,
-                 head_room: int = 0) -> None:
+                 head_room: int = 0, align: int = ALIGN) -> None:
         self.capacity = capacity
+        #: where objects start: a multiple of ``ALIGN`` (a cache line), or of what a tier below
+        #: asks (``Tier.align``: the disk's 4 KiB, for writes with ``O_DIRECT`` from the object)
+        self.align = -(-max(align, ALIGN) // ALIGN) * ALIGN
         #: bytes kept free right before every object, part of its extent: a tier below the pool
         #: writes its header there and sends header and chunk as one value without copying the
-        #: chunk (core/tiers: ``Tier.head_room``); a multiple of ``ALIGN``, so objects stay aligned
-        self.head_room = -(-head_room // ALIGN) * ALIGN
+        #: chunk (core/tiers: ``Tier.head_room``); a multiple of ``align``, so objects stay aligned
+        self.head_room = -(-head_room // self.align) * self.align
         self.max_objects = max_objects
         self.max_pinned_fraction_per_uid = max_pinned_fraction_per_uid
         self.max_pins_per_uid = max_pins_per_uid
@@ -454,7 +458,7 @@ class Pool:
                     self.store_skipped += 1
                     return Reservation.NO_SPACE, None
                 self._drop(t, existing)
-            cost = cost_of(nbytes, self.head_room)
+            cost = cost_of(nbytes, self.head_room, self.align)
             busy_bytes = self.used - self._evictable_bytes          # what eviction cannot free
             busy_objects = self.objects + self.in_flight - self._evictable
             if (nbytes <= 0 or busy_bytes + cost > self.capacity

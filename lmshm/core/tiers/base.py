@@ -42,7 +42,7 @@ class TierStats:
     """A tier's running totals, kept under one lock; ``snapshot`` is what STATUS shows."""
 
     FIELDS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
-              "read_bytes", "written_bytes", "reads", "writes")
+              "read_bytes", "written_bytes", "reads", "writes", "direct_writes")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,6 +81,9 @@ class Tier(abc.ABC):
     #: keeps that much free in front of every object (``Pool.head_room``) and ``put`` gets
     #: ``framed``, so header and chunk go out as one value without copying the chunk. 0: none.
     head_room: int = 0
+    #: where in memory ``put`` would like a chunk to start (the disk's 4 KiB: direct I/O from
+    #: the pool object); the pool aligns its objects to the largest of its tiers'. 0: any.
+    align: int = 0
 
     def __init__(self) -> None:
         self.stats = TierStats()

@@ -54,7 +54,7 @@ class Promotion:
 
 class TierStack:
     def __init__(self, pool: Pool, tiers: Sequence[Tier], *, queue_limit: Union[int, Sequence[int]],
-                 timeout_s: float, readers: int = 2, writers: int = 2) -> None:
+                 timeout_s: float, readers: int = 4, writers: int = 2) -> None:
         self.pool = pool
         self.tiers = list(tiers)
         # one limit for every tier, or one per tier (--disk-queue, --remote-queue)

@@ -4,6 +4,7 @@ tests/v1/multiprocess/test_tiers.py.)"""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import time
@@ -335,3 +336,41 @@ def test_shutdown_with_a_stuck_read_reports_it_and_keeps_the_pool_mapped(disk_di
         wait_for(lambda: stack._reading == 0)
         tier.close()
         pool.release()
+
+
+def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_cache(disk_dir, monkeypatch):
+    import mmap
+    tier = DiskTier(str(disk_dir), 1 << 22)
+    try:
+        aligned = mmap.mmap(-1, 3 * 4096)                  # page-aligned, whole pages
+        aligned[:] = os.urandom(3 * 4096)
+        meta3 = ChunkMeta(3 * 4096, META.layout, 1)
+        opened = []
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda path, flags, *a: opened.append(flags) or real_open(path, flags, *a))
+        assert tier.put(0, b"page", meta3, memoryview(aligned))
+        unaligned = memoryview(bytearray(4096 + 64))[64:]  # whole pages long, not on a page
+        assert tier.put(0, b"off", ChunkMeta(4096, META.layout, 1), unaligned)
+        assert [bool(f & os.O_DIRECT) for f in opened] == [True, False]
+        assert tier.stats.snapshot()["direct_writes"] == 1
+        dest = bytearray(3 * 4096)
+        assert tier.get_into(0, b"page", meta3, memoryview(dest)) and dest == aligned[:]
+        # a file system that refuses O_DIRECT (simulated: open raises EINVAL for it): written
+        # through the page cache, and never tried direct again
+        opened.clear()
+
+        def no_direct(path, flags, *a):
+            opened.append(flags)
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *a)
+        monkeypatch.setattr(os, "open", no_direct)
+        for k in (b"p2", b"p3"):
+            assert tier.put(0, k, meta3, memoryview(aligned))
+        assert [bool(f & os.O_DIRECT) for f in opened] == [True, False, False] and not tier.direct
+        s = tier.stats.snapshot()
+        assert s["direct_writes"] == 1 and s["drops"] == 0 and s["puts"] == 4
+        dest = bytearray(3 * 4096)
+        assert tier.get_into(0, b"p3", meta3, memoryview(dest)) and dest == aligned[:]
+    finally:
+        tier.close()

@@ -63,6 +63,15 @@ def test_head_room_stays_free_before_every_object_and_is_charged_and_returned():
     pool.release()
 
 
+def test_a_pool_aligned_for_direct_io_starts_every_object_on_a_page():
+    pool = Pool(1 << 20, align=4096, head_room=224)
+    assert pool.align == 4096 and pool.head_room == 4096       # the room keeps objects on pages too
+    objs = [stored(pool, 0, bytes([i]), n) for i, n in enumerate((100, 8192, 5000, 64))]
+    assert all(o[OFFSET] % 4096 == 0 for o in objs) and pool.bytes.addr % 4096 == 0
+    assert pool.used == sum(cost_of(n, 4096, 4096) for n in (100, 8192, 5000, 64))
+    pool.release()
+
+
 def test_objects_are_visible_only_once_committed_and_only_to_their_uid():
     pool = Pool(8 * ONE)
     outcome, obj = pool.reserve(1000, b"k", ALIGN, b"L", 1)

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from harness import wait_for
-from lmshm.core.pool import OBJECT_COST
+from lmshm.core.pool import cost_of
+from lmshm.core.tiers.disk import PAGE
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
 from lmshm.multiprocess.protocol import StoreResult
 
@@ -77,6 +78,31 @@ def test_a_restarted_server_finds_on_disk_what_it_stored_before(start_server, st
     assert "disk: " in status.stdout and "3 promoted" in status.stdout
 
 
+def test_page_sized_chunks_are_written_with_o_direct_from_the_pool_and_others_through_the_cache(
+        start_server, start_worker, disk):
+    server = start_server("--disk", str(disk), "--disk-capacity", "64MiB")
+    a = start_worker(server.url)
+    big = a.ok("register_kv", instance_id="pages", shape=[2, 16, 32])["instance_id"]   # 4 KiB a block and layer
+    small = a.ok("register_kv", instance_id="small")["instance_id"]                     # 1 KiB: not whole pages
+    a.ok("fill_blocks", instance_id=big, blocks=[1, 2], seed=5)
+    want = a.ok("digest_blocks", instance_id=big, blocks=[1, 2])["digests"]
+    store_each(a, big, [key(0), key(1)], [1, 2])
+    store_each(a, small, [key(2)], [3])
+    wait_for(lambda: tier(a)["puts"] == 3, timeout_s=10)
+    assert tier(a)["direct_writes"] == 2, tier(a)
+    for p in disk_files(disk):                           # header, then the chunk at 4096, nothing else
+        assert p.stat().st_size in (HEADER_BYTES + 2 * 4 * 16 * 32 * 2, HEADER_BYTES + CHUNK_BYTES)
+    a.exit()
+    assert server.stop() == 0
+    again = start_server("--disk", str(disk), "--disk-capacity", "64MiB")
+    b = start_worker(again.url)
+    ib = b.ok("register_kv", instance_id="pages", shape=[2, 16, 32])["instance_id"]
+    found = b.ok("lookup", keys=[[key(0), key(1)]])
+    assert found["hits"] == 2
+    b.ok("retrieve", instance_id=ib, keys=[key(0), key(1)], blocks=[7, 8], chunk_blocks=1, lease=found["lease"])
+    assert b.ok("digest_blocks", instance_id=ib, blocks=[7, 8])["digests"] == want
+
+
 @pytest.mark.parametrize("damage", ["payload", "torn"])
 def test_a_damaged_file_is_a_miss_is_deleted_and_what_is_served_stays_right(start_server, start_worker, disk,
                                                                            damage):
@@ -113,7 +139,7 @@ def test_a_damaged_file_is_a_miss_is_deleted_and_what_is_served_stays_right(star
 
 def test_lookup_promotes_evicted_chunks_and_pins_them_before_it_answers(start_server, start_worker, disk):
     server = start_server("--disk", str(disk), "--disk-capacity", "64MiB",
-                          "--capacity", str(3 * (CHUNK_BYTES + OBJECT_COST)), "--max-pinned-fraction-per-uid", "1")
+                          "--capacity", str(3 * cost_of(CHUNK_BYTES, align=PAGE)), "--max-pinned-fraction-per-uid", "1")
     a = start_worker(server.url)
     ia = a.ok("register_kv")["instance_id"]
     a.ok("fill_blocks", instance_id=ia, blocks=list(range(6)), seed=7)
