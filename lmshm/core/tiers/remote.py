@@ -517,29 +517,35 @@ class RemoteTier(Tier):
         return memoryview(buf)[:nbytes]
 
     def usage(self) -> tuple[int, int, int]:
-        """``(maxmemory, used_memory, keys)`` of a standalone server, as last read (at most every
-        ``USAGE_REFRESH_S``, by a writer thread, never by the caller: STATUS runs on the loop);
-        zeros for a cluster, whose memory is the nodes' own."""
+        """``(maxmemory, used_memory, keys)`` of the server, summed over a cluster's primaries, as
+        last read (at most every ``USAGE_REFRESH_S``, by a writer thread, never by the caller:
+        STATUS runs on the loop). Whole servers: other users' keys and memory count too. A
+        cluster's capacity is 0 (unknown) unless every primary has a ``maxmemory``."""
         return self._usage
 
     def _refresh_usage(self) -> None:
-        if self.target.cluster or time.monotonic() - self._usage_at < USAGE_REFRESH_S:
+        if time.monotonic() - self._usage_at < USAGE_REFRESH_S:
             return
         self._usage_at = time.monotonic()
         client = self._client
         if client is None:
             return
         try:        # outside the breaker and the counters: an ACL may deny INFO, and that is no failure
-            info = client.custom_command(["INFO", "memory"])
-            keys = client.custom_command(["DBSIZE"])
-        except Exception as exc:  # noqa: BLE001 - usage is informative only
+            if self.target.cluster:
+                primaries = self._glide.AllPrimaries()
+                infos = client.custom_command(["INFO", "memory"], route=primaries)
+                keys = client.custom_command(["DBSIZE"], route=primaries)
+            else:
+                infos, keys = {"": client.custom_command(["INFO", "memory"])}, client.custom_command(["DBSIZE"])
+            nodes = [dict(line.split(":", 1) for line in _text(info).splitlines() if ":" in line)
+                     for info in (infos.values() if isinstance(infos, dict) else [infos])]
+            limits = [int(f.get("maxmemory", 0)) for f in nodes]
+            self._usage = (sum(limits) if all(limits) else 0, sum(int(f.get("used_memory", 0)) for f in nodes),
+                           sum(int(k) for k in keys.values()) if isinstance(keys, dict) else int(keys))
+        except Exception as exc:  # noqa: BLE001 - usage is informative only: a denied or odd reply
             logger.debug("lmshm: cannot read the remote's usage: %s", exc)
             return
-        fields = dict(line.split(":", 1) for line in _text(info).splitlines() if ":" in line)
-        try:
-            self._usage = (int(fields.get("maxmemory", 0)), int(fields.get("used_memory", 0)), int(keys))
-        except ValueError:
-            return
+        fields = nodes[0] if nodes else {}
         policy = fields.get("maxmemory_policy", "").strip()
         if not self._usage[0] and not self.ttl_ms:
             self.warnings.warn("unbounded", "lmshm: the remote %s has no maxmemory and --remote-ttl is 0: it will "

@@ -226,6 +226,10 @@ def test_a_cluster_stores_and_finds_and_a_node_down_costs_only_its_slots(valkey_
         assert all(by_node.values()), "the keys did not spread over the three masters"
         for k in keys:
             assert read(tier, 1, k) is not None
+        tier._usage_at = 0                    # read the usage now, not after USAGE_REFRESH_S
+        tier._refresh_usage()
+        capacity, used, objects = tier.usage()    # summed over the three primaries
+        assert objects == 24 and used > 24 * 64 * 1024 and capacity == 0
         down = valkey_cluster.nodes[1]
         down.kill()
         t0 = time.monotonic()
