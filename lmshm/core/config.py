@@ -56,3 +56,4 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_queue: Count = 256          # chunks waiting to be written to the remote; more are dropped (counted)
     remote_secret_file: str = ""       # a key for a keyed BLAKE3 MAC over every value; "" = checksum only
     remote_password_file: str = ""     # the remote's password (AUTH), instead of LMSHM_REMOTE_PASSWORD
+    remote_ca_file: str = ""           # rediss://: PEM certificates to trust instead of the system's

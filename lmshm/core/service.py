@@ -156,7 +156,7 @@ class Core:
         """The remote tier; its credentials come from the environment or files, never settings."""
         if not c.capacity:
             raise ServerError(ErrorCode.INVALID_ARG, "--remote needs a pool: it was given with --capacity 0")
-        from lmshm.core.tiers.remote import MIN_SECRET_BYTES, RemoteTier, read_secret_file
+        from lmshm.core.tiers.remote import MIN_SECRET_BYTES, RemoteTier, read_ca_file, read_secret_file
 
         try:
             secret = read_secret_file(c.remote_secret_file, "--remote-secret-file", MIN_SECRET_BYTES) \
@@ -164,9 +164,10 @@ class Core:
             password = os.environ.get("LMSHM_REMOTE_PASSWORD", "")
             if c.remote_password_file:
                 password = read_secret_file(c.remote_password_file, "--remote-password-file").decode()
+            ca = read_ca_file(c.remote_ca_file) if c.remote_ca_file else None
             return RemoteTier(c.remote, prefix=c.remote_prefix, ttl_s=c.remote_ttl_s, timeout_s=c.remote_timeout_s,
                               secret=secret, username=os.environ.get("LMSHM_REMOTE_USERNAME", ""),
-                              password=password, checksum=c.disk_checksum)
+                              password=password, checksum=c.disk_checksum, ca_pem=ca)
         except (OSError, ValueError, ImportError, UnicodeDecodeError) as exc:
             raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the remote tier: {exc}") from None
 

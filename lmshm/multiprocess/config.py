@@ -216,6 +216,9 @@ SETTINGS: tuple[Setting, ...] = (
             "value without a valid one is a miss (default: a checksum only)", "PATH"),
     Setting("remote_password_file", "--remote-password-file", "LMSHM_REMOTE_PASSWORD_FILE", "remote_password_file",
             "a file (mode 600) holding the remote's password, instead of LMSHM_REMOTE_PASSWORD", "PATH"),
+    Setting("remote_ca_file", "--remote-ca-file", "LMSHM_REMOTE_CA_FILE", "remote_ca_file",
+            "for a rediss:// remote: a PEM file of the certificate authorities to trust for its server "
+            "certificate, instead of the system's trust store (default: the system's)", "PATH"),
     Setting("http_port", "--http-port", "LMSHM_HTTP_PORT", "http_port",
             "serve Triton's HTTP/REST health, metadata and shared-memory routes and Prometheus /metrics on this "
             "port (default off; 0 picks a free port)", "N"),

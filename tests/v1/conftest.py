@@ -42,6 +42,21 @@ def valkey(valkey_dir) -> ValkeyServer:
 
 
 @pytest.fixture
+def valkey_tls(valkey, valkey_dir):
+    """A TLS-terminating proxy in front of ``valkey`` (the packaged Valkey has no TLS), with its
+    own test CA: ``.url`` is ``rediss://127.0.0.1:PORT``, ``.ca`` the CA's PEM file."""
+    from tls_proxy import TlsProxy
+    try:
+        proxy = TlsProxy(valkey_dir / "tls", valkey.port)
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    try:
+        yield proxy
+    finally:
+        proxy.close()
+
+
+@pytest.fixture
 def valkey_cluster(valkey_dir) -> ValkeyCluster:
     """Three Valkey masters in cluster mode, each with a third of the slots."""
     _need_valkey()

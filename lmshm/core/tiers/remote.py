@@ -69,6 +69,7 @@ BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 SLOTS = 16384
 SLOT_GROUPS = 64            # cluster breakers: one per 256 slots
 MIN_SECRET_BYTES = 16
+MAX_CA_BYTES = 1 << 20
 MAC_THREADS_FROM = 2 << 20      # payload bytes from which the MAC runs on BLAKE3's threads
 USAGE_REFRESH_S = 10.0
 
@@ -162,6 +163,20 @@ def read_secret_file(path: str, what: str, min_bytes: int = 1) -> bytes:
     if len(data) < min_bytes:
         raise ValueError(f"{what} {path!r} holds {len(data)} bytes; it needs at least {min_bytes} "
                          f"(e.g. head -c 32 /dev/urandom > FILE)")
+    return data
+
+
+def read_ca_file(path: str) -> bytes:
+    """The PEM certificates of ``--remote-ca-file`` (public: any mode will do); ``ValueError``
+    unless the file holds at least one certificate."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CA_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"cannot read --remote-ca-file {path!r}: {exc.strerror}") from None
+    if len(data) > MAX_CA_BYTES or b"-----BEGIN CERTIFICATE-----" not in data:
+        raise ValueError(f"--remote-ca-file {path!r} is not a PEM file of certificates "
+                         f"(-----BEGIN CERTIFICATE----- ..., at most {MAX_CA_BYTES >> 20} MiB)")
     return data
 
 
@@ -315,9 +330,13 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = "lmshm:", ttl_s: float = 0.0, timeout_s: float = 0.5,
                  secret: Optional[bytes] = None, username: str = "", password: str = "",
-                 checksum: str = "auto") -> None:
+                 checksum: str = "auto", ca_pem: Optional[bytes] = None) -> None:
         super().__init__()
         self.target = parse_url(url)
+        if ca_pem is not None and not self.target.tls:
+            raise ValueError("--remote-ca-file is for a TLS remote: write the URL as rediss:// "
+                             "(or rediss+cluster://)")
+        self.ca_pem = ca_pem
         if len(prefix.encode()) > 256:
             raise ValueError("--remote-prefix is longer than 256 bytes")
         self.prefix = prefix.encode()
@@ -353,16 +372,18 @@ class RemoteTier(Tier):
             if self.password else None
         timeout_ms = max(1, int(self.timeout_s * 1000))
         backoff = g.BackoffStrategy(num_of_retries=5, factor=100, exponent_base=2)
+        tls = g.TlsAdvancedConfiguration(root_pem_cacerts=self.ca_pem) if self.ca_pem else None
         if self.target.cluster:
             config = g.GlideClusterClientConfiguration(
                 addresses, use_tls=self.target.tls, credentials=credentials, request_timeout=timeout_ms,
                 reconnect_strategy=backoff,
-                advanced_config=g.AdvancedGlideClusterClientConfiguration(connection_timeout=timeout_ms))
+                advanced_config=g.AdvancedGlideClusterClientConfiguration(connection_timeout=timeout_ms,
+                                                                          tls_config=tls))
             return g.GlideClusterClient.create(config)
         config = g.GlideClientConfiguration(
             addresses, use_tls=self.target.tls, credentials=credentials, request_timeout=timeout_ms,
             database_id=self.target.db or None, reconnect_strategy=backoff,
-            advanced_config=g.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms))
+            advanced_config=g.AdvancedGlideClientConfiguration(connection_timeout=timeout_ms, tls_config=tls))
         return g.GlideClient.create(config)
 
     def _get_client(self, wait: bool = True) -> Any:

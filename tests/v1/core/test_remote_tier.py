@@ -12,7 +12,7 @@ import pytest
 
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, RemoteTier, check_value, parse_url,
-                                     read_secret_file)
+                                     read_ca_file, read_secret_file)
 from valkey_servers import command, free_port
 
 TIMEOUT_S = 0.3
@@ -455,3 +455,44 @@ def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a
         stack.close()
         reader.close()
         pool.release()
+
+
+def test_a_tls_remote_is_reached_with_its_ca_file_and_a_certificate_nobody_vouches_for_is_a_miss(valkey_tls):
+    ca = read_ca_file(str(valkey_tls.ca))
+    tier = tier_for(valkey_tls.url, ca_pem=ca, timeout_s=2)
+    try:
+        data = payload(3)
+        assert tier.put(2, key(3), META, memoryview(data))
+        assert read(tier, 2, key(3)) == data
+    finally:
+        tier.close()
+    # the system's trust store does not know the test CA: refused, a miss, never a hang
+    untrusted = tier_for(valkey_tls.url, timeout_s=TIMEOUT_S)
+    try:
+        t0 = time.monotonic()
+        assert read(untrusted, 2, key(3)) is None
+        assert not untrusted.put(2, key(4), META, memoryview(data))
+        assert time.monotonic() - t0 < 4 * (TIMEOUT_S + 0.5)
+        s = untrusted.stats.snapshot()
+        assert s["errors"] + s["timeouts"] >= 1 and s["reads"] == 0
+    finally:
+        untrusted.close()
+    # plain text to the TLS port: no reply a client could take for a chunk
+    plain = tier_for(valkey_tls.url.replace("rediss://", "redis://"), timeout_s=TIMEOUT_S)
+    try:
+        assert read(plain, 2, key(3)) is None
+    finally:
+        plain.close()
+
+
+def test_a_ca_file_is_refused_without_tls_or_without_certificates(tmp_path):
+    pem = tmp_path / "ca.pem"
+    pem.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    with pytest.raises(ValueError, match="rediss://"):
+        RemoteTier("redis://127.0.0.1:1", ca_pem=read_ca_file(str(pem)))
+    junk = tmp_path / "junk.pem"
+    junk.write_bytes(b"not a certificate")
+    with pytest.raises(ValueError, match="not a PEM file of certificates"):
+        read_ca_file(str(junk))
+    with pytest.raises(ValueError, match="cannot read --remote-ca-file"):
+        read_ca_file(str(tmp_path / "missing.pem"))

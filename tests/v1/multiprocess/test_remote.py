@@ -223,3 +223,17 @@ def test_the_remote_password_comes_from_the_environment_or_a_file(start_server, 
         assert tiers(b)["remote"]["errors"] + tiers(b)["remote"]["timeouts"] >= 1
     finally:
         guarded.close()
+
+
+def test_a_tls_remote_with_a_ca_file_serves_another_server(start_server, start_worker, valkey, valkey_tls):
+    # stored through TLS (rediss:// and the test CA), found by a server reading the same Valkey
+    _, a, want = stored_by_one(start_server, start_worker, valkey_tls.url, 2,
+                               "--remote-ca-file", str(valkey_tls.ca), "--remote-timeout", "2")
+    second = start_server("--remote", valkey.url, *REMOTE)
+    b = start_worker(second.url)
+    assert lookup_and_retrieve(b, [key(0), key(1)], [7, 8]) == (2, want)
+    # a CA file with a plain redis:// URL is refused at start, naming the fix
+    bad = subprocess.run([sys.executable, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0", "--remote",
+                          valkey.url, "--remote-ca-file", str(valkey_tls.ca)], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "rediss://" in bad.stderr, bad.stderr
