@@ -374,7 +374,6 @@ _splitter_lock = threading.Lock()
 
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 store: bool, pool: PoolBytes | None) -> None:
-    global _splitter
     if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
         raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
     if layout.rows:
@@ -402,9 +401,6 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
     ways = min(copy_parallelism(), len(pairs))
     # (Not pwritev of long runs: writers of one tmpfs file serialise on its inode lock; two threads were slower.)
     if short and ways > 1 and layout.chunk_bytes(chunk_blocks) >= _SPLIT_BYTES:
-        with _splitter_lock:
-            if _splitter is None:
-                _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
         # Contiguous runs of layers: each thread writes its own stretch of the object, so two
         # threads never fault the same (huge) pool page at once.
         # Taken from a shared queue of stretches, 4 per thread: a thread held up (by the loop,
@@ -418,7 +414,7 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
                 for p, o in part:
                     copy(p, o)
 
-        others = [_splitter.submit(layers) for _ in range(ways - 1)]
+        others = [_threads().submit(layers) for _ in range(ways - 1)]
         try:
             layers()
         finally:
@@ -427,6 +423,74 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         return
     for p, o in pairs:
         copy(p, o)
+
+
+def _threads() -> ThreadPoolExecutor:
+    global _splitter
+    with _splitter_lock:
+        if _splitter is None:
+            _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
+        return _splitter
+
+
+def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch.Tensor]], chunk_blocks: int,
+                *, store: bool, pool: PoolBytes | None = None) -> tuple[int, BaseException | None]:
+    """The chunks of one request: STORE (``store``) gathers blocks ``ids`` into each object,
+    RETRIEVE scatters each object into them. Returns ``(len(chunks), None)``, or the index of the
+    first chunk that failed and why (later ones may have been copied or not: the caller treats
+    them as not copied).
+
+    Row layouts (``BlockLayout.rows``) of 1 MiB or more go as one batch over
+    ``copy_parallelism()`` threads: units of whole chunks, or of stretches of a chunk's layers
+    when the request has fewer chunks than about 4 per thread, taken from one shared queue, so
+    the threads hand over once per request instead of once per chunk (a 256 MiB request of
+    4 MiB chunks had 64 hand-overs). A unit writes a contiguous stretch of one object (STORE) or
+    reads one (RETRIEVE). Other layouts go chunk by chunk (``gather``/``scatter``)."""
+    ways = copy_parallelism()
+    total = layout.chunk_bytes(chunk_blocks) * len(chunks)
+    if not layout.rows or ways < 2 or len(chunks) < 2 or total < _SPLIT_BYTES:
+        for c, (ids, obj) in enumerate(chunks):
+            try:
+                _each_layer(layout, ids, obj, chunk_blocks, store=store, pool=pool)
+            except Exception as exc:  # noqa: BLE001 - the caller answers it
+                return c, exc
+        return len(chunks), None
+    per_chunk = min(len(layout.layers), max(1, -(-4 * ways // len(chunks))))
+    units: list[tuple[int, np.ndarray, list]] = []
+    errors: list[BaseException | None] = [None] * len(chunks)
+    for c, (ids, obj) in enumerate(chunks):
+        if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
+            # copied: the chunks before it; this one and later ones are not
+            errors[c] = ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(ids)}..{max(ids)}")
+            break
+        rows = np.asarray(ids, dtype=np.intp)
+        obj_all, at, pairs = obj.numpy(), 0, []
+        for p in layout.layers:
+            n = p.block_bytes * chunk_blocks
+            pairs.append((p, obj_all[at:at + n]))
+            at += n
+        cut = [len(pairs) * i // per_chunk for i in range(per_chunk + 1)]
+        units += [(c, rows, pairs[cut[i]:cut[i + 1]]) for i in range(per_chunk)]
+    queue = iter(units)                     # a list iterator hands each unit out once
+
+    def work(_: Any = None) -> None:
+        for c, rows, part in queue:
+            if errors[c] is not None:
+                continue
+            try:
+                for p, o in part:
+                    _take_or_put(p, o, rows, chunk_blocks, store)
+            except Exception as exc:  # noqa: BLE001 - reported per chunk
+                errors[c] = exc
+
+    helpers = [_threads().submit(work) for _ in range(min(ways, len(units) or 1) - 1)]
+    try:
+        work()
+    finally:
+        for f in helpers:
+            f.result()
+    bad = next((c for c, e in enumerate(errors) if e is not None), None)
+    return (len(chunks), None) if bad is None else (bad, errors[bad])
 
 
 def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,

@@ -26,9 +26,8 @@ from lmshm.core.copier import (
     FileSide,
     LayoutError,
     OrderedExecutor,
+    copy_chunks,
     cuda_copies,
-    gather,
-    scatter,
 )
 from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
 from lmshm.core.errors import ErrorCode, ServerError
@@ -226,29 +225,55 @@ class DataPlane:
         results: list[int] = []
         copied = 0
         checked = False
-        for i, key in enumerate(req.keys):
-            outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
-            results.append(outcome)
-            if obj is None:
-                continue
+        pending: list[tuple[int, tuple]] = []      # reserved, not yet copied: (chunk index, object)
+
+        def flush() -> Any:
+            """Copy the pending chunks in one batch; commit those before the first failure."""
+            nonlocal checked, copied
+            done, exc = 0, None
             try:
                 if not checked:   # once per request, before the first copy (a stat per wrapper)
                     for w in reg.wrappers:
                         w.verify_mapped()
                     checked = True
-                gather(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
-            except Exception as exc:  # noqa: BLE001 - the chunk stays invisible, the request fails
-                self.pool.abort([obj])
-                self.pool.count_failure()
-                logger.warning("lmshm: STORE into the pool from %s failed: %s", quote(reg.instance_id, 60), exc)
-                return _error(ErrorCode.DATA_LOSS, f"STORE: chunk {i} could not be copied ({clip(str(exc), 300)}); "
-                                                   f"{sum(r == Reservation.STORED for r in results[:-1])} earlier "
-                                                   "chunk(s) were stored, this and later ones were not")
-            self.pool.commit([obj])
-            if self.tiers is not None:
-                self.tiers.write_through([obj])
-            copied += size
-        return protocol.StoreReply(results, copied)
+                done, exc = copy_chunks(layout, [(req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj))
+                                                 for i, obj in pending], cb, store=True, pool=self.pool.bytes)
+            except Exception as failed:  # noqa: BLE001 - the chunks stay invisible, the request fails
+                exc = failed
+            for i, obj in pending[:done]:
+                self.pool.commit([obj])
+                if self.tiers is not None:
+                    self.tiers.write_through([obj])
+                copied += size
+            self.pool.abort([obj for _, obj in pending[done:]])
+            if exc is None:
+                pending.clear()
+                return None
+            i = pending[done][0]
+            self.pool.count_failure()
+            logger.warning("lmshm: STORE into the pool from %s failed: %s", quote(reg.instance_id, 60), exc)
+            return _error(ErrorCode.DATA_LOSS, f"STORE: chunk {i} could not be copied ({clip(str(exc), 300)}); "
+                                               f"{sum(r == Reservation.STORED for r in results[:i])} earlier "
+                                               "chunk(s) were stored, this and later ones were not")
+
+        # Reserved as far as the pool has room, copied in one batch (copy_chunks: one hand-over
+        # between the copy threads per batch, not per chunk). A chunk that finds no room while
+        # this request holds chunks in flight (a request larger than the pool) first has those
+        # copied and committed, which makes them evictable, and is then reserved again.
+        i = 0
+        while i < len(req.keys):
+            outcome, obj = self.pool.reserve(uid, req.keys[i], size, layout.digest, cb, batch=bool(pending))
+            if outcome == Reservation.NO_SPACE and pending:
+                refused = flush()
+                if refused is not None:
+                    return refused
+                continue
+            results.append(outcome)
+            if obj is not None:
+                pending.append((i, obj))
+            i += 1
+        refused = flush() if pending else None
+        return refused if refused is not None else protocol.StoreReply(results, copied)
 
     def _pin_sources(self, session: Any, reg: Any, layout: BlockLayout, uid: int,
                      req: protocol.Retrieve) -> tuple[list, Any]:
@@ -280,8 +305,10 @@ class DataPlane:
         try:
             for w in reg.wrappers:
                 w.verify_mapped()
-            for i, obj in enumerate(objs):
-                scatter(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, self.pool.bytes)
+            _, failed = copy_chunks(layout, [(req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj))
+                                             for i, obj in enumerate(objs)], cb, store=False, pool=self.pool.bytes)
+            if failed is not None:
+                raise failed
         except Exception as exc:  # noqa: BLE001
             self.pool.unpin(objs, retrieved=False)
             self.pool.count_failure()

@@ -420,13 +420,15 @@ class Pool:
         self._evictable += freed
         self._evictable_bytes += freed_bytes
 
-    def _evict_one(self) -> bool:
-        """Drop the least recently used unpinned object of the tenant that holds the most."""
+    def _evict_one(self, requester: Optional[_Tenant] = None) -> bool:
+        """Drop the least recently used unpinned object of the tenant that holds the most. With
+        ``requester`` (a batch's tenant, whose earlier chunks are in flight, not yet evictable):
+        nothing, if that tenant holds more than the one that would be evicted from."""
         biggest: Optional[_Tenant] = None
         for t in self._tenants.values():   # tenants are uids: a handful, not objects
             if t.evictable and (biggest is None or t.used > biggest.used):
                 biggest = t
-        if biggest is None:
+        if biggest is None or (requester is not None and requester.used > biggest.used):
             return False
         lru, pins_of = biggest.lru, biggest.pins_of
         while lru:                         # ends: ``evictable`` says an unpinned one is in the LRU
@@ -443,9 +445,19 @@ class Pool:
         return True
 
     # ---- store --------------------------------------------------------------------------
-    def reserve(self, uid: int, key: bytes, nbytes: int, layout: bytes, blocks: int) -> tuple[int, Optional[tuple]]:
+    def reserve(self, uid: int, key: bytes, nbytes: int, layout: bytes, blocks: int,
+                batch: bool = False) -> tuple[int, Optional[tuple]]:
         """Room for one chunk: ``(Reservation.STORED, object in flight)``, or ``(PRESENT, None)``
-        if the key is stored or in flight, or ``(NO_SPACE, None)`` if not enough can be evicted."""
+        if the key is stored or in flight, or ``(NO_SPACE, None)`` if not enough can be evicted
+        (counted in ``store_skipped``).
+
+        ``batch``: the caller holds earlier chunks of the same request in flight and will commit
+        them, then ask again, on ``NO_SPACE``, which is then not counted. Committed one by one,
+        those chunks would be evictable, and eviction takes from the tenant that holds the most:
+        so while this uid holds more than every tenant with evictable objects, a batch evicts
+        nothing of another's and gets ``NO_SPACE`` instead (one uid's big STORE must not evict
+        a smaller tenant that per-chunk commits would have spared)."""
+        count_skip = not batch
         with self._lock:
             t = self._tenants.get(uid)
             existing = None if t is None else (t.visible(key) or t.flight.get(key))
@@ -455,7 +467,7 @@ class Pool:
                 # Same key, other layout: keys carry the layout, so this is a hash collision or a
                 # confused engine. The newer bytes win, unless the old object is busy.
                 if key in t.pins_of or key in t.flight:
-                    self.store_skipped += 1
+                    self.store_skipped += count_skip
                     return Reservation.NO_SPACE, None
                 self._drop(t, existing)
             cost = cost_of(nbytes, self.head_room, self.align)
@@ -463,7 +475,7 @@ class Pool:
             busy_objects = self.objects + self.in_flight - self._evictable
             if (nbytes <= 0 or busy_bytes + cost > self.capacity
                     or (self.max_objects and busy_objects + 1 > self.max_objects)):
-                self.store_skipped += 1
+                self.store_skipped += count_skip
                 return Reservation.NO_SPACE, None
             while True:
                 if self.used + cost <= self.capacity and (
@@ -472,8 +484,8 @@ class Pool:
                     if offset is not None:
                         offset += self.head_room
                         break
-                if not self._evict_one():       # what is left is fragmented by pinned objects
-                    self.store_skipped += 1
+                if not self._evict_one(t if batch else None):   # what is left is fragmented by pinned objects
+                    self.store_skipped += count_skip
                     return Reservation.NO_SPACE, None
             obj = (offset, nbytes, layout, blocks, uid, key, cost)
             t = self._tenant(uid)

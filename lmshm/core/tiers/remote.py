@@ -466,9 +466,7 @@ class RemoteTier(Tier):
         except OtherVersion:
             return None
         except BadValue as exc:
-            self.stats.add(corrupt=1)
-            self.warnings.warn("corrupt", "lmshm: remote value %r is not a chunk of this key (%s): a miss",
-                               rkey[:80], exc)
+            self._refused(rkey, exc)
             return None
 
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
@@ -491,13 +489,17 @@ class RemoteTier(Tier):
         except OtherVersion:
             return False
         except BadValue as exc:
-            self.stats.add(corrupt=1)
-            self.warnings.warn("corrupt", "lmshm: remote value %r refused (%s): a miss, never served",
-                               rkey[:80], exc)
+            self._refused(rkey, exc)
             return False
         dest[:] = payload
         self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
         return True
+
+    def _refused(self, rkey: bytes, exc: BadValue) -> None:
+        """A value that is not a sound chunk of its key: counted (``corrupt``), warned about
+        (rate-limited), a miss; left in place (the next write-through of the chunk replaces it)."""
+        self.stats.add(corrupt=1)
+        self.warnings.warn("corrupt", "lmshm: remote value %r refused (%s): a miss, never served", rkey[:80], exc)
 
     def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview,
             framed: Optional[memoryview] = None) -> bool:

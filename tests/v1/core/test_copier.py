@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from lmshm.core.copier import MAX_RUNS, BlockLayout, FileSide, LayoutError, check_movable, gather, pieces, scatter
+from lmshm.core.copier import (MAX_RUNS, BlockLayout, FileSide, LayoutError, check_movable, copy_chunks, gather, pieces,
+                               scatter)
 from lmshm.core.pool import Pool
 
 
@@ -106,6 +107,31 @@ def test_a_large_shuffled_chunk_split_over_threads_round_trips_as_rows():
     assert all(blocks_equal(x, y, 0, src, dst) for x, y in zip(a, b))
     untouched = sorted(set(range(blocks)) - set(dst))
     assert all(not y[untouched].any() for y in b), "a RETRIEVE wrote blocks it was not asked to"
+
+
+def test_a_requests_chunks_copy_as_one_batch_and_the_first_failure_is_named():
+    layers, blocks, block_elems = 4, 64, 8 << 10          # 16 KiB blocks; 6 chunks of 4 blocks: 1.5 MiB
+    a = [torch.randint(-1000, 1000, (blocks, block_elems)).to(torch.float16) for _ in range(layers)]
+    b = [torch.zeros(blocks, block_elems, dtype=torch.float16) for _ in range(layers)]
+    la, lb = BlockLayout.of([f"l{i}" for i in range(layers)], a, 0), BlockLayout.of([f"l{i}" for i in range(layers)], b, 0)
+    order = list(range(blocks))
+    random.Random(9).shuffle(order)
+    src, dst = order[:24], order[24:48]
+    pool = Pool(4 << 20)
+    objs = [pool.reserve(0, bytes([c]), la.chunk_bytes(4), la.digest, 4)[1] for c in range(6)]
+    chunks = [(src[c * 4:(c + 1) * 4], pool.view(o)) for c, o in enumerate(objs)]
+    assert copy_chunks(la, chunks, 4, store=True) == (6, None)
+    assert copy_chunks(lb, [(dst[c * 4:(c + 1) * 4], pool.view(o)) for c, o in enumerate(objs)], 4,
+                       store=False) == (6, None)
+    assert all(blocks_equal(x, y, 0, src, dst) for x, y in zip(a, b))
+    for o in objs:
+        pool.view(o).zero_()
+    bad = list(chunks)
+    bad[3] = ([1, 2, 3, blocks], bad[3][1])                # out of range: refused before any copy of it
+    done, exc = copy_chunks(la, bad, 4, store=True)
+    assert done == 3 and isinstance(exc, ValueError) and "must lie in" in str(exc)
+    assert all(pool.view(o).any() for o in objs[:3]), "a chunk before the failure was not copied"
+    pool.release()
 
 
 def test_random_layouts_round_trip_through_the_mapping_and_through_a_file():

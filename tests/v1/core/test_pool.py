@@ -72,6 +72,28 @@ def test_a_pool_aligned_for_direct_io_starts_every_object_on_a_page():
     pool.release()
 
 
+def test_a_batch_never_evicts_a_smaller_tenant_that_per_chunk_commits_would_have_spared():
+    pool = Pool(6 * ONE)
+    theirs = [stored(pool, 2, bytes([100 + i])) for i in range(2)]          # uid 2: two objects
+    mine = [stored(pool, 1, bytes([i])) for i in range(2)]                  # uid 1: two, then a batch
+    batch = [pool.reserve(1, bytes([10 + i]), ALIGN, b"L", 1, batch=i > 0)[1] for i in range(2)]
+    assert all(batch) and pool.used == 6 * ONE
+    # uid 1 (4 objects) holds more than uid 2: its own oldest goes, not uid 2's
+    outcome, third = pool.reserve(1, bytes([12]), ALIGN, b"L", 1, batch=True)
+    assert outcome == Reservation.STORED and not pool.all_visible(1, [[mine[0][KEY]]])
+    outcome, fourth = pool.reserve(1, bytes([13]), ALIGN, b"L", 1, batch=True)
+    assert outcome == Reservation.STORED and not pool.all_visible(1, [[mine[1][KEY]]])
+    # now uid 1's only objects are in flight: a batch gets NO_SPACE (not counted), uid 2 keeps its own
+    skipped = pool.store_skipped
+    assert pool.reserve(1, bytes([14]), ALIGN, b"L", 1, batch=True) == (Reservation.NO_SPACE, None)
+    assert pool.store_skipped == skipped and pool.all_visible(2, [[o[KEY] for o in theirs]])
+    pool.commit(batch + [third, fourth])              # committed, uid 1's own become evictable
+    outcome, _ = pool.reserve(1, bytes([14]), ALIGN, b"L", 1)
+    assert outcome == Reservation.STORED and not pool.all_visible(1, [[bytes([10])]])
+    assert pool.all_visible(2, [[o[KEY] for o in theirs]])
+    pool.release()
+
+
 def test_objects_are_visible_only_once_committed_and_only_to_their_uid():
     pool = Pool(8 * ONE)
     outcome, obj = pool.reserve(1000, b"k", ALIGN, b"L", 1)

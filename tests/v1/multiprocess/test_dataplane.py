@@ -182,6 +182,21 @@ def test_a_full_pool_evicts_in_lru_order_and_counts(start_worker, start_server):
     assert p["evictions"] == 1 and p["evicted_bytes"] == CHUNK_BYTES and p["used"] == 4 * CHUNK_COST
 
 
+def test_a_store_of_more_chunks_than_the_pool_holds_stores_each_and_keeps_the_last(start_worker, start_server):
+    server = start_server("--capacity", str(2 * CHUNK_COST), "--max-pinned-fraction-per-uid", "1")
+    a, ia = kv_worker(start_worker, server)
+    a.ok("fill_blocks", instance_id=ia, blocks=list(range(5)), seed=4)
+    want = a.ok("digest_blocks", instance_id=ia, blocks=[3, 4])["digests"]
+    r = a.ok("store", instance_id=ia, keys=[key(i) for i in range(5)], blocks=list(range(5)), chunk_blocks=1)
+    assert r["results"] == [StoreResult.STORED] * 5 and r["nbytes"] == 5 * CHUNK_BYTES
+    p = pool(a)
+    assert p["objects"] == 2 and p["evictions"] == 3 and p["store_skipped"] == 0 and p["in_flight"] == 0
+    found = a.ok("lookup", keys=[[key(3), key(4)]])
+    assert found["hits"] == 2
+    a.ok("retrieve", instance_id=ia, keys=[key(3), key(4)], blocks=[8, 9], chunk_blocks=1, lease=found["lease"])
+    assert a.ok("digest_blocks", instance_id=ia, blocks=[8, 9])["digests"] == want
+
+
 def test_when_nothing_can_be_evicted_a_store_is_skipped_not_failed(start_worker, start_server):
     server = start_server("--capacity", str(2 * CHUNK_COST), "--max-pinned-fraction-per-uid", "1")
     a, ia = kv_worker(start_worker, server)
