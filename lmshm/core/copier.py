@@ -372,17 +372,23 @@ _splitter: ThreadPoolExecutor | None = None
 _splitter_lock = threading.Lock()
 
 
+def _layer_parts(layout: BlockLayout, obj: torch.Tensor, chunk_blocks: int) -> list[tuple[LayerPlan, np.ndarray]]:
+    """Each layer with its part of the object, as a numpy view (``[grid][block][run]``)."""
+    obj_all, at, pairs = obj.numpy(), 0, []
+    for p in layout.layers:
+        n = p.block_bytes * chunk_blocks
+        pairs.append((p, obj_all[at:at + n]))
+        at += n
+    return pairs
+
+
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 store: bool, pool: PoolBytes | None) -> None:
     if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
         raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
     if layout.rows:
         ids = np.asarray(block_ids, dtype=np.intp)
-        obj_all, at, pairs = obj.numpy(), 0, []
-        for p in layout.layers:
-            n = p.block_bytes * chunk_blocks
-            pairs.append((p, obj_all[at:at + n]))
-            at += n
+        pairs = _layer_parts(layout, obj, chunk_blocks)
 
         def copy(p: LayerPlan, o: Any) -> None:
             _take_or_put(p, o, ids, chunk_blocks, store)
@@ -464,11 +470,7 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
             errors[c] = ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(ids)}..{max(ids)}")
             break
         rows = np.asarray(ids, dtype=np.intp)
-        obj_all, at, pairs = obj.numpy(), 0, []
-        for p in layout.layers:
-            n = p.block_bytes * chunk_blocks
-            pairs.append((p, obj_all[at:at + n]))
-            at += n
+        pairs = _layer_parts(layout, obj, chunk_blocks)
         cut = [len(pairs) * i // per_chunk for i in range(per_chunk + 1)]
         units += [(c, rows, pairs[cut[i]:cut[i + 1]]) for i in range(per_chunk)]
     queue = iter(units)                     # a list iterator hands each unit out once
