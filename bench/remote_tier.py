@@ -21,6 +21,9 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    header read, the check and the copy into the slot), and that ``GETRANGE`` followed by one
    copy of the value into a slot-sized buffer (the bound of a read checked before the slot).
 
+4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack``, with the
+   headers read ahead in one batch and with one header per round trip.
+
 3. **two threads at once**, as the tier is used (the stack writes with two threads and reads
    with up to four, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
    own, and GB/s is all their bytes over the wall time; bare glide (one client, as the tier's)
@@ -182,6 +185,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
             print(f"  {op:3s} {name:18s} {rate:6.2f}{ratio}")
     for size in sizes:
         two_threads(glide, tiers, size, reps, per_thread, keys)
+    promotion(url, reps)
     # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
     # slowest whole read of the largest value above
     k = b"k%d-tier (checksum)" % sizes[-1]
@@ -197,6 +201,40 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     glide.close()
     plain.close()
     signed.close()
+
+
+def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> None:
+    """Part 4: a LOOKUP promoting ``chunks`` chunks from the remote into a pool, as the server
+    does (``TierStack.promote``: headers, then the reads on the stack's reader threads), with
+    the headers read ahead in batches (``batched_heads``) and one round trip per chunk. Each
+    promotion gets a fresh pool, stack and tier (closing a stack closes its tiers), connected
+    before the clock starts."""
+    from lmshm.core.pool import Pool
+    from lmshm.core.tiers.stack import TierStack
+    meta = ChunkMeta(size, b"bench-layout", 1)
+    keys = [b"promote-%d" % i for i in range(chunks)]
+    writer = RemoteTier(url, prefix="bench:", timeout_s=10)
+    for k in keys:
+        writer.put(1, k, meta, memoryview(os.urandom(size)))
+    writer.close()
+    times: dict[str, list[float]] = {"headers read ahead": [], "one header per round trip": []}
+    for _ in range(reps):
+        for name in times:
+            tier = RemoteTier(url, prefix="bench:", timeout_s=10)
+            tier.batched_heads = name == "headers read ahead"
+            tier.head(1, keys[0])                   # connected before the clock starts
+            pool = Pool(2 * chunks * (size + 4096))
+            stack = TierStack(pool, [tier], queue_limit=4, timeout_s=10)
+            t0 = time.perf_counter()
+            held = stack.promote(1, [keys], time.monotonic() + 10)
+            times[name].append(time.perf_counter() - t0)
+            assert len(held.held) == chunks, (name, len(held.held), tier.stats.snapshot())
+            held.release()
+            stack.close()
+            pool.release()
+    print(f"\nLOOKUP promoting {chunks} chunks of {size >> 10} KiB from the remote: median ms")
+    for name, ts in times.items():
+        print(f"  {name:28s} {statistics.median(ts) * 1e3:7.2f}")
 
 
 def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys: list) -> None:

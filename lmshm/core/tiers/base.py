@@ -96,6 +96,14 @@ class Tier(abc.ABC):
     def head(self, uid: int, key: bytes) -> Optional[ChunkMeta]:
         """What the tier holds under ``(uid, key)``, or None: enough to reserve a pool slot."""
 
+    #: whether ``heads`` answers several keys in one round trip (a remote), so that a LOOKUP
+    #: asks for the headers of the chunks ahead at once, not one round trip per chunk
+    batched_heads: bool = False
+
+    def heads(self, uid: int, keys: Sequence[bytes]) -> list[Optional[ChunkMeta]]:
+        """``head`` of each key, in order (``batched_heads`` tiers: in one round trip)."""
+        return [self.head(uid, k) for k in keys]
+
     @abc.abstractmethod
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
         """Fill ``dest`` (``meta.nbytes`` bytes of a reserved pool slot) with the chunk; True

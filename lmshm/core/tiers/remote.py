@@ -327,6 +327,7 @@ class _Skip(Exception):
 class RemoteTier(Tier):
     name = "remote"
     head_room = HEADER_BYTES
+    batched_heads = True
 
     def __init__(self, url: str, *, prefix: str = "lmshm:", ttl_s: float = 0.0, timeout_s: float = 0.5,
                  secret: Optional[bytes] = None, username: str = "", password: str = "",
@@ -447,8 +448,8 @@ class RemoteTier(Tier):
     # ---- the interface ------------------------------------------------------------------
     def contains(self, uid: int, keys: Sequence[bytes]) -> int:
         n = 0
-        for key in keys:
-            if self.head(uid, key) is None:
+        for meta in self.heads(uid, keys):
+            if meta is None:
                 break
             n += 1
         return n
@@ -459,6 +460,29 @@ class RemoteTier(Tier):
             raw = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, HEADER_BYTES - 1))
         except _Skip:
             return None
+        return self._meta(rkey, raw, uid, key)
+
+    def heads(self, uid: int, keys: Sequence[bytes]) -> list[Optional[ChunkMeta]]:
+        """The headers of ``keys`` in one round trip: a pipelined (non-atomic) batch of
+        ``GETRANGE``s, bounded by the timeout like any call. A cluster asks key by key instead:
+        a batch over several nodes fails as a whole when one is down, and a node down must cost
+        the misses of its own slots only."""
+        if self.target.cluster or len(keys) < 2:
+            return [self.head(uid, k) for k in keys]
+        rkeys = [self.remote_key(uid, k) for k in keys]
+        batch = self._glide.Batch(is_atomic=False)
+        for rkey in rkeys:
+            batch.getrange(rkey, 0, HEADER_BYTES - 1)
+        try:
+            raws = self._call(rkeys[0], "GETRANGE", lambda c: c.exec(batch, raise_on_error=False))
+        except _Skip:
+            return [None] * len(keys)
+        if not isinstance(raws, list) or len(raws) != len(keys):
+            return [None] * len(keys)
+        return [self._meta(rkey, raw if isinstance(raw, bytes) else b"", uid, key)
+                for rkey, raw, key in zip(rkeys, raws, keys)]
+
+    def _meta(self, rkey: bytes, raw: Optional[bytes], uid: int, key: bytes) -> Optional[ChunkMeta]:
         if not raw:
             return None
         try:

@@ -38,6 +38,8 @@ from lmshm.core.tiers.base import ChunkMeta, Tier
 
 logger = logging.getLogger("lmshm.tiers")
 
+HEAD_BATCH = 32     # headers a LOOKUP reads ahead in one round trip (tiers with batched_heads)
+
 
 class Promotion:
     """What ``promote`` leaves pinned for the LOOKUP; ``release()`` once it has its lease."""
@@ -50,6 +52,26 @@ class Promotion:
         if self.held:
             self.pool.unpin(self.held, retrieved=False)
             self.held = []
+
+
+class _Ahead:
+    """One LOOKUP's headers read ahead from the tiers with ``batched_heads``: the first key a
+    tier is asked for brings the headers of the next ``HEAD_BATCH`` keys of the LOOKUP's order
+    in one round trip (a remote: one per 32 chunks, not one per chunk). A few are read for
+    nothing when the prefix ends early; what a header says is checked again by ``get_into``."""
+
+    def __init__(self, order: list[bytes]) -> None:
+        self.order = order
+        self.position = {k: p for p, k in enumerate(order)}
+        self.known: dict[int, dict[bytes, Optional[ChunkMeta]]] = {}
+
+    def head(self, t: int, tier: Tier, uid: int, key: bytes) -> Optional[ChunkMeta]:
+        known = self.known.setdefault(t, {})
+        if key not in known:
+            p = self.position.get(key, len(self.order))
+            batch = [k for k in self.order[p:p + HEAD_BATCH] if k not in known] or [key]
+            known.update(zip(batch, tier.heads(uid, batch)))
+        return known.get(key)
 
 
 class TierStack:
@@ -137,6 +159,9 @@ class TierStack:
         as far as ``deadline`` allows (see the module docstring)."""
         done = Promotion(self.pool)
         n = min(len(k) for k in keys) if keys else 0
+        # the order chunks are looked for in, for the tiers that read headers ahead in batches
+        order = list(dict.fromkeys(rank_keys[i] for i in range(n) for rank_keys in keys))
+        ahead = _Ahead(order)
         budget = int(self.pool.capacity * self.pool.max_pinned_fraction_per_uid)
         reads: list[tuple[cf.Future, tuple, Tier]] = []
         seen: set[bytes] = set()
@@ -151,7 +176,7 @@ class TierStack:
                 if obj is not None:
                     done.held.append(obj)
                     continue
-                found = self._find(uid, key, deadline)
+                found = self._find(uid, key, deadline, ahead)
                 if found is None:
                     stop = True
                     break
@@ -209,12 +234,12 @@ class TierStack:
             failed.set_result(False)
             return failed
 
-    def _find(self, uid: int, key: bytes, deadline: float) -> Optional[tuple[Tier, ChunkMeta]]:
-        for tier in self.tiers:
+    def _find(self, uid: int, key: bytes, deadline: float, ahead: "_Ahead") -> Optional[tuple[Tier, ChunkMeta]]:
+        for t, tier in enumerate(self.tiers):
             if time.monotonic() >= deadline:    # a slow tier's lookups used the LOOKUP's time up
                 tier.stats.add(timeouts=1)
                 return None
-            meta = tier.head(uid, key)
+            meta = ahead.head(t, tier, uid, key) if tier.batched_heads else tier.head(uid, key)
             if meta is not None:
                 tier.stats.add(hits=1)
                 return tier, meta

@@ -496,3 +496,32 @@ def test_a_ca_file_is_refused_without_tls_or_without_certificates(tmp_path):
         read_ca_file(str(junk))
     with pytest.raises(ValueError, match="cannot read --remote-ca-file"):
         read_ca_file(str(tmp_path / "missing.pem"))
+
+
+def test_headers_are_read_ahead_in_one_batch_and_a_damaged_one_is_a_counted_miss(valkey):
+    from lmshm.core.pool import Pool
+    from lmshm.core.tiers.stack import TierStack
+    tier = tier_for(valkey.url)
+    try:
+        datas = [payload(i) for i in range(5)]
+        for i, data in enumerate(datas):
+            assert tier.put(4, key(i), META, memoryview(data))
+        command(valkey.port, "SETRANGE", tier.remote_key(4, key(2)), "0", "garbage!")   # no longer a header
+        metas = tier.heads(4, [key(i) for i in range(7)])
+        assert metas[:2] == [META, META] and metas[2] is None and metas[3:5] == [META, META]
+        assert metas[5:] == [None, None] and tier.stats.snapshot()["corrupt"] == 1
+        assert tier.contains(4, [key(0), key(1), key(2), key(3)]) == 2
+        calls = []
+        real = tier.heads
+        tier.heads = lambda uid, keys: calls.append(list(keys)) or real(uid, keys)
+        pool = Pool(4 << 20)
+        stack = TierStack(pool, [tier], queue_limit=4, timeout_s=2.0)
+        try:
+            held = stack.promote(4, [[key(0), key(1), key(3)]], time.monotonic() + 2)
+            assert len(held.held) == 3 and calls == [[key(0), key(1), key(3)]]   # one batch for the LOOKUP
+            held.release()
+        finally:
+            stack.close()
+            pool.release()
+    finally:
+        tier.close()
