@@ -368,6 +368,10 @@ def copy_parallelism() -> int:
 
 #: A chunk of at least this many bytes is split by layer over ``copy_parallelism()`` threads.
 _SPLIT_BYTES = 1 << 20
+#: Chunks smaller than this are copied on the calling thread, one by one: a numpy call on a few
+#: hundred bytes is mostly Python, so two threads would only take turns at the GIL, and take it
+#: from the request loop too (4,096 chunks of 256 bytes in one STORE, under a flood).
+_BATCH_CHUNK_BYTES = 64 << 10
 _splitter: ThreadPoolExecutor | None = None
 _splitter_lock = threading.Lock()
 
@@ -453,8 +457,9 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
     4 MiB chunks had 64 hand-overs). A unit writes a contiguous stretch of one object (STORE) or
     reads one (RETRIEVE). Other layouts go chunk by chunk (``gather``/``scatter``)."""
     ways = copy_parallelism()
-    total = layout.chunk_bytes(chunk_blocks) * len(chunks)
-    if not layout.rows or ways < 2 or len(chunks) < 2 or total < _SPLIT_BYTES:
+    chunk = layout.chunk_bytes(chunk_blocks)
+    if not layout.rows or ways < 2 or len(chunks) < 2 or chunk * len(chunks) < _SPLIT_BYTES \
+            or chunk < _BATCH_CHUNK_BYTES:
         for c, (ids, obj) in enumerate(chunks):
             try:
                 _each_layer(layout, ids, obj, chunk_blocks, store=store, pool=pool)
