@@ -419,17 +419,12 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         cut = [len(pairs) * i // n for i in range(n + 1)]
         stretches = iter([pairs[cut[i]:cut[i + 1]] for i in range(n)])
 
-        def layers(_: Any = None) -> None:
+        def layers() -> None:
             for part in stretches:          # a list iterator hands each stretch out once
                 for p, o in part:
                     copy(p, o)
 
-        others = [_threads().submit(layers) for _ in range(ways - 1)]
-        try:
-            layers()
-        finally:
-            for f in others:
-                f.result()
+        _on_threads(layers, ways)
         return
     for p, o in pairs:
         copy(p, o)
@@ -441,6 +436,17 @@ def _threads() -> ThreadPoolExecutor:
         if _splitter is None:
             _splitter = ThreadPoolExecutor(copy_parallelism(), thread_name_prefix="lmshm-copy-split")
         return _splitter
+
+
+def _on_threads(work: Callable[[], None], ways: int) -> None:
+    """Run ``work`` on this thread and ``ways - 1`` copy threads at once (each takes its share
+    from a queue ``work`` shares), and return when all have; their first error is raised."""
+    others = [_threads().submit(work) for _ in range(ways - 1)]
+    try:
+        work()
+    finally:
+        for f in others:
+            f.result()
 
 
 def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch.Tensor]], chunk_blocks: int,
@@ -480,7 +486,7 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
         units += [(c, rows, pairs[cut[i]:cut[i + 1]]) for i in range(per_chunk)]
     queue = iter(units)                     # a list iterator hands each unit out once
 
-    def work(_: Any = None) -> None:
+    def work() -> None:
         for c, rows, part in queue:
             if errors[c] is not None:
                 continue
@@ -490,12 +496,7 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
             except Exception as exc:  # noqa: BLE001 - reported per chunk
                 errors[c] = exc
 
-    helpers = [_threads().submit(work) for _ in range(min(ways, len(units) or 1) - 1)]
-    try:
-        work()
-    finally:
-        for f in helpers:
-            f.result()
+    _on_threads(work, min(ways, len(units) or 1))
     bad = next((c for c, e in enumerate(errors) if e is not None), None)
     return (len(chunks), None) if bad is None else (bad, errors[bad])
 
