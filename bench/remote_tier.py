@@ -11,15 +11,19 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    as the server's write-through calls it (the header written into the room the pool keeps
    before each object, the checksum or MAC, one ``SET`` of room and object; "staged": its
    fallback for a pool without the room, a copy of header and payload into a staging buffer)
-   and its read (``head``: one ``GETRANGE`` of the header; ``get_into``: one ``GETRANGE`` of the
-   value, the check, the copy into a pool-like buffer), without a secret (the checksum: xxh3-128
+   and its read as a promotion's (``head``: one ``GETRANGE`` of the header; ``get_into``: one
+   ``GETRANGE`` of the value into a pool-like object with the room before it, and the check
+   there; with a MAC into the reader's buffer, the check, then the copy into the object; "header
+   ahead": ``get_into`` alone, as for all but one chunk in 32 of a LOOKUP, whose headers come in
+   one batch), without a secret (the checksum: xxh3-128
    if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3), and the ratio tier /
    bare client. Bare references that separate the costs: for SET, format 1's write as a bare
    transaction (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``)
    and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
    its checksum); for GET, one ``GETRANGE`` of the whole value (the bounded read, without the
-   header read, the check and the copy into the slot), and that ``GETRANGE`` followed by one
-   copy of the value into a slot-sized buffer (the bound of a read checked before the slot).
+   header read, the check and the copy into the slot), that ``GETRANGE`` followed by one
+   copy of the value into a slot-sized buffer, and "into": the ``GETRANGE`` read straight into
+   a given buffer (the tier's read without header and check).
 
 4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack``, with the
    headers read ahead in one batch and with one header per round trip.
@@ -153,21 +157,32 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
 
         def getrange_copy(k=k_plain) -> None:
             dest[:] = glide.getrange(k, 0, size - 1)
-        jobs += [("glide GETRANGE", "GET", getrange), ("glide GETRANGE+copy", "GET", getrange_copy)]
+
+        def getrange_into(k=k_plain) -> None:
+            plain._getrange_into(glide, k, size, dest)
+        jobs += [("glide GETRANGE", "GET", getrange), ("glide GETRANGE+copy", "GET", getrange_copy),
+                 ("glide GETRANGE into", "GET", getrange_into)]
         # the tier writes as the server's write-through does: from a pool object with the
         # header's room before it (``framed``); "staged" is its fallback, a copy into a buffer
         frame = memoryview(bytearray(RemoteTier.head_room + size))
         frame[RemoteTier.head_room:] = value
+        # reads go as a promotion's: into a reserved pool object with the room before it
+        slot = memoryview(bytearray(RemoteTier.head_room + size))
         for name, tier in tiers.items():
             k = b"k%d-%s" % (size, name.encode())        # overwritten each rep, as the bare client's
             keys.append(tier.remote_key(1, k))
 
             def tier_get(tier=tier, k=k) -> None:
-                assert tier.get_into(1, k, tier.head(1, k), dest) and dest[:64] == value[:64]
+                got = tier.get_into(1, k, tier.head(1, k), slot[RemoteTier.head_room:], slot)
+                assert got and slot[-64:] == value[-64:]
+
+            def tier_get_ahead(tier=tier, k=k) -> None:
+                got = tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot)
+                assert got and slot[-64:] == value[-64:]
 
             def tier_set(tier=tier, k=k) -> None:
                 assert tier.put(1, k, meta, frame[RemoteTier.head_room:], frame)
-            jobs += [(name, "SET", tier_set), (name, "GET", tier_get)]
+            jobs += [(name, "SET", tier_set), (name, "GET", tier_get), (name + ", header ahead", "GET", tier_get_ahead)]
         jobs.append(("tier (checksum) staged", "SET", lambda k=b"k%d-staged" % size: plain.put(1, k, meta, memoryview(value))))
         keys.append(plain.remote_key(1, b"k%d-staged" % size))
         for _, _, fn in jobs:                   # every key exists before the first timed GET
@@ -244,7 +259,7 @@ def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys:
     frames = [memoryview(bytearray(room + size)) for _ in range(2)]     # pool objects with their room
     for f, v in zip(frames, values):
         f[room:] = v
-    dests = [memoryview(bytearray(size)) for _ in range(2)]
+    slots = [memoryview(bytearray(RemoteTier.head_room + size)) for _ in range(2)]
     meta = ChunkMeta(size, b"bench-layout", 1)
 
     def bare_key(t: int, i: int) -> bytes:
@@ -261,7 +276,8 @@ def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys:
         jobs[("SET", name)] = lambda t, i, tier=tier, tkey=tkey: tier.put(1, tkey(t, i), meta, frames[t][room:], frames[t])
 
         def get(t: int, i: int, tier=tier, tkey=tkey) -> None:
-            assert tier.get_into(1, tkey(t, i), tier.head(1, tkey(t, i)), dests[t])
+            slot = slots[t]
+            assert tier.get_into(1, tkey(t, i), tier.head(1, tkey(t, i)), slot[RemoteTier.head_room:], slot)
         jobs[("GET", name)] = get
 
     def both(fn: Callable[[int, int], None]) -> float:

@@ -105,10 +105,13 @@ class Tier(abc.ABC):
         return [self.head(uid, k) for k in keys]
 
     @abc.abstractmethod
-    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
+    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
+                 framed: Optional[memoryview] = None) -> bool:
         """Fill ``dest`` (``meta.nbytes`` bytes of a reserved pool slot) with the chunk; True
         only when every byte is there and checked. A mismatch is a miss (and the tier drops
-        the bad copy)."""
+        the bad copy). The slot stays invisible until the caller commits it after True, and is
+        freed after False, so what a failed read left in it is never served. ``framed``, as for
+        ``put``: the ``head_room`` bytes before the slot and the slot, the tier's to write."""
 
     @abc.abstractmethod
     def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview,

@@ -369,7 +369,8 @@ class DiskTier(Tier):
             return self.capacity, self.used, len(self._index)
 
     # ---- reads and writes ---------------------------------------------------------------
-    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
+    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
+                 framed: Optional[memoryview] = None) -> bool:
         k = (uid, key)
         with self._lock:
             entry = self._index.get(k)

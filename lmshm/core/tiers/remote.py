@@ -12,17 +12,24 @@ Integrity: without ``--remote-secret-file`` the payload carries a checksum (xxh3
 as the disk tier's ``auto``), against accidents. With a secret, a keyed BLAKE3 MAC (its key
 derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
 a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
-without the secret cannot make a value any reader accepts. Either is checked on the value read
-into the client's buffer, *before* a byte is copied into the pool slot. A value that fails
+without the secret cannot make a value any reader accepts. Where a value is read: without a
+secret, straight into the reserved pool object and the room the pool keeps before it (a
+promotion's ``framed``), and checked there, as the disk tier checks its reads in the slot: a
+reserved object is invisible until the promotion commits it, and one that fails is freed. With a
+secret, into the reader thread's own buffer, and copied into the pool object only once the MAC
+checks: no unchecked byte ever reaches a pool slot. Both are one ``GETRANGE`` that glide writes
+into the given buffer (glide >= 2.6; an older glide returns a new bytes object, checked, then
+copied). A value that fails
 (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in place:
 it may be another server's newer write, and the next write-through of that chunk overwrites it.
 A value of another format version (version 1 carried HMAC-SHA256) is a plain miss, uncounted.
 The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl`` optionally
 expires values too.
 
-The easy thing to get wrong: reads are ``GETRANGE`` bounded by the slot's size, never ``GET``.
-glide receives a whole ``GET`` reply (even one read into a given buffer) before it looks at its
-size, so a planted huge value would make the reader allocate it.
+The easy thing to get wrong: reads are ``GETRANGE`` bounded by the slot's size (one byte more,
+so that a longer value is refused, not read as a prefix), never ``GET``. glide receives a whole
+``GET`` reply (even one read into a given buffer) before it looks at its size, so a planted huge
+value would make the reader allocate it.
 
 Every call is bounded by ``--remote-timeout`` (the client's request and connect timeouts).
 Failures (timeouts, refused connections) feed a circuit breaker per hash slot group (one for a
@@ -72,6 +79,7 @@ MIN_SECRET_BYTES = 16
 MAX_CA_BYTES = 1 << 20
 MAC_THREADS_FROM = 2 << 20      # payload bytes from which the MAC runs on BLAKE3's threads
 USAGE_REFRESH_S = 10.0
+KEEP_READ_BUFFER = 64 << 20     # a reader thread keeps its read buffer up to this size
 
 ACCEPTED = ("redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS), "
             "redis+cluster://HOST:PORT[,HOST:PORT...] or rediss+cluster://... (a cluster, by its seed nodes)")
@@ -355,6 +363,7 @@ class RemoteTier(Tier):
         self._local = threading.local()    # each writer thread's staging buffer
         self._client: Any = None
         self._glide = _import_glide()
+        self._into = _getrange_request(self._glide)
         self._usage = (0, 0, 0)
         self._usage_at = 0.0
         self._closed = False
@@ -412,7 +421,7 @@ class RemoteTier(Tier):
             raise _Skip
         try:
             result = fn(self._get_client(wait))
-        except _Skip:
+        except (_Skip, BadValue):           # BadValue: the call worked, the value is unsound
             raise
         except Exception as exc:  # noqa: BLE001 - any client failure is a miss or a drop, counted
             timed_out = isinstance(exc, self._glide.TimeoutError) or "timed out" in str(exc)
@@ -493,31 +502,65 @@ class RemoteTier(Tier):
             self._refused(rkey, exc)
             return None
 
-    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> bool:
+    def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
+                 framed: Optional[memoryview] = None) -> bool:
+        """One bounded ``GETRANGE`` of the value, read straight into a buffer (module docstring):
+        without a secret into ``framed`` (the reserved, still invisible pool object and the room
+        before it) and checked there, as the disk tier checks its reads; with a secret into this
+        thread's read buffer, and only a value whose MAC checks is copied into the slot."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
-        # GETRANGE, not GET: at most one byte more than the value ``head`` sized the slot for, so
-        # a writer who replaced it with a huge value cannot make this thread allocate its size
-        # (a longer value then fails the length check)
-        end = HEADER_BYTES + meta.nbytes
+        size = HEADER_BYTES + meta.nbytes
+        if len(dest) != meta.nbytes:
+            return False
+        into_slot = self._into is not None and self.secret is None and framed is not None and len(framed) == size
+        buf = framed if into_slot else self._read_buffer(size) if self._into is not None else None
         try:
-            value = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, end))
+            value = self._call(rkey, "GETRANGE", lambda c: self._getrange_into(c, rkey, size, buf))
+            if not value:                   # expired or evicted since head: a plain miss
+                return False
+            got, payload = check_value(value, uid, key, self.secret)
+            if got != meta:
+                raise BadValue("the value changed since it was looked up")
         except _Skip:
             return False
-        if not value:                       # expired or evicted since head: a plain miss
-            return False
-        try:
-            got, payload = check_value(value, uid, key, self.secret)
-            if got != meta or len(dest) != meta.nbytes:
-                raise BadValue("the value changed since it was looked up")
         except OtherVersion:
             return False
         except BadValue as exc:
             self._refused(rkey, exc)
             return False
-        dest[:] = payload
+        if not into_slot:
+            dest[:] = payload
         self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
         return True
+
+    def _getrange_into(self, client: Any, rkey: bytes, size: int, buf: Optional[memoryview]) -> Any:
+        """The value of ``rkey`` (empty when the key is missing), read by a ``GETRANGE`` of one
+        byte more than the ``size`` expected, into ``buf`` (``size`` bytes) when given: the reply is
+        bounded whatever the value's size, and a longer value is refused by the client (``BadValue``),
+        never truncated to a prefix that would pass. glide writes the reply straight into ``buf``
+        (its ``response_buffer``, the same path as its public ``get(key, buffer=...)``); a glide
+        without it returns a new bytes object."""
+        if buf is None:
+            return client.getrange(rkey, 0, size)
+        end = str(size).encode()
+        try:
+            n = client._execute_command(self._into, [rkey, b"0", end], response_buffer=buf)
+        except self._glide.RequestError as exc:
+            if "exceeds buffer capacity" in str(exc):
+                raise BadValue(f"longer than the {len(buf)} bytes its header says") from None
+            raise
+        return buf[:int(n)] if n else b""
+
+    def _read_buffer(self, nbytes: int) -> memoryview:
+        """``nbytes`` of this thread's read buffer: kept for the next read up to ``KEEP_READ_BUFFER``
+        (a header that claims a huge chunk cannot make a reader keep its size), new above it."""
+        if nbytes > KEEP_READ_BUFFER:
+            return memoryview(bytearray(nbytes))
+        buf = getattr(self._local, "read", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.read = bytearray(nbytes)
+        return memoryview(buf)[:nbytes]
 
     def _refused(self, rkey: bytes, exc: BadValue) -> None:
         """A value that is not a sound chunk of its key: counted (``corrupt``), warned about
@@ -621,6 +664,22 @@ def _blake3() -> Any:
         raise ImportError("--remote-secret-file needs the blake3 package (keyed BLAKE3 MACs): "
                           "pip install 'lmshm[remote]'") from None
     return blake3
+
+
+def _getrange_request(glide: Any) -> Any:
+    """glide's ``GETRANGE`` request type when its clients can read a reply into a given buffer
+    (``_execute_command(..., response_buffer=...)``, glide >= 2.6, behind its public
+    ``get(key, buffer=...)``); None otherwise (``getrange``, a new bytes object per read)."""
+    try:
+        import inspect
+
+        from glide_shared.protobuf.command_request_pb2 import RequestType
+        for cls in (glide.GlideClient, glide.GlideClusterClient):
+            if "response_buffer" not in inspect.signature(cls._execute_command).parameters:
+                return None
+        return RequestType.GetRange
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def _import_glide() -> Any:

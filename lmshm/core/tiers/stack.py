@@ -143,8 +143,7 @@ class TierStack:
             try:
                 start, end = obj[OFFSET], obj[OFFSET] + obj[NBYTES]
                 data = self.pool.bytes.view[start:end]
-                framed = self.pool.bytes.view[start - tier.head_room:end] \
-                    if 0 < tier.head_room <= self.pool.head_room else None
+                framed = self._framed(tier, start, end)
                 tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data, framed)
             except Exception:  # noqa: BLE001 - a tier's bug drops one chunk, never the writer
                 tier.stats.add(drops=1, errors=1)
@@ -187,8 +186,7 @@ class TierStack:
                 if obj is None:
                     stop = True                     # no room, or a STORE of it is in flight
                     break
-                dest = self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]
-                reads.append((self._submit_read(tier, uid, key, meta, dest), obj, tier))
+                reads.append((self._submit_read(tier, uid, key, meta, obj), obj, tier))
             if stop:
                 break
         failed = False
@@ -214,13 +212,19 @@ class TierStack:
                 failed = True
         return done
 
-    def _submit_read(self, tier: Tier, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview) -> cf.Future:
+    def _framed(self, tier: Tier, start: int, end: int) -> Optional[memoryview]:
+        """The tier's ``head_room`` before an object and the object, when the pool keeps the room."""
+        return self.pool.bytes.view[start - tier.head_room:end] if 0 < tier.head_room <= self.pool.head_room else None
+
+    def _submit_read(self, tier: Tier, uid: int, key: bytes, meta: ChunkMeta, obj: tuple) -> cf.Future:
         with self._busy:
             self._reading += 1
+        start, end = obj[OFFSET], obj[OFFSET] + obj[NBYTES]
+        dest, framed = self.pool.bytes.view[start:end], self._framed(tier, start, end)
 
         def read() -> bool:
             try:
-                return tier.get_into(uid, key, meta, dest)
+                return tier.get_into(uid, key, meta, dest, framed)
             finally:
                 with self._busy:
                     self._reading -= 1

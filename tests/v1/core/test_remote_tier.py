@@ -32,13 +32,17 @@ def tier_for(url: str, **kw) -> RemoteTier:
     return RemoteTier(url, prefix="t:", **kw)
 
 
-def read(tier: RemoteTier, uid: int, k: bytes) -> bytes | None:
+def read(tier: RemoteTier, uid: int, k: bytes, framed: bool = False) -> bytes | None:
+    """The chunk as a promotion reads it: into a slot alone, or (``framed``) into a slot with the
+    pool's head room before it, as the server's pool keeps it with a remote tier."""
     meta = tier.head(uid, k)
     if meta is None:
         return None
-    dest = bytearray(b"\xee" * meta.nbytes)
-    if not tier.get_into(uid, k, meta, memoryview(dest)):
-        assert dest == b"\xee" * meta.nbytes, "a refused value reached the slot"
+    frame = memoryview(bytearray(b"\xee" * (HEADER_BYTES + meta.nbytes)))
+    dest = frame[HEADER_BYTES:]
+    if not tier.get_into(uid, k, meta, dest, frame if framed else None):
+        if not framed or tier.secret is not None:
+            assert bytes(frame) == b"\xee" * len(frame), "a refused value reached the slot or its room"
         return None
     return bytes(dest)
 
@@ -71,8 +75,9 @@ def test_the_ttl_is_set_on_every_value(valkey):
         tier.close()
 
 
+@pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
 @pytest.mark.parametrize("damage", ["truncated", "extended", "flipped payload", "flipped header", "garbage"])
-def test_a_damaged_value_is_a_miss_never_served(valkey, damage):
+def test_a_damaged_value_is_a_miss_never_served(valkey, damage, framed):
     tier = tier_for(valkey.url)
     try:
         data = payload(2)
@@ -84,9 +89,13 @@ def test_a_damaged_value_is_a_miss_never_served(valkey, damage):
                "flipped header": good[:20] + bytes([good[20] ^ 1]) + good[21:],
                "garbage": os.urandom(len(good))}[damage]
         assert command(valkey.port, "SET", rkey, bad).startswith(b"+OK")
-        assert read(tier, 1, key(2)) is None
-        assert tier.stats.snapshot()["corrupt"] == 1
+        for _ in range(BREAKER_FAILURES + 1):
+            assert read(tier, 1, key(2), framed) is None
+        s = tier.stats.snapshot()
+        assert s["corrupt"] == BREAKER_FAILURES + 1 and s["errors"] == 0 and s["timeouts"] == 0, s
         assert command(valkey.port, "EXISTS", rkey) == b":1\r\n", "the tier deleted a value it did not own"
+        # a refused value is no failure of the remote: the breaker stays shut, the next value is read
+        assert tier.put(1, key(2), META, memoryview(data)) and read(tier, 1, key(2), framed) == data
     finally:
         tier.close()
 
@@ -108,6 +117,8 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
         for writer in (unsigned, forger):
             assert writer.put(1, key(3), META, memoryview(payload(99)))
             assert read(signed, 1, key(3)) is None, "a value without a valid MAC was served"
+            # with the pool's room before the slot too: nothing unchecked reaches slot or room
+            assert read(signed, 1, key(3), framed=True) is None
         # a valid value moved to another key (or uid) is refused: the MAC covers uid and key
         assert signed.put(1, key(4), META, memoryview(good))
         value = bytes(signed._get_client().get(signed.remote_key(1, key(4))))
@@ -123,6 +134,32 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
     finally:
         for t in (signed, unsigned, forger):
             t.close()
+
+
+def test_without_a_secret_a_framed_read_lands_in_the_slot_itself_and_with_one_after_the_mac(valkey):
+    plain, signed = tier_for(valkey.url), tier_for(valkey.url, secret=os.urandom(32))
+    try:
+        assert plain._into is not None, "this glide cannot read into a given buffer: every read copies"
+        data = payload(6)
+        for tier in (plain, signed):
+            assert tier.put(1, key(6), META, memoryview(data))
+            meta = tier.head(1, key(6))
+            frame = memoryview(bytearray(HEADER_BYTES + META.nbytes))
+            if tier is plain:
+                def no_buffer(nbytes):
+                    raise AssertionError("the value went through a read buffer, not into the slot")
+                tier._read_buffer = no_buffer
+            assert tier.get_into(1, key(6), meta, frame[HEADER_BYTES:], frame)
+            assert bytes(frame[HEADER_BYTES:]) == data
+            stored = bytes(tier._get_client().get(tier.remote_key(1, key(6))))
+            # the header landed in the room (plain), or the room was never written (signed)
+            assert bytes(frame[:HEADER_BYTES]) == (stored[:HEADER_BYTES] if tier is plain else bytes(HEADER_BYTES))
+        # a missing key is a plain miss on both paths
+        assert plain.get_into(1, key(60), META, frame[HEADER_BYTES:], frame) is False
+        assert plain.stats.snapshot()["corrupt"] == 0
+    finally:
+        plain.close()
+        signed.close()
 
 
 def test_a_secret_file_others_can_read_is_refused(tmp_path):
@@ -451,6 +488,20 @@ def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a
         for i, obj in enumerate(objs):
             assert bytes(pool.bytes.view[obj[OFFSET]:obj[OFFSET] + META.nbytes]) == datas[i], "a header overwrote a chunk"
             assert read(reader, 3, key(i)) == datas[i]
+        # and back: another server's promotion reads each value into its pool, the room included
+        # (without a secret straight into the reserved object, never through a read buffer)
+        if not signed:
+            reader._read_buffer = no_staging
+        pool2 = Pool(8 << 20, head_room=reader.head_room)
+        stack2 = TierStack(pool2, [reader], queue_limit=16, timeout_s=2.0)
+        try:
+            done = stack2.promote(3, [[key(i) for i in range(4)]], time.monotonic() + 5)
+            assert [bytes(pool2.bytes.view[o[OFFSET]:o[OFFSET] + META.nbytes]) for o in done.held] == datas
+            assert reader.stats.snapshot()["promotions"] == 4
+            done.release()
+        finally:
+            stack2.close()
+            pool2.release()
     finally:
         stack.close()
         reader.close()
