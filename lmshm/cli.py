@@ -114,6 +114,7 @@ def format_status_table(status) -> str:
             f"queue {t.queue_depth}/{t.queue_limit}, {t.drops} dropped, {t.errors} error(s), {t.timeouts} timeout(s), "
             f"{t.corrupt} corrupt, {t.evictions} eviction(s)"
             + (f", {t.direct_writes} written direct (O_DIRECT)" if t.direct_writes else "")
+            + (f", {t.not_admitted} not admitted (first stores)" if t.not_admitted else "")
             + (f"; read {t.read_seconds / t.reads * 1e3:.2f} ms mean" if t.reads else "")
             + (f", write {t.write_seconds / t.writes * 1e3:.2f} ms mean" if t.writes else ""))
     return "\n".join(lines)

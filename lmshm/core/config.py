@@ -47,6 +47,7 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_queue: Count = 256            # chunks waiting to be written through; more are dropped (counted)
     disk_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5   # longest a LOOKUP waits for promotions
     disk_checksum: str = "auto"        # auto (xxh3 if installed, else crc32), xxh3, blake2b, crc32
+    disk_admit: str = "first"          # first: every stored chunk; second: a chunk's second store only
     # the remote tier below the disk (lmshm/core/tiers/remote.py; docs/design/tiers.md). Credentials
     # are never settings: LMSHM_REMOTE_USERNAME / LMSHM_REMOTE_PASSWORD or remote_password_file
     remote: str = ""                   # redis://, rediss://, redis+cluster://; "" = no remote tier

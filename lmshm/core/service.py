@@ -147,7 +147,7 @@ class Core:
         from lmshm.core.tiers.disk import DiskTier
 
         try:
-            return DiskTier(c.disk, c.disk_capacity, checksum=c.disk_checksum)
+            return DiskTier(c.disk, c.disk_capacity, checksum=c.disk_checksum, admit=c.disk_admit)
         except (OSError, ValueError, ImportError) as exc:
             raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the disk tier: {exc}") from None
 

@@ -193,6 +193,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("disk_checksum", "--disk-checksum", "LMSHM_DISK_CHECKSUM", "disk_checksum",
             "checksum of each chunk file: auto (xxh3-128 if the xxhash package is installed, else CRC-32), xxh3, "
             "blake2b or crc32; any of them is read back (default auto)", "NAME"),
+    Setting("disk_admit", "--disk-admit", "LMSHM_DISK_ADMIT", "disk_admit",
+            "which stored chunks are written to disk: first (every one, the default) or second (a chunk only "
+            "the second time it is stored into the pool, that is, once it was lost from the pool and computed "
+            "again: one-off prompts then cost the disk no writes; the last 1M-2M chunks stored are remembered)",
+            "WHEN"),
     Setting("remote", "--remote", "LMSHM_REMOTE", "remote",
             "keep chunks in a Valkey/Redis server too, shared with other hosts: redis://HOST[:PORT][/DB], "
             "rediss://... (TLS), or a cluster as redis+cluster://HOST:PORT[,HOST:PORT...] (rediss+cluster:// with "

@@ -22,6 +22,9 @@ Rules every implementation keeps (the one thing easy to get wrong is the first):
 from __future__ import annotations
 
 import abc
+import hashlib
+import math
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -42,7 +45,7 @@ class TierStats:
     """A tier's running totals, kept under one lock; ``snapshot`` is what STATUS shows."""
 
     FIELDS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
-              "read_bytes", "written_bytes", "reads", "writes", "direct_writes")
+              "read_bytes", "written_bytes", "reads", "writes", "direct_writes", "not_admitted")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -70,6 +73,39 @@ class TierStats:
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self.values, read_seconds=self.read_seconds, write_seconds=self.write_seconds)
+
+
+class SeenOnce:
+    """Which items were seen lately, in bounded memory: two Bloom filters of ``remember`` items
+    each (1 % false positives), the older dropped when the newer is full. An item is remembered
+    for at least ``remember`` and at most ``2 * remember`` new items after it (1M: 2.4 MB); a
+    false positive lets one item through a first time. The hash is BLAKE2b under a random key
+    per process, so no peer can pick items that collide."""
+
+    def __init__(self, remember: int, false_positives: float = 0.01) -> None:
+        self.remember = max(1, remember)
+        self.bits = max(64, int(-self.remember * math.log(false_positives) / math.log(2) ** 2))
+        self.hashes = max(1, round(self.bits / self.remember * math.log(2)))
+        self._key = os.urandom(16)
+        self._lock = threading.Lock()
+        self._new = bytearray((self.bits + 7) // 8)
+        self._old = bytearray(len(self._new))
+        self._added = 0
+
+    def check_and_add(self, item: bytes) -> bool:
+        """True if ``item`` was seen lately; otherwise remember it and answer False."""
+        digest = hashlib.blake2b(item, digest_size=16, key=self._key).digest()
+        h1, h2 = int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little") | 1
+        where = [(p >> 3, 1 << (p & 7)) for p in ((h1 + i * h2) % self.bits for i in range(self.hashes))]
+        with self._lock:
+            if all(self._new[i] & bit for i, bit in where) or all(self._old[i] & bit for i, bit in where):
+                return True
+            for i, bit in where:
+                self._new[i] |= bit
+            self._added += 1
+            if self._added >= self.remember:
+                self._old, self._new, self._added = self._new, bytearray(len(self._new)), 0
+            return False
 
 
 class Tier(abc.ABC):
@@ -103,6 +139,11 @@ class Tier(abc.ABC):
     def heads(self, uid: int, keys: Sequence[bytes]) -> list[Optional[ChunkMeta]]:
         """``head`` of each key, in order (``batched_heads`` tiers: in one round trip)."""
         return [self.head(uid, k) for k in keys]
+
+    def admit(self, uid: int, key: bytes) -> bool:
+        """Whether a chunk just stored into the pool is to be written through to this tier (a
+        tier that declines counts it, ``not_admitted``). Called on the storing thread: cheap."""
+        return True
 
     @abc.abstractmethod
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,

@@ -51,7 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from lmshm.core.tiers.base import ChunkMeta, Tier
+from lmshm.core.tiers.base import ChunkMeta, SeenOnce, Tier
 
 logger = logging.getLogger("lmshm.tiers.disk")
 
@@ -61,6 +61,8 @@ HEADER_BYTES = 4096
 PAGE = 4096
 HIGH_WATERMARK = 0.95
 LOW_WATERMARK = 0.90
+ADMIT = ("first", "second")     # --disk-admit: write a chunk on its first store, or its second
+ADMIT_REMEMBER = 1 << 20        # --disk-admit second: chunks stored once that are remembered (SeenOnce)
 MAX_KEY = 64
 MAX_LAYOUT = 64
 #: magic, version, checksum algorithm, uid, blocks, payload length, key length, layout length,
@@ -238,8 +240,12 @@ class DiskTier(Tier):
     name = "disk"
     align = PAGE        # the pool starts objects on pages, so chunks are written with O_DIRECT
 
-    def __init__(self, directory: str, capacity: int, *, checksum: str = "auto") -> None:
+    def __init__(self, directory: str, capacity: int, *, checksum: str = "auto", admit: str = "first") -> None:
         super().__init__()
+        if admit not in ADMIT:
+            raise ValueError(f"--disk-admit {admit!r}: use one of {', '.join(ADMIT)}")
+        #: --disk-admit second: the chunks stored once lately, whose next store is written
+        self._stored_once = SeenOnce(ADMIT_REMEMBER) if admit == "second" else None
         if capacity < file_bytes(1):
             raise ValueError(f"--disk-capacity {capacity} is too small: a chunk file takes at least "
                              f"{file_bytes(1)} bytes")
@@ -369,6 +375,12 @@ class DiskTier(Tier):
             return self.capacity, self.used, len(self._index)
 
     # ---- reads and writes ---------------------------------------------------------------
+    def admit(self, uid: int, key: bytes) -> bool:
+        if self._stored_once is None or self._stored_once.check_and_add(b"%d:" % uid + key):
+            return True
+        self.stats.add(not_admitted=1)
+        return False
+
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
                  framed: Optional[memoryview] = None) -> bool:
         k = (uid, key)

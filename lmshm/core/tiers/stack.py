@@ -103,6 +103,8 @@ class TierStack:
             return
         for i, (tier, q) in enumerate(zip(self.tiers, self._queues)):
             for obj in objs:
+                if not tier.admit(obj[UID], obj[KEY]):
+                    continue
                 with self._bytes_lock:
                     room = self._queued_bytes[i] + obj[NBYTES] <= self.queue_bytes_limit
                     if room:

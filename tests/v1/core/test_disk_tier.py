@@ -374,3 +374,18 @@ def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_ca
         assert tier.get_into(0, b"p3", meta3, memoryview(dest)) and dest == aligned[:]
     finally:
         tier.close()
+
+
+def test_seen_once_remembers_the_last_items_in_bounded_memory_and_forgets_older_ones():
+    from lmshm.core.tiers.base import SeenOnce
+    seen = SeenOnce(1000)
+    assert len(seen._new) + len(seen._old) < 4 * 1000        # about 1.2 bytes an item, two filters
+    first = [b"first-%d" % i for i in range(1000)]
+    assert sum(seen.check_and_add(x) for x in first) <= 20   # new (up to 1 % false positives, and slack)
+    assert all(seen.check_and_add(x) for x in first)         # seen once: True
+    later = [b"later-%d" % i for i in range(999)]            # fewer new items than it remembers
+    assert sum(seen.check_and_add(x) for x in later) <= 20
+    assert all(seen.check_and_add(x) for x in first)         # still remembered (the older filter)
+    for i in range(1001):                                    # more than it remembers
+        seen.check_and_add(b"newer-%d" % i)
+    assert sum(seen.check_and_add(x) for x in first) <= 20   # forgotten: bounded memory

@@ -199,3 +199,40 @@ def test_a_second_server_on_the_same_directory_is_refused_at_start(start_server,
     start_server("--disk", str(disk), "--disk-capacity", "1MiB")
     with pytest.raises(RuntimeError, match="in use by another lmshm-server"):
         start_server("--disk", str(disk), "--disk-capacity", "1MiB", fd_socket=str(tmp / "second.sock"))
+
+
+def test_with_disk_admit_second_only_chunks_stored_again_reach_the_disk(start_server, start_worker, disk):
+    """--disk-admit second: a first STORE is not written to disk (counted); once the pool lost the
+    chunk and it is stored again, it is, and a restarted server finds it there and only it."""
+    args = ("--disk", str(disk), "--disk-capacity", "64MiB", "--disk-admit", "second")
+    server = start_server(*args, "--capacity", str(2 * cost_of(CHUNK_BYTES, align=PAGE)))
+    a = start_worker(server.url)
+    ia = a.ok("register_kv")["instance_id"]
+    a.ok("fill_blocks", instance_id=ia, blocks=[0, 1, 2, 3], seed=11)
+    want = a.ok("digest_blocks", instance_id=ia, blocks=[0, 1])["digests"]
+    store_each(a, ia, [key(0), key(1), key(2), key(3)], [0, 1, 2, 3])    # the pool keeps 2: 0 and 1 evicted
+    t = tier(a)
+    assert (t["not_admitted"], t["puts"], t["drops"]) == (4, 0, 0), t
+    assert disk_files(disk) == []
+    store_each(a, ia, [key(0), key(1)], [0, 1])                          # computed again: written now
+    wait_for(lambda: tier(a)["puts"] == 2, timeout_s=10)
+    assert tier(a)["not_admitted"] == 4 and len(disk_files(disk)) == 2
+    status = subprocess.run([sys.executable, "-m", "lmshm.cli", "status", "--url", server.url], capture_output=True,
+                            text=True, timeout=30, env={**os.environ})
+    assert "4 not admitted" in status.stdout, status.stdout
+    a.exit()
+    assert server.stop() == 0
+
+    again = start_server(*args)
+    b = start_worker(again.url)
+    ib = b.ok("register_kv")["instance_id"]
+    assert b.ok("lookup", keys=[[key(2)]])["hits"] == 0
+    found = b.ok("lookup", keys=[[key(0), key(1), key(2)]])
+    assert found["hits"] == 2
+    b.ok("retrieve", instance_id=ib, keys=[key(0), key(1)], blocks=[5, 6], chunk_blocks=1, lease=found["lease"])
+    assert b.ok("digest_blocks", instance_id=ib, blocks=[5, 6])["digests"] == want
+
+
+def test_an_unknown_disk_admit_is_refused_at_start_naming_the_choices(start_server, disk):
+    with pytest.raises(RuntimeError, match="--disk-admit 'sometimes': use one of first, second"):
+        start_server("--disk", str(disk), "--disk-capacity", "1MiB", "--disk-admit", "sometimes")
