@@ -172,7 +172,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
             dest[:] = glide.getrange(k, 0, size - 1)
 
         def getrange_into(k=k_plain) -> None:
-            plain._getrange_into(glide, k, size, dest)
+            plain._getrange_into(glide, k, 0, size, dest, True)
         jobs += [("glide GETRANGE", "GET", getrange), ("glide GETRANGE+copy", "GET", getrange_copy),
                  ("glide GETRANGE into", "GET", getrange_into)]
         # the tier writes as the server's write-through does: from a pool object with the

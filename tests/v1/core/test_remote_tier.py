@@ -576,3 +576,69 @@ def test_headers_are_read_ahead_in_one_batch_and_a_damaged_one_is_a_counted_miss
             pool.release()
     finally:
         tier.close()
+
+
+BIG = [ChunkMeta(nbytes=(5 << 20) - HEADER_BYTES, layout=b"L" * 16, blocks=2),     # 5 MiB values: 2 ranges
+       ChunkMeta(nbytes=(9 << 20) + 4096, layout=b"L" * 16, blocks=2)]             # 9 MiB: 4 ranges
+
+
+@pytest.mark.parametrize("meta", BIG, ids=["2 ranges", "4 ranges"])
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+def test_a_large_value_read_in_ranges_at_once_reads_back_equal_and_damage_anywhere_is_a_miss(valkey, meta, signed):
+    tier = tier_for(valkey.url, timeout_s=5, secret=os.urandom(32) if signed else None)
+    try:
+        data = os.urandom(meta.nbytes)
+        assert tier.put(1, key(40), meta, memoryview(data))
+        ranges = []
+        getrange_into = tier._getrange_into
+
+        def spy(client, rkey, lo, hi, buf, last):
+            ranges.append((lo, hi, last))
+            return getrange_into(client, rkey, lo, hi, buf, last)
+        tier._getrange_into = spy
+        for framed in (False, True):
+            assert read(tier, 1, key(40), framed) == data
+        size = HEADER_BYTES + meta.nbytes
+        parts = sorted(set(ranges))
+        assert len(ranges) == 2 * len(parts)
+        assert len(parts) == (2 if size < 8 << 20 else 4) and parts[0][0] == 0 and parts[-1][1:] == (size, True)
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), "the ranges leave a gap"
+        rkey = tier.remote_key(1, key(40))
+        good = bytes(tier._get_client().get(rkey))
+        for at in (100, HEADER_BYTES + 10, size // 2 + 7, size - 3):      # a flipped byte in each part
+            command(valkey.port, "SET", rkey, good[:at] + bytes([good[at] ^ 1]) + good[at + 1:], timeout_s=20)
+            assert read(tier, 1, key(40)) is None and read(tier, 1, key(40), framed=True) is None
+        for bad in (good[:-1], good + b"x"):
+            command(valkey.port, "SET", rkey, bad, timeout_s=20)
+            assert read(tier, 1, key(40)) is None and read(tier, 1, key(40), framed=True) is None
+        s = tier.stats.snapshot()
+        assert s["corrupt"] == 12 and s["errors"] == 0 and s["timeouts"] == 0, s
+    finally:
+        tier.close()
+
+
+def test_ranges_that_come_from_two_writes_of_a_key_are_refused_never_served(valkey):
+    """Another server writes the key between the ranges of a read: each write is a sound value,
+    but the mix is neither; the checksum over the whole value refuses it."""
+    meta = BIG[0]
+    tier = tier_for(valkey.url, timeout_s=5)
+    writer = tier_for(valkey.url, timeout_s=5)
+    try:
+        first, second = os.urandom(meta.nbytes), os.urandom(meta.nbytes)
+        assert tier.put(1, key(41), meta, memoryview(first))
+        getrange_into = tier._getrange_into
+
+        def between(client, rkey, lo, hi, buf, last):
+            if lo > 0:                              # the later range: the other write lands first
+                assert writer.put(1, key(41), meta, memoryview(second))
+            return getrange_into(client, rkey, lo, hi, buf, last)
+        tier._getrange_into = between
+        meta_read = tier.head(1, key(41))
+        frame = memoryview(bytearray(HEADER_BYTES + meta.nbytes))
+        assert not tier.get_into(1, key(41), meta_read, frame[HEADER_BYTES:], frame)
+        assert tier.stats.snapshot()["corrupt"] == 1
+        tier._getrange_into = getrange_into
+        assert read(tier, 1, key(41)) == second     # the newer value, whole, reads back
+    finally:
+        tier.close()
+        writer.close()
