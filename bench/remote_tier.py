@@ -30,6 +30,9 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    cluster on loopback (started here; ``--no-cluster`` skips it), which is asked one header
    per round trip.
 
+5. (after 4) **reads alone**: bare ``GET`` and the tier's read with the header ahead, in ranges
+   at once (its default for values from 2 MiB) and in one range, with no writes between them.
+
 3. **two threads at once**, as the tier is used (the stack writes with two threads and reads
    with up to four, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
    own, and GB/s is all their bytes over the wall time; bare glide (one client, as the tier's)
@@ -214,6 +217,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     for size in sizes:
         two_threads(glide, tiers, size, reps, per_thread, keys)
     promotion(url, reps)
+    reads_alone(glide, plain, sizes, reps, keys)
     # what --remote-timeout must cover: a header read (one per chunk of a LOOKUP), and the
     # slowest whole read of the largest value above
     k = b"k%d-tier (checksum)" % sizes[-1]
@@ -265,6 +269,42 @@ def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> N
     print(f"\nLOOKUP promoting {chunks} chunks of {size >> 10} KiB from {url.split(':', 1)[0]}: median ms")
     for name, ts in times.items():
         print(f"  {name:28s} {statistics.median(ts) * 1e3:7.2f}")
+
+
+def reads_alone(glide, tier: RemoteTier, sizes: list[int], reps: int, keys: list) -> None:
+    """Part 5: reads alone, nothing else between them: bare ``GET``, and the tier's read with
+    the header ahead (``get_into`` into a slot with its room, the checksum) in ranges at once
+    (its default from ``SPLIT_FROM``) and in one range."""
+    import lmshm.core.tiers.remote as remote
+    print("\nreads alone (no writes between them): GB/s (median)")
+    for size in sizes:
+        value = os.urandom(size)
+        meta = ChunkMeta(size, b"bench-layout", 1)
+        bare, k = b"bench:alone:%d" % size, b"alone-%d" % size
+        glide.set(bare, value)
+        assert tier.put(1, k, meta, memoryview(value))
+        keys += [bare, tier.remote_key(1, k)]
+        slot = memoryview(bytearray(RemoteTier.head_room + size))
+
+        def one_range() -> None:
+            split, remote.SPLIT_FROM = remote.SPLIT_FROM, 1 << 62
+            try:
+                assert tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot)
+            finally:
+                remote.SPLIT_FROM = split
+        jobs = {"glide GET": lambda: glide.get(bare),
+                "tier, ranges at once": lambda: tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot),
+                "tier, one range": one_range}
+        times: dict[str, list[float]] = {name: [] for name in jobs}
+        order = list(jobs)
+        for _ in range(reps):
+            random.shuffle(order)
+            for name in order:
+                times[name].append(timed(jobs[name]))
+        base = size / statistics.median(times["glide GET"]) / 1e9
+        for name, ts in times.items():
+            rate = size / statistics.median(ts) / 1e9
+            print(f"  {size >> 20:2d} MiB  {name:22s} {rate:6.2f}" + (f"  {rate / base:.2f}x bare glide" if name != "glide GET" else ""))
 
 
 def two_threads(glide, tiers: dict, size: int, reps: int, per_thread: int, keys: list) -> None:

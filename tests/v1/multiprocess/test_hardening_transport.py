@@ -18,6 +18,8 @@ import socket
 import statistics
 import time
 
+import pytest
+
 from lmshm.multiprocess import codec, protocol
 
 from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are fixtures
@@ -112,6 +114,7 @@ def test_a_grpc_connection_flood_cannot_make_the_ipc_listener_abort_the_server(t
 # ---- finding 2: 2,000 HELLOs at once over ipc:// on a busy host ----------------------------------
 
 
+@pytest.mark.alone
 def test_2000_hellos_at_once_over_ipc_on_a_busy_host_cannot_abort_the_server(tmp_dir):
     # Before: the accept gate closed only after libzmq's I/O thread had accepted a burst, and
     # with two CPU-bound processes running the server aborted 3 times out of 3.
@@ -264,6 +267,7 @@ def test_a_flood_of_unauthenticated_fd_channel_connections_cannot_lock_a_new_wor
 
 
 
+@pytest.mark.alone
 def test_an_honest_worker_gets_in_while_2000_peers_keep_saying_hello_over_tcp(tmp_dir):
     # Before: the HELLO flood displaced the worker's session before it could prove its
     # identity, and the worker failed ("unknown session token"). Now a displaced session is

@@ -31,6 +31,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are fixtures
     FD_CHANNEL_FLOOD,
     HELLO_FLOOD,
@@ -214,6 +216,7 @@ def _summary(times: list[float]) -> str:
     return f"n={len(times)} p50 {statistics.median(times) * 1000:.0f} ms p99 {p99 * 1000:.0f} ms max {ordered[-1] * 1000:.0f} ms"
 
 
+@pytest.mark.alone
 def test_every_flood_at_once_on_a_busy_host_leaves_an_honest_tenant_served(tmp_dir):
     need_fds(6000)
     grpc_port, http_port = free_port(), free_port()
