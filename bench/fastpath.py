@@ -86,6 +86,10 @@ def main() -> int:
     args = ap.parse_args()
 
     modes = [Mode(m) for m in args.modes]
+    if any("PYTHONPATH" in m.env for m in modes) and os.path.isdir(os.path.join(os.getcwd(), "lmshm")):
+        raise SystemExit("a mode sets PYTHONPATH, but the working directory holds an lmshm package: its servers "
+                         "(python -m, which puts the working directory first on sys.path) would import that one "
+                         "whatever PYTHONPATH says. Run from outside the repository, e.g. cd /tmp")
     block_layer = args.heads * args.tokens * args.head_size * 2
     request = args.request_mib << 20
     blocks = request // (args.layers * block_layer)
