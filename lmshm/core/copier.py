@@ -376,17 +376,6 @@ _splitter: ThreadPoolExecutor | None = None
 _splitter_lock = threading.Lock()
 
 
-def _check_ids(layout: BlockLayout, block_ids: Sequence[int]) -> None:
-    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
-        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
-
-
-def _stretches(pairs: list, n: int) -> list[list]:
-    """``pairs`` cut into ``n`` contiguous stretches of about equal length."""
-    cut = [len(pairs) * i // n for i in range(n + 1)]
-    return [pairs[cut[i]:cut[i + 1]] for i in range(n)]
-
-
 def _layer_parts(layout: BlockLayout, obj: torch.Tensor, chunk_blocks: int) -> list[tuple[LayerPlan, np.ndarray]]:
     """Each layer with its part of the object, as a numpy view (``[grid][block][run]``)."""
     obj_all, at, pairs = obj.numpy(), 0, []
@@ -399,7 +388,8 @@ def _layer_parts(layout: BlockLayout, obj: torch.Tensor, chunk_blocks: int) -> l
 
 def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
                 store: bool, pool: PoolBytes | None) -> None:
-    _check_ids(layout, block_ids)
+    if block_ids and (min(block_ids) < 0 or max(block_ids) >= layout.num_blocks):
+        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(block_ids)}..{max(block_ids)}")
     if layout.rows:
         ids = np.asarray(block_ids, dtype=np.intp)
         pairs = _layer_parts(layout, obj, chunk_blocks)
@@ -425,7 +415,9 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         # threads never fault the same (huge) pool page at once.
         # Taken from a shared queue of stretches, 4 per thread: a thread held up (by the loop,
         # another request) leaves its later stretches to the others.
-        stretches = iter(_stretches(pairs, ways * 4 if len(pairs) >= ways * 4 else ways))
+        n = ways * 4 if len(pairs) >= ways * 4 else ways
+        cut = [len(pairs) * i // n for i in range(n + 1)]
+        stretches = iter([pairs[cut[i]:cut[i + 1]] for i in range(n)])
 
         def layers() -> None:
             for part in stretches:          # a list iterator hands each stretch out once
@@ -484,13 +476,14 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
     units: list[tuple[int, np.ndarray, list]] = []
     errors: list[BaseException | None] = [None] * len(chunks)
     for c, (ids, obj) in enumerate(chunks):
-        try:
-            _check_ids(layout, ids)
-        except ValueError as exc:       # copied: the chunks before it; this one and later ones are not
-            errors[c] = exc
+        if ids and (min(ids) < 0 or max(ids) >= layout.num_blocks):
+            # copied: the chunks before it; this one and later ones are not
+            errors[c] = ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {min(ids)}..{max(ids)}")
             break
         rows = np.asarray(ids, dtype=np.intp)
-        units += [(c, rows, part) for part in _stretches(_layer_parts(layout, obj, chunk_blocks), per_chunk)]
+        pairs = _layer_parts(layout, obj, chunk_blocks)
+        cut = [len(pairs) * i // per_chunk for i in range(per_chunk + 1)]
+        units += [(c, rows, pairs[cut[i]:cut[i + 1]]) for i in range(per_chunk)]
     queue = iter(units)                     # a list iterator hands each unit out once
 
     def work() -> None:

@@ -18,9 +18,9 @@ secret, straight into the reserved pool object and the room the pool keeps befor
 promotion's ``framed``), and checked there, as the disk tier checks its reads in the slot: a
 reserved object is invisible until the promotion commits it, and one that fails is freed. With a
 secret, into the reader thread's own buffer, and copied into the pool object only once the MAC
-checks: no unchecked byte ever reaches a pool slot. Both are bounded ``GETRANGE``s that glide
-writes into the given buffer, several at once from 2 MiB (``_read_parts``; glide >= 2.6: an
-older glide returns a new bytes object, checked, then copied). A value that fails
+checks: no unchecked byte ever reaches a pool slot. Both are one ``GETRANGE`` that glide writes
+into the given buffer (glide >= 2.6; an older glide returns a new bytes object, checked, then
+copied). A value that fails
 (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in place:
 it may be another server's newer write, and the next write-through of that chunk overwrites it.
 A value of another format version (version 1 carried HMAC-SHA256, version 2 no header CRC) is a
@@ -557,8 +557,8 @@ class RemoteTier(Tier):
         """The value of ``rkey`` in ``buf`` (all of it: it is as long as the header said), or empty
         when the key is missing. A value of ``SPLIT_FROM`` bytes or more is read in 2 to
         ``MAX_PARTS`` ranges at once, the first on this thread and the others on the tier's part
-        threads: the server copies one range while the client receives another (16 MiB: 1.00-1.03x
-        ``GET`` against 0.84-0.88x in one range; bench/remote_tier.py, part 5).
+        threads: the server copies one range while the client receives another (4 MiB: 0.92x
+        ``GET`` against 0.83x for one range; 16 MiB: 0.87x against 0.73x; bench/remote_tier.py).
         Ranges read at different moments may come from two writes of the key; the checksum or
         MAC over the whole value, checked after, refuses such a mix. Every range is waited for
         before this returns, failed or not: glide writes into ``buf`` until its call returns."""
