@@ -40,11 +40,13 @@ from typing import Annotated, Callable, Hashable, Optional, Union
 
 import msgspec
 
+from lmshm.core.logs import Throttle
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.files import file_id, unlink_if_same
 from lmshm.quoting import clip
 
 logger = logging.getLogger(__name__)
+_no_auth_log = Throttle(logger)      # a flood of silent connections: a line every 10 s
 
 MAX_FDS_PER_MESSAGE = 250   # below the kernel's SCM_MAX_FD (253)
 #: Connections waiting to be accepted hold no fd of the server. As deep as the kernel allows
@@ -498,8 +500,8 @@ class FdChannelServer:
         now = time.monotonic() if now is None else now
         late = [c for c in self._pending.values() if now - c.accepted > self.auth_timeout_s]
         for conn in late:
-            logger.info("lmshm: fd channel dropped pid %d: no auth within %g s", conn.creds.pid,
-                        self.auth_timeout_s)
+            _no_auth_log.info("lmshm: fd channel dropped pid %d: no auth within %g s", conn.creds.pid,
+                              self.auth_timeout_s)
             self._send(conn.sock, Refused("UNAVAILABLE", f"no auth within {self.auth_timeout_s:g} s"))
             self._forget(conn)
         return len(late)

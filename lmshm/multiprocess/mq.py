@@ -44,10 +44,13 @@ from typing import Any, Callable, Optional
 
 import zmq
 
+from lmshm.core.logs import Throttle
 from lmshm.multiprocess import zmtp
 from lmshm.platform.base.files import unlink_if_same
 
 logger = logging.getLogger(__name__)
+_reply_log = Throttle(logger)       # peers cause these: at most a line every 10 s each
+_failure_logs: dict[str, Throttle] = {}
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
 REQUEST_ID_BYTES = 8
@@ -92,11 +95,15 @@ def ipc_path(url: str) -> Optional[str]:
 
 
 def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """Run one callback of the loop; a failure is logged, and the loop goes on."""
+    """Run one callback of the loop; a failure is logged (at most every 10 s for each ``what``:
+    a peer that found a way to make one fail must not flood the log), and the loop goes on."""
     try:
         return fn(*args)
     except Exception:  # noqa: BLE001 - nothing a peer triggers may stop the loop
-        logger.exception("lmshm: %s failed; the server goes on", what)
+        throttle = _failure_logs.get(what)
+        if throttle is None:
+            throttle = _failure_logs.setdefault(what if len(_failure_logs) < 64 else "other", Throttle(logger))
+        throttle.exception("lmshm: %s failed; the server goes on", what)
         return False
 
 #: on_request(identity, request_id, body, problem): problem is None for a well-formed frame.
@@ -251,6 +258,8 @@ class RouterServer:
         self._count_fds = count_fds
         self.idle_timeout_s = idle_timeout_s
         self.share = UnverifiedShare(unverified_share, account=self._account)
+        self._trusted: Callable[[bytes], bool] = lambda identity: False    # serve() sets it
+        self.unanswered = 0      # replies dropped: the peer does not read (its queue is full)
         self._ipc_path: Optional[str] = None
         self._ipc_inode: Optional[tuple[int, int]] = None
         self._next_idle_check = 0.0
@@ -261,7 +270,8 @@ class RouterServer:
             self._epoll = select.epoll()
             self.listener = zmtp.ZmtpListener(sock, max_message_bytes=max_message_bytes, send_queue=receive_queue,
                                               headroom=self._headroom, set_poll=self._set_poll,
-                                              accepted=fds_opened or (lambda n: None))
+                                              accepted=fds_opened or (lambda n: None),
+                                              trusted=lambda identity: self._trusted(identity))
         except BaseException:
             sock.close()
             if getattr(self, "_epoll", None) is not None:
@@ -325,7 +335,10 @@ class RouterServer:
 
     def reply(self, identity: bytes, request_id: bytes, body: bytes) -> None:
         if not self.listener.send(identity, [request_id, body]) and self.listener.connection(identity) is not None:
-            logger.warning("lmshm: could not reply to a peer: %d replies wait unread", self.receive_queue)
+            self.unanswered += 1
+            _reply_log.warning("lmshm: could not reply to a peer that does not read: its replies fill the send "
+                               "queue (%d replies or %d bytes); %d dropped so far", self.receive_queue,
+                               self.listener.send_bytes, self.unanswered)
 
     def _account(self, identity: bytes) -> bytes:
         conn = self.listener.connection(identity)
@@ -405,6 +418,7 @@ class RouterServer:
         ``trusted`` peers run at once, and so does one that ``vouched(identity, frames)`` for
         (a message that carries its own proof); the rest share ``unverified_share``."""
         listener = self.listener
+        self._trusted = trusted
         next_tick = time.monotonic() + tick_s
         while not stop():
             try:
@@ -425,6 +439,7 @@ class RouterServer:
                              | (zmtp.READABLE if flags & ~select.EPOLLOUT else 0))
                 else:
                     callbacks.append(fd)
+            _guarded("parsing", listener.pump)
             _guarded("requests", self._serve_requests, on_request, trusted, on_busy, vouched)
             for fd in callbacks:
                 callback = self._fd_callbacks.get(fd)

@@ -53,6 +53,7 @@ import msgspec
 from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
+from lmshm.core.logs import Throttle
 from lmshm.multiprocess import codec, mq, protocol
 from lmshm.multiprocess.config import ServerConfig
 from lmshm.multiprocess.fdchannel import Credentials, FdChannelServer, default_path
@@ -64,6 +65,7 @@ from lmshm.platform.base.peer import own_pid_namespace
 from lmshm.quoting import clip, quote
 
 logger = logging.getLogger("lmshm.server")
+_refused_log = Throttle(logger)     # a peer's malformed messages: at most a line every 10 s
 
 TICK_S = 0.05
 #: File descriptors kept free for the server's own work (mapping, logging, accepting); an
@@ -396,12 +398,12 @@ class ZmqEndpoint:
 
     def _dispatch(self, identity: bytes, body: Optional[bytes], problem: Optional[str]) -> Any:
         if problem is not None:
-            logger.warning("lmshm: refused a message: %s", clip(problem, 300))
+            _refused_log.warning("lmshm: refused a message: %s", clip(problem, 300))
             return protocol.ErrorReply(ErrorCode.INVALID_ARG, clip(problem, MAX_REPLY_MESSAGE))
         try:
             request = codec.decode_request(body)
         except Exception as exc:  # noqa: BLE001 - CodecError, or anything a hostile payload triggers
-            logger.warning("lmshm: refused a message: %s", clip(str(exc), 300))
+            _refused_log.warning("lmshm: refused a message: %s", clip(str(exc), 300))
             newer = _newer_hello(body)
             if newer is not None:
                 return protocol.ErrorReply(ErrorCode.UNSUPPORTED, newer)

@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from typing import Any, Optional
 
 import pytest
 
@@ -278,3 +280,114 @@ while True:
             due[i] = now + 0.5
     time.sleep(0.01)
 """
+
+
+# ---- a ZMTP 3.1 peer by hand: it sends what libzmq would never send, and reads only when asked ----
+
+DEALER_GREETING = (b"\xff" + b"\0" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+                   + b"\x04\x1c\x05READY\x0bSocket-Type\x00\x00\x00\x06DEALER")
+
+
+def zmtp_frame(body: bytes, *, more: bool = False, command: bool = False, size: Optional[int] = None) -> bytes:
+    """A frame: its header (``size`` may claim a length other than the body's) and ``body``."""
+    size = len(body) if size is None else size
+    flags = (0x01 if more else 0) | (0x04 if command else 0)
+    head = bytes((flags, size)) if size <= 255 else bytes((flags | 0x02,)) + size.to_bytes(8, "big")
+    return head + body
+
+
+def zmtp_ping() -> bytes:
+    return zmtp_frame(b"\x04PING" + b"\x00\x64" + b"c" * 16, command=True)
+
+
+class RawZmtp:
+    """One connection to the server's ZeroMQ endpoint (``tcp://`` or ``ipc://``) that speaks
+    ZMTP by hand: it sends bytes as given and reads only in ``request`` and ``closed``."""
+
+    def __init__(self, url: str, *, handshake: bool = True) -> None:
+        if url.startswith("tcp://"):
+            host, _, port = url[len("tcp://"):].rpartition(":")
+            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(10)
+            self.sock.connect(url[len("ipc://"):])
+        self._buf = bytearray()
+        self._greeted = False
+        self.link = None
+        if handshake:
+            self.sock.sendall(DEALER_GREETING)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self, n: int, deadline: float) -> None:
+        while len(self._buf) < n:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise EOFError("the server closed the connection")
+            self._buf += data
+
+    def recv_message(self, timeout_s: float = 10.0) -> list[bytes]:
+        """The next message's frames (the server's greeting and commands are skipped)."""
+        deadline = time.monotonic() + timeout_s
+        if not self._greeted:
+            self._fill(64, deadline)
+            del self._buf[:64]
+            self._greeted = True
+        frames: list[bytes] = []
+        while True:
+            self._fill(2, deadline)
+            flags = self._buf[0]
+            if flags & 0x02:
+                self._fill(9, deadline)
+                size, head = int.from_bytes(self._buf[1:9], "big"), 9
+            else:
+                size, head = self._buf[1], 2
+            self._fill(head + size, deadline)
+            body = bytes(self._buf[head:head + size])
+            del self._buf[:head + size]
+            if flags & 0x04:
+                continue
+            frames.append(body)
+            if not flags & 0x01:
+                return frames
+
+    def request(self, msg: Any, rid: bytes = b"\x00" * 7 + b"\x01", timeout_s: float = 10.0) -> Any:
+        self.send(zmtp_frame(rid, more=True) + zmtp_frame(codec.encode(msg)))
+        while True:
+            frames = self.recv_message(timeout_s)
+            if frames[0] == rid:
+                return codec.decode_reply(frames[1])
+
+    def verify(self) -> "RawZmtp":
+        """HELLO, then this process's proof on the fd channel: the connection's session is verified."""
+        from lmshm.multiprocess.fdchannel import ExpectedServer, FdChannelClient
+
+        hello = self.request(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False))
+        assert isinstance(hello, protocol.HelloReply), hello
+        self.link = FdChannelClient(hello.fd_socket, hello.session_token, timeout_s=10,
+                                    expected=ExpectedServer(pid=hello.server_pid, uid=hello.server_uid,
+                                                            pid_ns=hello.server_pid_ns))
+        return self
+
+    def closed(self, timeout_s: float = 5.0) -> bool:
+        """Whether the server closes the connection within ``timeout_s`` (what it sent is read and dropped)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                if not self.sock.recv(1 << 16):
+                    return True
+            except socket.timeout:
+                return False
+            except OSError:
+                return True
+        return False
+
+    def close(self) -> None:
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        self.sock.close()
