@@ -217,6 +217,14 @@ class ZmqEndpoint:
         self.router.watch_fd(self._wake_r, self._drain_wakeups)
         self._shed, self._shed_log_at = 0, 0.0   # the tick logs shedding once a second
         self.metrics.add_gauge("lmshm_sessions", "ZeroMQ sessions (verified or not)", lambda: len(self.sessions))
+        listener = self.router.listener
+        self.metrics.add_gauge("lmshm_zmq_unverified_bytes", "Bytes held for ZeroMQ connections without a verified "
+                               "session (their budget: 16 MiB)", lambda: listener.unverified_bytes)
+        self.metrics.add_gauge("lmshm_zmq_over_budget_closed", "ZeroMQ connections without a verified session "
+                               "closed because together they held more than their budget",
+                               lambda: listener.over_budget)
+        self.metrics.add_gauge("lmshm_zmq_replies_dropped", "Replies dropped because the peer does not read "
+                               "(its send queue was full)", lambda: self.router.unanswered)
 
     def close_transport(self) -> None:
         """Close the fd channel, the wake-up pipe and the socket (the end of ``shutdown``; also

@@ -186,7 +186,9 @@ def test_metrics_cover_requests_registrations_mappings_reclaims_and_the_pool(app
                      'lmshm_requests_total{code="OK",endpoint="http",request="SystemSharedMemoryRegister"}',
                      'lmshm_requests_total{code="ALREADY_EXISTS",endpoint="http",request="SystemSharedMemoryRegister"} 1.0',
                      'lmshm_request_seconds_bucket{endpoint="http",le=', 'lmshm_pool_capacity 0.0',
-                     'lmshm_pool_hits_total 0.0', 'lmshm_reclaim_seconds_count', 'lmshm_sessions '):
+                     'lmshm_pool_hits_total 0.0', 'lmshm_reclaim_seconds_count', 'lmshm_sessions ',
+                     'lmshm_zmq_unverified_bytes 0.0', 'lmshm_zmq_over_budget_closed 0.0',
+                     'lmshm_zmq_replies_dropped 0.0'):
             assert line in text, line
         assert re.search(r'lmshm_mappings\{kind="system-region"\} [12]\.0', text)
         c.unregister()
