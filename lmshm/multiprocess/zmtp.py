@@ -27,6 +27,21 @@ more are dropped (ZMQ_SNDHWM). Reading is lazy: a connection is read again only 
 messages already parsed from it were taken (``next_message``, round robin over connections),
 so one fast peer cannot fill the server's memory or push others back.
 
+Memory follows the bytes a peer sent, never the lengths it claims. A long frame is received
+into a buffer that grows as its bytes arrive; a frame over the peer's limit is received into a
+scratch buffer and thrown away, and its message answered as a problem. A peer without a
+verified session (``trusted``) may send messages of ``UNVERIFIED_MESSAGE`` bytes (HELLO, PING
+and STATUS need far less), is read ``UNVERIFIED_READ`` bytes at a time, and all such
+connections together hold at most ``UNVERIFIED_BUDGET`` bytes: past it, the ones holding the
+most are closed. Commands (READY, PING) longer than ``MAX_COMMAND`` close the connection.
+Output counts too: every byte queued for a peer (replies, PONGs, the handshake) is in
+``out_bytes``; past ``OUT_PAUSE`` the connection is neither read nor parsed until it drains,
+so a peer that sends PINGs and never reads stops itself, and a reply that would pass
+``send_bytes`` is dropped. Work is bounded per turn of the loop: one parse takes at most
+``PARSE_ITEMS`` frames and commands and parses at most ``READY_AHEAD`` messages ahead
+(``UNVERIFIED_AHEAD`` for a peer without a session); what is left is parsed on a later turn
+(``pump``), so 4 MiB of 2-byte messages cannot hold the loop while an honest PING waits.
+
 Easy to get wrong: a peer's bytes arrive in any split (libzmq sends its greeting in three
 parts, waiting for ours in between), so every parser step must stop cleanly at the end of the
 buffer and resume there.
