@@ -15,8 +15,8 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    ``GETRANGE`` of the value into a pool-like object with the room before it, and the check
    there; with a MAC into the reader's buffer, the check, then the copy into the object; "header
    ahead": ``get_into`` alone, as for all but one chunk in 32 of a LOOKUP, whose headers come in
-   one batch), without a secret (the checksum: xxh3-128
-   if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3), and the ratio tier /
+   one batch), without a secret (``--remote-insecure-unsigned``; the checksum: xxh3-128
+   if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3, the default), and the ratio tier /
    bare client. Bare references that separate the costs: for SET, format 1's write as a bare
    transaction (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``)
    and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
@@ -25,7 +25,8 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    copy of the value into a slot-sized buffer, and "into": the ``GETRANGE`` read straight into
    a given buffer (the tier's read without header and check).
 
-4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack``, with the
+4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack`` (signed, as
+   ``--remote`` is by default: the MAC checked in the reader's buffer, then copied), with the
    headers read ahead in one batch and with one header per round trip; then on a 3-master
    cluster on loopback (started here; ``--no-cluster`` skips it), which is asked one header
    per round trip.
@@ -120,7 +121,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
         parser = ""
         print("redis-py is not installed (pip install redis hiredis): client choice skipped")
     secret = os.urandom(32)
-    plain = RemoteTier(url, prefix="bench:", timeout_s=10)
+    plain = RemoteTier(url, prefix="bench:", timeout_s=10, insecure_unsigned=True)    # logs its WARNING
     signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
     tiers = {"tier (checksum)": plain, "tier (BLAKE3 MAC)": signed}
     from lmshm.core.tiers.disk import CHECKSUMS
@@ -245,7 +246,8 @@ def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> N
     from lmshm.core.tiers.stack import TierStack
     meta = ChunkMeta(size, b"bench-layout", 1)
     keys = [b"promote-%d" % i for i in range(chunks)]
-    writer = RemoteTier(url, prefix="bench:", timeout_s=10)
+    secret = os.urandom(32)
+    writer = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
     for k in keys:
         writer.put(1, k, meta, memoryview(os.urandom(size)))
     writer.close()
@@ -254,7 +256,7 @@ def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> N
     times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(reps):
         for name in times:
-            tier = RemoteTier(url, prefix="bench:", timeout_s=10)
+            tier = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
             tier.batched_heads = name == "headers read ahead"
             tier.head(1, keys[0])                   # connected before the clock starts
             pool = Pool(2 * chunks * (size + 4096), head_room=tier.head_room)
@@ -266,7 +268,7 @@ def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> N
             held.release()
             stack.close()
             pool.release()
-    print(f"\nLOOKUP promoting {chunks} chunks of {size >> 10} KiB from {url.split(':', 1)[0]}: median ms")
+    print(f"\nLOOKUP promoting {chunks} chunks of {size >> 10} KiB from {url.split(':', 1)[0]} (signed): median ms")
     for name, ts in times.items():
         print(f"  {name:28s} {statistics.median(ts) * 1e3:7.2f}")
 

@@ -18,7 +18,9 @@ counted), with one unbound OpenMP thread each (``--engine-threads``). All rows c
   (``fdatasync`` + ``posix_fadvise(DONTNEED)``, per file: nothing else on the machine is
   touched), so the promotions read the device;
 - ``remote hit``: with ``--remote URL`` (the miss's server then writes through to it too), a
-  server with no disk and an empty pool on the same remote. Skipped, with the reason printed,
+  server with no disk and an empty pool on the same remote; both servers share a secret made for
+  the run (``--remote-secret-file``, unless a ``--server-arg`` names one or
+  ``--remote-insecure-unsigned``). Skipped, with the reason printed,
   without ``--remote`` or where this lmshm has no remote tier.
 
 Prints per row and prompt length: the prompt tokens computed and loaded, the chunks the row's
@@ -66,6 +68,12 @@ class Bench:
             self.env.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=str(args.engine_threads))
         self.model = tmp / "model"
         self.batch = tmp / "batch.json"
+        self.secret = tmp / "remote.key"            # the servers' --remote-secret-file: 32 bytes, mode 600
+        fd = os.open(self.secret, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, os.urandom(32))
+        finally:
+            os.close(fd)
 
     def engine(self, url: str, *extra: str) -> list[dict]:
         """One engine process over the batch; its results, the warm-up prompt left out."""
@@ -84,6 +92,8 @@ class Bench:
             args += ["--disk", str(disk), "--disk-capacity", "4GiB"]
         if remote:
             args += ["--remote", remote]
+            if not {"--remote-secret-file", "--remote-insecure-unsigned"} & {a.split("=")[0] for a in args}:
+                args += ["--remote-secret-file", str(self.secret)]
         return BenchServer(*args)
 
 

@@ -33,6 +33,8 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     copy_through_mapping: bool = False     # named shm: memmove through the mapping, not SIGBUS-safe
     pool_huge_pages: bool = True           # MADV_HUGEPAGE on the pool
     prefault_pool: bool = False            # fault the whole pool in at start, on a background thread
+    # bytes kept populated past the highest pool offset ever used, on a background thread; 0 = off
+    pool_populate_ahead: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 256 << 20
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096
@@ -55,6 +57,7 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=1 << 31)] = 0.0     # 0 = no TTL (maxmemory evicts)
     remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5     # every remote call, at most
     remote_queue: Count = 256          # chunks waiting to be written to the remote; more are dropped (counted)
-    remote_secret_file: str = ""       # a key for a keyed BLAKE3 MAC over every value; "" = checksum only
+    remote_secret_file: str = ""       # a key for a keyed BLAKE3 MAC over every value; required with remote
+    remote_insecure_unsigned: bool = False  # no secret: serve whatever a checksum vouches for (forgeable)
     remote_password_file: str = ""     # the remote's password (AUTH), instead of LMSHM_REMOTE_PASSWORD
     remote_ca_file: str = ""           # rediss://: PEM certificates to trust instead of the system's

@@ -76,10 +76,11 @@ class DataPlane:
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
                  max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
                  tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
-                 prefault_pool: bool = False) -> None:
+                 prefault_pool: bool = False, pool_populate_ahead: int = 0) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool,
+                         populate_ahead=pool_populate_ahead,
                          head_room=max((t.head_room for t in tiers), default=0),
                          align=max((t.align for t in tiers), default=0))
         self.copier = OrderedExecutor(copy_threads)

@@ -4,9 +4,14 @@ each tenant (uid) may hold of them.
 One anonymous mapping of ``capacity`` bytes, made once and touched lazily (``MAP_NORESERVE``:
 pages cost memory only once an object is copied into them), advised to use transparent huge
 pages (``huge_pages``: a first STORE into untouched pages then takes one fault per 2 MiB
-instead of 512; docs/design/dataplane.md has the figures). ``prefault`` fills every page once,
-on a background thread, so that no STORE ever waits for the kernel to hand out zeroed pages;
-the pool then costs its whole capacity in memory from the start. An object is one chunk: whole
+instead of 512; docs/design/dataplane.md has the figures). ``populate_ahead`` (on by default
+in the server) keeps that many bytes past the allocator's *frontier* (the highest offset it
+ever handed out: it hands out low offsets first, so everything above is untouched) populated
+on a background thread, a step at a time, so that a STORE into a new pool, or past what the
+pool ever held, finds its pages there; the pool costs at most that much memory more than it
+ever held. ``prefault`` fills every page once instead, so that no STORE ever waits for the
+kernel to hand out zeroed pages; the pool then costs its whole capacity in memory from the
+start (docs/benchmarks.md, "Cold pool pages", measures all three). An object is one chunk: whole
 blocks of one registration, every layer, packed in registration order. Space is handed out best
 fit from the free extents, with neighbours merged on free (``_Extents``).
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import errno
 import heapq
 import logging
 import mmap
@@ -84,6 +90,10 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)   # Linux >= 5.14
 #: Bytes pre-faulted per step of the background pre-fault (between steps it checks for shutdown).
 PREFAULT_STEP = 64 << 20
+#: Bytes populated per step ahead of the frontier: small, so that the thread soon moves past
+#: pages that a STORE reached first instead of faulting the same huge pages at once.
+POPULATE_STEP = 8 << 20
+_HUGE = 2 << 20   # populate steps start on a huge-page boundary of the pool
 
 
 def _madvise(addr: int, length: int, advice: int) -> int:
@@ -188,6 +198,75 @@ class _Extents:
         return len(self._by_start)
 
 
+class _PopulateAhead:
+    """The pool's pages populated (``MADV_POPULATE_WRITE``) up to ``ahead`` bytes past the
+    allocator's frontier, on one thread, ``POPULATE_STEP`` at a time; from the frontier on
+    when the STOREs got past what it populated (they fault their own pages meanwhile). Nothing
+    is populated before the first KV registration (``start``) or reservation: a server that
+    never stores costs no memory, and the first STORE after a registration finds its pages.
+
+    ``advance`` runs in ``reserve`` under the pool's lock and only moves the target and wakes
+    the thread, so a STORE never waits for it. The thread holds the mapping (``keep``), not the
+    pool: a pool dropped without ``release`` stops it from a finalizer, and is unmapped once it
+    has ended. Kernels without ``MADV_POPULATE_WRITE`` (before 5.14) answer EINVAL: one info
+    log, the thread ends, the STOREs fault their own pages as with ``populate_ahead`` 0."""
+
+    def __init__(self, addr: int, capacity: int, ahead: int, keep: Any) -> None:
+        self.addr, self.capacity, self.ahead = addr, capacity, ahead
+        self.frontier = 0                     # the highest end of an extent ever handed out
+        self.want = 0                         # populate [done, want); nothing before ``start``
+        self.done = 0                         # bytes from 0 that are populated, or below the frontier
+        self.populated = 0                    # bytes this thread populated itself
+        self.error = 0                        # madvise's errno, if it gave up
+        self._wake = threading.Event()
+        self._wake.set()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, args=(keep,), name="lmshm-pool-populate", daemon=True)
+        self.thread.start()
+
+    def advance(self, end: int) -> None:
+        """An extent up to ``end`` was handed out (under the pool's lock)."""
+        if end > self.frontier:
+            self.frontier = end
+            want = min(self.capacity, end + self.ahead)
+            if want > self.want:
+                self.want = want
+                self._wake.set()
+
+    def start(self) -> None:
+        """Stores are coming (a KV cache was registered): populate the window past the frontier."""
+        want = min(self.capacity, self.frontier + self.ahead)
+        if want > self.want:
+            self.want = want
+            self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _run(self, keep: Any) -> None:
+        while not self._stop and self.done < self.capacity:
+            self._wake.wait()
+            self._wake.clear()                # before reading want: a later advance wakes it again
+            while not self._stop:
+                start = max(self.done, self.frontier // _HUGE * _HUGE)
+                end = min(self.want, start + POPULATE_STEP)
+                if start >= end:
+                    break
+                err = _madvise(self.addr + start, end - start, _MADV_POPULATE_WRITE)
+                if err in (errno.EINTR, errno.EAGAIN):
+                    continue
+                if err:
+                    self.error = err
+                    logger.info("lmshm: the pool's pages are not populated ahead of STOREs (madvise "
+                                "MADV_POPULATE_WRITE: %s; Linux >= 5.14 has it): first STOREs into "
+                                "fresh pool memory fault their own pages", os.strerror(err))
+                    return
+                self.populated += end - start
+                self.done = end
+        del keep
+
+
 class _Tenant:
     """One uid's objects and what it holds pinned.
 
@@ -233,7 +312,7 @@ class Pool:
 
     def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
                  max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False,
-                 head_room: int = 0, align: int = ALIGN) -> None:
+                 populate_ahead: int = 0, head_room: int = 0, align: int = ALIGN) -> None:
         self.capacity = capacity
         #: where objects start: a multiple of ``ALIGN`` (a cache line), or of what a tier below
         #: asks (``Tier.align``: the disk's 4 KiB, for writes with ``O_DIRECT`` from the object)
@@ -289,6 +368,11 @@ class Pool:
         if capacity and prefault:
             self._prefaulter = threading.Thread(target=self._prefault, name="lmshm-pool-prefault", daemon=True)
             self._prefaulter.start()
+        #: what keeps pages populated past the allocator's frontier (None: off, or ``prefault``)
+        self._ahead: Optional[_PopulateAhead] = None
+        if capacity and populate_ahead > 0 and not prefault:
+            self._ahead = _PopulateAhead(self._addr, capacity, populate_ahead, self._buf)
+            weakref.finalize(self, self._ahead.stop)
 
     def _prefault(self) -> None:
         """Fault every page of the pool in once, a step at a time (``MADV_POPULATE_WRITE``: the
@@ -306,6 +390,18 @@ class Pool:
                 return
             self.prefaulted = at + n
 
+    def expect_stores(self) -> None:
+        """A KV cache was registered: STOREs are coming, so populate ahead now (``populate_ahead``)."""
+        if self._ahead is not None:
+            with self._lock:
+                self._ahead.start()
+
+    @property
+    def populated(self) -> int:
+        """Bytes from the pool's start that are populated (by ``prefault`` or ``populate_ahead``)
+        or lie below the allocator's frontier."""
+        return self._ahead.done if self._ahead is not None else self.prefaulted
+
     # ---- bytes --------------------------------------------------------------------------
     def view(self, obj: tuple) -> torch.Tensor:
         """The object's bytes, as a uint8 tensor over the pool (no copy)."""
@@ -317,6 +413,9 @@ class Pool:
         self._prefault_stop.set()
         if self._prefaulter is not None:
             self._prefaulter.join()
+        if self._ahead is not None:
+            self._ahead.stop()
+            self._ahead.thread.join()
         with self._lock:
             self._tenants.clear()
             self._leases.clear()
@@ -482,6 +581,8 @@ class Pool:
                         not self.max_objects or self.objects + self.in_flight < self.max_objects):
                     offset = self._extents.take(cost - OBJECT_COST)
                     if offset is not None:
+                        if self._ahead is not None:
+                            self._ahead.advance(offset + cost - OBJECT_COST)
                         offset += self.head_room
                         break
                 if not self._evict_one(t if batch else None):   # what is left is fragmented by pinned objects

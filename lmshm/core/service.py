@@ -122,7 +122,8 @@ class Core:
             max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
             tiers=tiers, tier_queue=[c.disk_queue if t.name == "disk" else c.remote_queue for t in tiers],
             tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
-            pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool)
+            pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool,
+            pool_populate_ahead=c.pool_populate_ahead)
 
     @classmethod
     def _open_tiers(cls, c: CoreConfig) -> list:
@@ -167,7 +168,8 @@ class Core:
             ca = read_ca_file(c.remote_ca_file) if c.remote_ca_file else None
             return RemoteTier(c.remote, prefix=c.remote_prefix, ttl_s=c.remote_ttl_s, timeout_s=c.remote_timeout_s,
                               secret=secret, username=os.environ.get("LMSHM_REMOTE_USERNAME", ""),
-                              password=password, checksum=c.disk_checksum, ca_pem=ca)
+                              password=password, checksum=c.disk_checksum, ca_pem=ca,
+                              insecure_unsigned=c.remote_insecure_unsigned)
         except (OSError, ValueError, ImportError, UnicodeDecodeError) as exc:
             raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the remote tier: {exc}") from None
 

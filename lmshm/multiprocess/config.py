@@ -154,6 +154,11 @@ SETTINGS: tuple[Setting, ...] = (
             "fault the whole pool in at start, on a background thread, so that no STORE waits for fresh pages; the "
             "pool then uses all of --capacity in memory from the start (default off: memory is used as blocks are "
             "stored)", kind="bool"),
+    Setting("pool_populate_ahead", "--pool-populate-ahead", "LMSHM_POOL_POPULATE_AHEAD", "pool_populate_ahead",
+            "keep this much of the pool populated past the most it ever held, on a background thread from the "
+            "start, so that the first STOREs (and STOREs into memory the pool never used) find their pages there "
+            "instead of waiting for the kernel to fault them in; the pool uses at most this much memory more than "
+            "it ever held (default 256MiB; 0 = off; Linux >= 5.14, else nothing is populated)", "SIZE", "size"),
     Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
             "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
     Setting("max_inflight_per_session", "--max-inflight-per-session", "LMSHM_MAX_INFLIGHT",
@@ -216,9 +221,15 @@ SETTINGS: tuple[Setting, ...] = (
             "stored chunks waiting to be written to the remote (each stays pinned in the pool until written); "
             "more are not written, and counted as drops (default 256)", "N"),
     Setting("remote_secret_file", "--remote-secret-file", "LMSHM_REMOTE_SECRET_FILE", "remote_secret_file",
-            "a file (mode 600, at least 16 bytes) with a secret shared by the servers of one deployment: every "
-            "remote value then carries a keyed BLAKE3 MAC under it, checked before a byte reaches the pool, and a "
-            "value without a valid one is a miss (default: a checksum only)", "PATH"),
+            "a file (the server's own, mode 600, at least 16 bytes; e.g. head -c 32 /dev/urandom > FILE) with a "
+            "secret shared by the servers of one deployment: every remote value carries a keyed BLAKE3 MAC under "
+            "it, checked before a byte reaches the pool, and a value without a valid one is a miss. Required with "
+            "--remote, unless --remote-insecure-unsigned", "PATH"),
+    Setting("remote_insecure_unsigned", "--remote-insecure-unsigned", "LMSHM_REMOTE_INSECURE_UNSIGNED",
+            "remote_insecure_unsigned",
+            "use --remote without --remote-secret-file: values carry only a checksum, against accidents, so anyone "
+            "who can write to the remote can feed every server's engines KV of their choosing (logged as a "
+            "WARNING at start; default off: --remote without a secret is refused)", kind="bool"),
     Setting("remote_password_file", "--remote-password-file", "LMSHM_REMOTE_PASSWORD_FILE", "remote_password_file",
             "a file (mode 600) holding the remote's password, instead of LMSHM_REMOTE_PASSWORD", "PATH"),
     Setting("remote_ca_file", "--remote-ca-file", "LMSHM_REMOTE_CA_FILE", "remote_ca_file",

@@ -540,6 +540,7 @@ class ZmqEndpoint:
         if not refreshed:
             logger.info("lmshm: registered %s for %s: %d layers, %d bytes, block_dim %d", quote(reg.instance_id, 60),
                         session.peer.describe(), reg.num_layers, reg.nbytes, reg.block_dim)
+            self.dataplane.pool.expect_stores()     # its first STOREs find populated pages
         return protocol.RegisterReply(reg.instance_id, reg.num_layers, reg.nbytes, refreshed)
 
     def _unregister(self, identity: bytes, req: protocol.UnregisterKVCache) -> Any:

@@ -55,6 +55,18 @@ def free_port(bus: bool = False) -> int:
     raise RuntimeError("no free loopback port")
 
 
+def secret_file(directory: Path, name: str = "remote.key") -> Path:
+    """A ``--remote-secret-file`` in ``directory``: 32 random bytes, mode 600 (what the remote
+    tier requires unless ``--remote-insecure-unsigned``)."""
+    path = Path(directory) / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return path
+
+
 def command(port: int, *args: str | bytes, timeout_s: float = 2.0) -> bytes:
     """Send one command over a fresh socket; the raw reply (enough for PING, SET, CLUSTER INFO)."""
     parts = [a.encode() if isinstance(a, str) else bytes(a) for a in args]

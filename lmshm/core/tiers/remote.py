@@ -9,8 +9,13 @@ header in its place), then the payload. The key is
 ``--remote-prefix`` + the uid (8 hex digits) + ``:`` + the chunk key in hex; the chunk key already
 names model, layout, rank, world size and salt (docs/design/dataplane.md).
 
-Integrity: without ``--remote-secret-file`` the payload carries a checksum (xxh3-128 or CRC-32,
-as the disk tier's ``auto``), against accidents. With a secret, a keyed BLAKE3 MAC (its key
+Integrity: a secret (``--remote-secret-file``) is required. Anyone who can write to the Valkey
+can write a value with a valid header and checksum, and a server without a secret would serve
+it as a hit: wrong KV, fed to every engine. So ``RemoteTier`` refuses to be made without one
+(``NO_SECRET`` says how to make one), unless ``--remote-insecure-unsigned`` says, explicitly,
+to trust whoever can write to the remote (one WARNING at start); both at once are refused. Unsigned
+(that opt-out), the payload carries a checksum (xxh3-128 or CRC-32, as the disk tier's
+``auto``), against accidents only. With a secret, a keyed BLAKE3 MAC (its key
 derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
 a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
 without the secret cannot make a value any reader accepts. Where a value is read: without a
@@ -87,6 +92,23 @@ USAGE_REFRESH_S = 10.0
 KEEP_READ_BUFFER = 64 << 20     # a reader thread keeps its read buffer up to this size
 SPLIT_FROM = 2 << 20            # values this long or longer are read in ranges at once
 MAX_PARTS = 4                   # at most this many ranges, each at least SPLIT_FROM / 2 long
+
+SECRET_HOWTO = ("(umask 077; mkdir -p /etc/lmshm; head -c 32 /dev/urandom > /etc/lmshm/remote.key); "
+                "chmod 600 /etc/lmshm/remote.key")
+#: RemoteTier without a secret or the opt-out: how to make a secret (read_secret_file's rules)
+NO_SECRET = ("--remote {url} needs a secret shared by the servers that use it: without one, anyone who can "
+             "write to the remote can make every server serve engines KV of their choosing (a forged value with "
+             "a valid header and checksum is a hit). Make one, owned by the server's user, mode 600, at least "
+             f"{MIN_SECRET_BYTES} bytes: {SECRET_HOWTO}, copy that file to every server of the deployment, and "
+             "give each --remote-secret-file /etc/lmshm/remote.key (LMSHM_REMOTE_SECRET_FILE). To trust anyone "
+             "who can write to the remote instead, say so: --remote-insecure-unsigned "
+             "(LMSHM_REMOTE_INSECURE_UNSIGNED=1)")
+BOTH = ("--remote-secret-file and --remote-insecure-unsigned contradict each other: with a secret every value "
+        "is signed and checked; drop --remote-insecure-unsigned")
+#: logged once at start with --remote-insecure-unsigned
+UNSIGNED_WARNING = ("lmshm: the remote tier %s is unsigned (--remote-insecure-unsigned): anyone who can write to "
+                    "that Valkey/Redis can feed engines wrong KV, which this server serves as hits. Give every "
+                    "server the same --remote-secret-file to sign and check every value")
 
 ACCEPTED = ("redis://HOST[:PORT][/DB], rediss://HOST[:PORT][/DB] (TLS), "
             "redis+cluster://HOST:PORT[,HOST:PORT...] or rediss+cluster://... (a cluster, by its seed nodes)")
@@ -169,6 +191,9 @@ def read_secret_file(path: str, what: str, min_bytes: int = 1) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{what} {path!r} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            raise ValueError(f"{what} {path!r} belongs to uid {st.st_uid}, who could change it; it must be the "
+                             f"server's (uid {os.geteuid()}) or root's: chown it")
         if st.st_mode & 0o077:
             raise ValueError(f"{what} {path!r} is readable by group or others (mode {st.st_mode & 0o777:o}); "
                              f"chmod 600 it")
@@ -348,9 +373,15 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = "lmshm:", ttl_s: float = 0.0, timeout_s: float = 0.5,
                  secret: Optional[bytes] = None, username: str = "", password: str = "",
-                 checksum: str = "auto", ca_pem: Optional[bytes] = None) -> None:
+                 checksum: str = "auto", ca_pem: Optional[bytes] = None, insecure_unsigned: bool = False) -> None:
+        """``secret`` (the MAC's) is required, unless ``insecure_unsigned`` says to trust whoever
+        can write to the remote (a WARNING is logged); ``ValueError`` otherwise, and for both."""
         super().__init__()
         self.target = parse_url(url)
+        if secret is None and not insecure_unsigned:
+            raise ValueError(NO_SECRET.format(url=self.target.describe()))
+        if secret is not None and insecure_unsigned:
+            raise ValueError(BOTH)
         if ca_pem is not None and not self.target.tls:
             raise ValueError("--remote-ca-file is for a TLS remote: write the URL as rediss:// "
                              "(or rediss+cluster://)")
@@ -377,6 +408,8 @@ class RemoteTier(Tier):
         self._usage_at = 0.0
         self._parts_pool: Optional[cf.ThreadPoolExecutor] = None
         self._closed = False
+        if secret is None:
+            logger.warning(UNSIGNED_WARNING, self.target.describe())
 
     # ---- keys and the client ------------------------------------------------------------
     def remote_key(self, uid: int, key: bytes) -> bytes:

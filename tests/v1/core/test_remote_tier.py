@@ -1,6 +1,7 @@
 """The remote tier alone (lmshm/core/tiers/remote.py) against real Valkey servers started by the
 fixtures (tests/v1/conftest.py): standalone and a 3-master cluster, with real faults (SIGKILL,
-SIGSTOP) and values written directly to the server by a hostile writer."""
+SIGSTOP) and values written directly to the server by a hostile writer. A tier signs with
+``SECRET`` unless a test is about the unsigned format (``--remote-insecure-unsigned``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ import time
 import pytest
 
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, RemoteTier, check_value, parse_url,
-                                     read_ca_file, read_secret_file)
+from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, SECRET_HOWTO, RemoteTier, check_value,
+                                     parse_url, read_ca_file, read_secret_file)
 from valkey_servers import command, free_port
 
 TIMEOUT_S = 0.3
 META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
+SECRET = b"lmshm remote tier tests' secret!"     # 32 bytes, one for every process of a test
+
+
+def signing(signed: bool) -> dict:
+    """The tier's arguments for a signed tier (``SECRET``) or an unsigned one (the opt-out)."""
+    return {"secret": SECRET} if signed else {"insecure_unsigned": True}
 
 
 def key(i: int) -> bytes:
@@ -28,7 +35,10 @@ def payload(i: int, n: int = META.nbytes) -> bytes:
 
 
 def tier_for(url: str, **kw) -> RemoteTier:
+    """A tier on ``url``, signed with ``SECRET`` unless ``kw`` names another secret or the opt-out."""
     kw.setdefault("timeout_s", TIMEOUT_S)
+    if not kw.get("insecure_unsigned"):
+        kw.setdefault("secret", SECRET)
     return RemoteTier(url, prefix="t:", **kw)
 
 
@@ -75,10 +85,11 @@ def test_the_ttl_is_set_on_every_value(valkey):
         tier.close()
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 @pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
 @pytest.mark.parametrize("damage", ["truncated", "extended", "flipped payload", "flipped header", "garbage"])
-def test_a_damaged_value_is_a_miss_never_served(valkey, damage, framed):
-    tier = tier_for(valkey.url)
+def test_a_damaged_value_is_a_miss_never_served(valkey, damage, framed, signed):
+    tier = tier_for(valkey.url, **signing(signed))
     try:
         data = payload(2)
         assert tier.put(1, key(2), META, memoryview(data))
@@ -106,7 +117,7 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
     secret_file.chmod(0o600)
     secret = read_secret_file(str(secret_file), "--remote-secret-file", 16)
     signed = tier_for(valkey.url, secret=secret)
-    unsigned = tier_for(valkey.url)                          # a writer without the secret
+    unsigned = tier_for(valkey.url, insecure_unsigned=True)  # a writer without the secret
     forger = tier_for(valkey.url, secret=os.urandom(32))     # a writer with another secret
     try:
         good = payload(3)
@@ -137,7 +148,7 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
 
 
 def test_without_a_secret_a_framed_read_lands_in_the_slot_itself_and_with_one_after_the_mac(valkey):
-    plain, signed = tier_for(valkey.url), tier_for(valkey.url, secret=os.urandom(32))
+    plain, signed = tier_for(valkey.url, insecure_unsigned=True), tier_for(valkey.url, secret=os.urandom(32))
     try:
         assert plain._into is not None, "this glide cannot read into a given buffer: every read copies"
         data = payload(6)
@@ -171,6 +182,56 @@ def test_a_secret_file_others_can_read_is_refused(tmp_path):
     f.chmod(0o600)
     f.write_bytes(b"short")
     with pytest.raises(ValueError, match="at least 16"):
+        read_secret_file(str(f), "--remote-secret-file", 16)
+
+
+def test_a_tier_without_a_secret_is_refused_saying_how_to_make_one_and_naming_the_opt_out(tmp_path):
+    with pytest.raises(ValueError) as err:
+        RemoteTier("redis://127.0.0.1:1")
+    said = str(err.value)
+    assert "--remote-secret-file" in said and SECRET_HOWTO in said and "--remote-insecure-unsigned" in said
+    assert "LMSHM_REMOTE_INSECURE_UNSIGNED=1" in said
+    # the recipe, followed as written (in a scratch directory), makes a file read_secret_file takes
+    import subprocess
+    subprocess.run(["sh", "-c", SECRET_HOWTO.replace("/etc/lmshm", str(tmp_path / "etc"))], check=True)
+    assert len(read_secret_file(str(tmp_path / "etc" / "remote.key"), "--remote-secret-file", 16)) >= 16
+
+
+def test_a_secret_and_the_insecure_opt_out_together_are_refused():
+    with pytest.raises(ValueError, match="contradict each other"):
+        RemoteTier("redis://127.0.0.1:1", secret=SECRET, insecure_unsigned=True)
+
+
+def test_the_insecure_opt_out_logs_one_warning_at_start_and_then_serves_a_forged_value(valkey, caplog):
+    with caplog.at_level("WARNING", logger="lmshm.tiers.remote"):
+        tier = tier_for(valkey.url, insecure_unsigned=True)
+    try:
+        said = [r for r in caplog.records if "insecure" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelname == "WARNING"
+        assert "anyone who can write to that Valkey/Redis can feed engines wrong KV" in said[0].getMessage()
+        assert tier.put(1, key(8), META, memoryview(payload(8)))
+        # a writer of the Valkey, no secret: a valid header and checksum over its own payload
+        forged = payload(66)
+        forger = tier_for(valkey.url, insecure_unsigned=True)
+        assert forger.put(1, key(8), META, memoryview(forged))
+        forger.close()
+        assert read(tier, 1, key(8)) == forged, "the opt-out's risk: a forged value is a hit"
+        assert tier.stats.snapshot()["corrupt"] == 0
+        # the same forgery, read with a secret: a counted miss
+        signed = tier_for(valkey.url)
+        assert read(signed, 1, key(8)) is None and signed.stats.snapshot()["corrupt"] == 1
+        signed.close()
+    finally:
+        tier.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid needs root")
+def test_a_secret_file_of_another_uid_is_refused(tmp_path):
+    f = tmp_path / "secret"
+    f.write_bytes(os.urandom(32))
+    f.chmod(0o600)
+    os.chown(f, 12345, -1)
+    with pytest.raises(ValueError, match="belongs to uid 12345.*chown it"):
         read_secret_file(str(f), "--remote-secret-file", 16)
 
 
@@ -283,7 +344,7 @@ def test_a_cluster_stores_and_finds_and_a_node_down_costs_only_its_slots(valkey_
 
 
 def _hammer(url: str, fill: int, until: float) -> None:
-    tier = RemoteTier(url, prefix="t:", timeout_s=2)
+    tier = RemoteTier(url, prefix="t:", timeout_s=2, secret=SECRET)
     data = memoryview(bytes([fill]) * META.nbytes)
     while time.time() < until:
         tier.put(1, key(9), META, data)
@@ -409,8 +470,8 @@ def old_format_value(uid: int, k: bytes, data: bytes, secret: bytes | None) -> b
 
 @pytest.mark.parametrize("signed", [False, True])
 def test_a_value_of_the_old_format_is_a_plain_miss_and_the_next_write_replaces_it(valkey, signed):
-    secret = os.urandom(32) if signed else None
-    tier = tier_for(valkey.url, secret=secret)
+    secret = SECRET if signed else None
+    tier = tier_for(valkey.url, **signing(signed))
     try:
         data = payload(6)
         rkey = tier.remote_key(1, key(6))
@@ -426,9 +487,9 @@ def test_a_value_of_the_old_format_is_a_plain_miss_and_the_next_write_replaces_i
         tier.close()
 
 
-def _read_planted(url: str, k: bytes, out) -> None:
+def _read_planted(url: str, k: bytes, signed: bool, out) -> None:
     import resource
-    tier = tier_for(url)
+    tier = tier_for(url, **signing(signed))
     try:
         meta = tier.head(1, k)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -439,8 +500,9 @@ def _read_planted(url: str, k: bytes, out) -> None:
         tier.close()
 
 
-def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(valkey):
-    tier = tier_for(valkey.url)
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(valkey, signed):
+    tier = tier_for(valkey.url, **signing(signed))
     try:
         assert tier.put(1, key(7), META, memoryview(payload(7)))
         # a hostile writer keeps the valid header and grows the value to 256 MiB (one SETRANGE)
@@ -448,7 +510,7 @@ def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(
         command(valkey.port, "SETRANGE", tier.remote_key(1, key(7)), str(huge - 1), b"x", timeout_s=20)
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        reader = ctx.Process(target=_read_planted, args=(valkey.url, key(7), out))
+        reader = ctx.Process(target=_read_planted, args=(valkey.url, key(7), signed, out))
         reader.start()
         header_ok, served, grew, corrupt = out.get(timeout=60)
         reader.join(10)
@@ -462,8 +524,7 @@ def test_a_planted_huge_value_is_a_miss_and_the_reader_never_allocates_its_size(
 def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a_copy(valkey, signed, tmp_path):
     from lmshm.core.pool import OFFSET, Pool, Reservation
     from lmshm.core.tiers.stack import TierStack
-    secret = os.urandom(32) if signed else None
-    tier = tier_for(valkey.url, secret=secret)
+    tier = tier_for(valkey.url, **signing(signed))
     pool = Pool(8 << 20, head_room=tier.head_room)
     assert pool.head_room >= HEADER_BYTES
 
@@ -471,7 +532,7 @@ def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a
         raise AssertionError("the chunk was copied into a staging buffer")
     tier._staging = no_staging
     stack = TierStack(pool, [tier], queue_limit=16, timeout_s=2.0)
-    reader = tier_for(valkey.url, secret=secret)
+    reader = tier_for(valkey.url, **signing(signed))
     try:
         objs, datas = [], [payload(i) for i in range(4)]
         for i in range(4):                              # neighbours: each one's room ends at the next
@@ -540,7 +601,7 @@ def test_a_ca_file_is_refused_without_tls_or_without_certificates(tmp_path):
     pem = tmp_path / "ca.pem"
     pem.write_bytes(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     with pytest.raises(ValueError, match="rediss://"):
-        RemoteTier("redis://127.0.0.1:1", ca_pem=read_ca_file(str(pem)))
+        RemoteTier("redis://127.0.0.1:1", ca_pem=read_ca_file(str(pem)), secret=SECRET)
     junk = tmp_path / "junk.pem"
     junk.write_bytes(b"not a certificate")
     with pytest.raises(ValueError, match="not a PEM file of certificates"):
@@ -585,7 +646,7 @@ BIG = [ChunkMeta(nbytes=(5 << 20) - HEADER_BYTES, layout=b"L" * 16, blocks=2),  
 @pytest.mark.parametrize("meta", BIG, ids=["2 ranges", "4 ranges"])
 @pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 def test_a_large_value_read_in_ranges_at_once_reads_back_equal_and_damage_anywhere_is_a_miss(valkey, meta, signed):
-    tier = tier_for(valkey.url, timeout_s=5, secret=os.urandom(32) if signed else None)
+    tier = tier_for(valkey.url, timeout_s=5, **signing(signed))
     try:
         data = os.urandom(meta.nbytes)
         assert tier.put(1, key(40), meta, memoryview(data))
@@ -617,12 +678,13 @@ def test_a_large_value_read_in_ranges_at_once_reads_back_equal_and_damage_anywhe
         tier.close()
 
 
-def test_ranges_that_come_from_two_writes_of_a_key_are_refused_never_served(valkey):
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+def test_ranges_that_come_from_two_writes_of_a_key_are_refused_never_served(valkey, signed):
     """Another server writes the key between the ranges of a read: each write is a sound value,
-    but the mix is neither; the checksum over the whole value refuses it."""
+    but the mix is neither; the checksum (or the MAC) over the whole value refuses it."""
     meta = BIG[0]
-    tier = tier_for(valkey.url, timeout_s=5)
-    writer = tier_for(valkey.url, timeout_s=5)
+    tier = tier_for(valkey.url, timeout_s=5, **signing(signed))
+    writer = tier_for(valkey.url, timeout_s=5, **signing(signed))
     try:
         first, second = os.urandom(meta.nbytes), os.urandom(meta.nbytes)
         assert tier.put(1, key(41), meta, memoryview(first))

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from harness import ServerProcess, lmshm_segments, wait_for
+from valkey_servers import secret_file
 from lmshm.multiprocess.client import query_status
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts
 
@@ -100,15 +101,16 @@ class SharedRemote(Site):
     def __init__(self, sockets: Path, tmp: Path, url: str) -> None:
         super().__init__(sockets, tmp)
         self.url = url
+        self.remote = ("--remote", url, "--remote-secret-file", str(secret_file(tmp)))   # both hosts' secret
 
     def first(self) -> ServerProcess:
         return self._start("--disk", str(_make_dir(self.tmp / "disk-1")), "--disk-capacity", "64MiB",
-                           "--remote", self.url)
+                           *self.remote)
 
     def second(self, first: ServerProcess) -> ServerProcess:
         written_through(first)
         return self._start("--disk", str(_make_dir(self.tmp / "disk-2")), "--disk-capacity", "64MiB",
-                           "--remote", self.url, fd_socket=str(self.sockets / "fds-2.sock"))
+                           *self.remote, fd_socket=str(self.sockets / "fds-2.sock"))
 
 
 @pytest.fixture

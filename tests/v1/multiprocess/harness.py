@@ -53,8 +53,11 @@ class ServerProcess:
         cmd = [*(prefix or []), sys.executable, "-m", "lmshm.server", "--url", url or "tcp://127.0.0.1:0",
                *(["--fd-socket", self.fd_socket] if self.fd_socket else []), "--log-level", "DEBUG", *args]
         self._log = open(self.log_path, "w")
+        # The leak checks compare the server's RSS before and after (``assert_back_to``): the
+        # 256 MiB the pool populates ahead after the first registration would read as growth,
+        # so these servers do not populate ahead unless a test asks (test_dataplane.py tests it).
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, "LMSHM_POOL_POPULATE_AHEAD": "0", **(env or {})})
         try:
             line = _readline(self.proc.stdout, 30, "lmshm-server")
         except (TimeoutError, EOFError):

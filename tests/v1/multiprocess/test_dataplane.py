@@ -333,3 +333,19 @@ def test_status_shows_the_pool(start_worker, server):
     assert out.returncode == 0, out.stderr
     used = f"{(CHUNK_BYTES + OBJECT_COST) / 1024:.1f} KiB of 2.0 GiB used ({OBJECT_COST} B of it bookkeeping)"
     assert "pool:" in out.stdout and "1 object" in out.stdout and used in out.stdout, out.stdout
+
+
+def test_by_default_a_registration_makes_the_server_populate_its_pool_ahead_and_no_more(start_worker, start_server):
+    # The server's default --pool-populate-ahead (256 MiB): nothing before a KV cache is
+    # registered (a server that never stores costs no memory), then the first 256 MiB of the
+    # pool, so that the first STOREs find their pages (docs/benchmarks.md, "Cold pool pages").
+    from harness import server_rss_kb
+
+    server = start_server("--capacity", "1GiB", env={"LMSHM_POOL_POPULATE_AHEAD": "256MiB"})
+    time.sleep(1.0)
+    idle_kb = server_rss_kb(server.proc.pid)
+    w, _ = kv_worker(start_worker, server)
+    wait_for(lambda: server_rss_kb(server.proc.pid) - idle_kb >= 250 * 1024, 30, 0.05,
+             "the pool's first 256 MiB to be populated")
+    time.sleep(0.5)
+    assert server_rss_kb(server.proc.pid) - idle_kb < 300 * 1024      # the window, not the capacity

@@ -1,7 +1,8 @@
 """The remote tier end to end: real lmshm-servers (own pools, own --disk directories) sharing one
 real Valkey (standalone or a 3-master cluster, started by tests/v1/conftest.py), workers in
 their own processes, and real faults on the Valkey processes. Every check compares the bytes the
-workers see, or what the servers report in STATUS."""
+workers see, or what the servers report in STATUS. The servers of a test share one secret
+(``--remote-secret-file``, required with ``--remote``) unless the test is about going without."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness import wait_for
+from valkey_servers import secret_file
 
 TIMEOUT_S = 0.3
 REMOTE = ("--remote-timeout", str(TIMEOUT_S), "--remote-prefix", "it:")
@@ -29,10 +31,23 @@ def tiers(w) -> dict:
 
 
 @pytest.fixture
-def start_server(start_server, tmp):
-    """Several servers in one test: each its own fd socket."""
+def secret(tmp) -> Path:
+    """The ``--remote-secret-file`` the servers of one test share."""
+    return secret_file(tmp)
+
+
+@pytest.fixture
+def start_server(start_server, tmp, secret):
+    """Several servers in one test: each its own fd socket. One given ``--remote`` gets the
+    test's ``secret`` unless its arguments say otherwise (their own ``--remote-secret-file``, or
+    ``--remote-insecure-unsigned``) or ``signed=False``."""
     count = iter(range(1000))
-    return lambda *args: start_server(*args, fd_socket=str(tmp / f"fds-{next(count)}.sock"))
+
+    def start(*args: str, signed: bool = True):
+        if signed and "--remote" in args and not {"--remote-secret-file", "--remote-insecure-unsigned"} & set(args):
+            args += ("--remote-secret-file", str(secret))
+        return start_server(*args, fd_socket=str(tmp / f"fds-{next(count)}.sock"))
+    return start
 
 
 @pytest.fixture
@@ -148,7 +163,7 @@ def test_through_a_cluster_a_node_down_costs_misses_for_its_slots_only(start_ser
     _, a, want = stored_by_one(start_server, start_worker, valkey_cluster.url, n)
     second = start_server("--remote", valkey_cluster.url, *REMOTE)
     b = start_worker(second.url)
-    namer = RemoteTier(valkey_cluster.url, prefix="it:")
+    namer = RemoteTier(valkey_cluster.url, prefix="it:", insecure_unsigned=True)    # it only names keys
     rkeys = [namer.remote_key(os.getuid(), bytes.fromhex(key(i))) for i in range(n)]
     namer.close()
     down = valkey_cluster.nodes[0]
@@ -170,7 +185,7 @@ def test_a_writer_without_the_secret_cannot_poison_a_reader_with_it(start_server
     signed = ("--remote-secret-file", str(secret))
     _, a, want = stored_by_one(start_server, start_worker, valkey.url, 2, *signed)
     # a server without the secret stores other bytes under the same keys: it overwrites the values
-    stored_by_one(start_server, start_worker, valkey.url, 2, seed=99)
+    stored_by_one(start_server, start_worker, valkey.url, 2, "--remote-insecure-unsigned", seed=99)
     reader = start_server("--remote", valkey.url, *REMOTE, *signed)
     b = start_worker(reader.url)
     assert lookup_and_retrieve(b, [key(0), key(1)], [4, 5]) == (0, [])
@@ -234,6 +249,67 @@ def test_a_tls_remote_with_a_ca_file_serves_another_server(start_server, start_w
     assert lookup_and_retrieve(b, [key(0), key(1)], [7, 8]) == (2, want)
     # a CA file with a plain redis:// URL is refused at start, naming the fix
     bad = subprocess.run([sys.executable, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0", "--remote",
-                          valkey.url, "--remote-ca-file", str(valkey_tls.ca)], capture_output=True, text=True,
-                         timeout=60)
+                          valkey.url, "--remote-ca-file", str(valkey_tls.ca), "--remote-insecure-unsigned"],
+                         capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "rediss://" in bad.stderr, bad.stderr
+
+
+def test_a_remote_without_a_secret_is_refused_at_start_saying_how_to_make_one(start_server, valkey):
+    with pytest.raises(RuntimeError, match="did not start") as refused:
+        start_server("--remote", valkey.url, *REMOTE, signed=False)
+    said = str(refused.value)
+    assert "--remote-secret-file" in said and "head -c 32 /dev/urandom" in said and "chmod 600" in said, said
+    assert "--remote-insecure-unsigned" in said, said
+
+
+def test_a_secret_and_the_insecure_opt_out_together_are_refused(start_server, valkey, secret):
+    with pytest.raises(RuntimeError, match="did not start") as refused:
+        start_server("--remote", valkey.url, *REMOTE, "--remote-secret-file", str(secret), "--remote-insecure-unsigned")
+    assert "contradict each other" in str(refused.value)
+
+
+def test_the_opt_out_is_a_setting_in_help_environment_and_toml(tmp):
+    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    assert "--remote-insecure-unsigned" in build_arg_parser().format_help()
+    none = build_arg_parser().parse_args([])
+    assert not resolve_config(none, {}).remote_insecure_unsigned
+    assert resolve_config(none, {"LMSHM_REMOTE_INSECURE_UNSIGNED": "1"}).remote_insecure_unsigned
+    toml = tmp / "lmshm.toml"
+    toml.write_text("remote_insecure_unsigned = true\n")
+    assert resolve_config(build_arg_parser().parse_args(["--config", str(toml)]), {}).remote_insecure_unsigned
+
+
+def forge(url: str, uid: int, victim: str, source: str) -> None:
+    """What anyone who can write to the Valkey can do: overwrite ``victim``'s value with
+    ``source``'s payload under a valid header and checksum (format 3 unsigned), no secret."""
+    from lmshm.core.tiers.remote import HEADER_BYTES, RemoteTier, decode_header
+    forger = RemoteTier(url, prefix="it:", insecure_unsigned=True)
+    try:
+        src = bytes.fromhex(source)
+        value = bytes(forger._get_client().get(forger.remote_key(uid, src)))
+        meta = decode_header(value, uid, src)[0]
+        assert forger.put(uid, bytes.fromhex(victim), meta, memoryview(value)[HEADER_BYTES:])
+    finally:
+        forger.close()
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["secret", "insecure-unsigned"])
+def test_a_forged_value_is_a_counted_miss_with_a_secret_and_served_with_the_opt_out(start_server, start_worker,
+                                                                                    valkey, signed):
+    mode = () if signed else ("--remote-insecure-unsigned",)
+    _, a, want = stored_by_one(start_server, start_worker, valkey.url, 2, *mode)
+    forge(valkey.url, os.getuid(), key(0), key(1))          # key(0) now holds key(1)'s KV
+    reader = start_server("--remote", valkey.url, *REMOTE, *mode)
+    b = start_worker(reader.url)
+    warnings = [line for line in reader.log().splitlines() if " WARNING " in line and "anyone who can write" in line]
+    if signed:
+        assert lookup_and_retrieve(b, [key(0)], [4]) == (0, []), "a forged value was served"
+        assert tiers(b)["remote"]["corrupt"] == 1 and tiers(b)["remote"]["promotions"] == 0
+        assert lookup_and_retrieve(b, [key(1)], [5]) == (1, [want[1]])     # the signed one next to it
+        assert not warnings
+    else:
+        # the risk the opt-out takes, documented: the engine gets the forger's KV for key(0)
+        assert lookup_and_retrieve(b, [key(0), key(1)], [4, 5]) == (2, [want[1], want[1]])
+        assert tiers(b)["remote"]["corrupt"] == 0
+        assert len(warnings) == 1, reader.log()
+        assert "can feed engines wrong KV" in warnings[0] and "--remote-secret-file" in warnings[0]
