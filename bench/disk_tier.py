@@ -16,7 +16,18 @@ Prints medians of:
    (32 layers x 16-block chunks of 32 MiB): write-through (from the STORE's send until STATUS
    counts the chunks written; the pool holds two requests and is filled by two untimed ones
    first, so the timed STOREs reuse warm pool pages), and LOOKUP (promotion from disk, cold,
-   into a fresh server's pool) + RETRIEVE after a restart of the server on the same directory.
+   into a fresh server's pool) + RETRIEVE after a restart of the server on the same directory;
+4. ``ops``: small chunks (``--ops-kib``, default 64) through ``DiskTier`` itself, put (O_DIRECT
+   from page-aligned memory) and read back (page cache): microseconds per operation, the cost
+   of reaching each file from the tier's directory fds; ``--compare-with FILE`` runs another
+   ``disk.py`` (e.g. ``git show HEAD:lmshm/core/tiers/disk.py > /tmp/old.py``) alternately, for
+   a before/after on the same host at the same time;
+5. ``start`` (only when named in ``--parts``): ``--start-files N`` chunk files (8 KiB payloads,
+   sparse: ``ftruncate``; valid headers under the directory's key) are made, the page cache is
+   dropped (as root), and a ``DiskTier`` is opened on them: the time until it returned and
+   answered ``contains`` and ``put``, and until its index rebuild (a background thread) was done.
+
+    .venv/bin/python bench/disk_tier.py --dir /work --parts start --start-files 1000000
 
 GB/s are 1e9 bytes per second. Nothing is left behind: the files are removed at the end.
 """
@@ -41,8 +52,8 @@ import torch  # noqa: E402
 
 from _server import BenchServer  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.disk import (CHECKSUMS, HEADER_BYTES, checksum_algorithm, direct_ok, read_file,  # noqa: E402
-                                   write_file)
+from lmshm.core.tiers.disk import (CHECKSUMS, HEADER_BYTES, DiskTier, checksum_algorithm, direct_ok,  # noqa: E402
+                                   encode_header, file_bytes, read_file, write_file)
 from lmshm.multiprocess.client import MPClient  # noqa: E402
 from lmshm.platform.cpu import empty_shared  # noqa: E402
 
@@ -104,33 +115,34 @@ def files(where: str, data: memoryview, reps: int) -> dict[str, float]:
 
     meta = ChunkMeta(n, b"L" * 16, 16)
     algo = checksum_algorithm("auto")
+    key = os.urandom(32)                    # the MAC key a tier keeps in DIR/.key
     name = CHECKSUMS[algo][0]
 
     def write_synced() -> None:
-        write_file(path, 0, b"k", meta, algo, data)
+        write_file(path, 0, b"k", meta, algo, data, mac_key=key)
         fd = os.open(path, os.O_RDONLY)
         os.fsync(fd)
         os.close(fd)
 
     out[f"tier write buffered+fsync ({name})"] = gbps(n, timed(write_synced, reps))
     out[f"tier write buffered, no fsync ({name}; the fallback)"] = gbps(n, timed(
-        lambda: write_file(path, 0, b"k", meta, algo, data), reps))
+        lambda: write_file(path, 0, b"k", meta, algo, data, mac_key=key), reps))
     pages = mmap.mmap(-1, n)                # page-aligned, as a pool object is with a disk tier
     pages[:] = data
     on_pages = memoryview(pages)
     assert direct_ok(on_pages)
     out[f"tier write O_DIRECT from the pages ({name}; what the tier does)"] = gbps(n, timed(
-        lambda: write_file(path, 0, b"k", meta, algo, on_pages, direct=True), reps))
+        lambda: write_file(path, 0, b"k", meta, algo, on_pages, direct=True, mac_key=key), reps))
     on_pages.release()
     pages.close()
     dest = memoryview(bytearray(n))
     cold = []
     for _ in range(reps):
         drop_cache(path)
-        cold += timed(lambda: read_file(path, 0, b"k", meta, dest), 1)
+        cold += timed(lambda: read_file(path, 0, b"k", meta, dest, mac_key=key), 1)
     out[f"tier read buffered, cold ({name} checked)"] = gbps(n, cold)
-    out[f"tier read buffered, page cache ({name} checked)"] = gbps(n, timed(lambda: read_file(path, 0, b"k", meta,
-                                                                                               dest), reps))
+    out[f"tier read buffered, page cache ({name} checked)"] = gbps(n, timed(lambda: read_file(
+        path, 0, b"k", meta, dest, mac_key=key), reps))
     aligned = mmap.mmap(-1, n)
     view = memoryview(aligned)
     direct = []
@@ -218,12 +230,123 @@ def end_to_end(where: str, request_bytes: int, reps: int) -> dict[str, float]:
     return out
 
 
+def load_tier(path: str):
+    """``DiskTier`` of another copy of disk.py (for a before/after)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lmshm_disk_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DiskTier
+
+
+def ops(where: str, kib: int, count: int, reps: int, compare_with: str = "") -> dict[str, float]:
+    """Microseconds per put and per read of ``kib`` KiB chunks through a DiskTier (medians of
+    ``reps`` runs of ``count`` operations; each run a fresh directory)."""
+    tiers = [("this", DiskTier)] + ([("compared", load_tier(compare_with))] if compare_with else [])
+    nbytes = kib << 10
+    meta = ChunkMeta(nbytes, b"L" * 16, 1)
+    pages = mmap.mmap(-1, nbytes)                  # page-aligned: put writes it with O_DIRECT
+    pages[:] = os.urandom(nbytes)
+    data = memoryview(pages)
+    dest = memoryview(bytearray(nbytes))
+    times: dict[str, list[float]] = {}
+    for rep in range(reps):
+        for label, cls in tiers:                   # alternately, so that both meet the same load
+            d = os.path.join(where, f"ops-{label}-{rep}")
+            os.mkdir(d, 0o700)
+            tier = cls(d, 4 * count * file_bytes(nbytes))
+            keys = [os.urandom(16) for _ in range(count)]
+            t0 = time.perf_counter()
+            for k in keys:
+                assert tier.put(0, k, meta, data)
+            t1 = time.perf_counter()
+            for k in keys:
+                assert tier.get_into(0, k, meta, dest)
+            t2 = time.perf_counter()
+            tier.close()
+            shutil.rmtree(d)
+            times.setdefault(f"{label}: put {kib} KiB (us/op)", []).append((t1 - t0) / count * 1e6)
+            times.setdefault(f"{label}: read {kib} KiB, page cache (us/op)", []).append((t2 - t1) / count * 1e6)
+    data.release()
+    pages.close()
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def start(where: str, files: int) -> dict[str, float]:
+    """Seconds from opening a DiskTier on ``files`` chunk files until it answers, and until its
+    index is rebuilt (the files made first, sparse, with valid headers; page cache dropped)."""
+    d = os.path.join(where, "start")
+    os.mkdir(d, 0o700)
+    payload_bytes = 8192
+    meta = ChunkMeta(payload_bytes, b"L" * 16, 1)
+    capacity = 2 * files * file_bytes(payload_bytes)
+    tier = DiskTier(d, capacity)                   # makes DIR/.key
+    mac_key = tier._mac_key
+    tier.close()
+    algo = checksum_algorithm("crc32")
+    zeros = memoryview(bytes(payload_bytes))      # what a sparse payload reads as
+    made_dirs: set[str] = set()
+    umask = os.umask(0o077)                        # directories 0700, as the tier makes them
+    t0 = time.perf_counter()
+    for i in range(files):
+        key = hashlib.blake2b(i.to_bytes(8, "little"), digest_size=16).digest()   # spread as real keys are
+        h = key.hex()
+        leaf = os.path.join(d, "0", h[0:2], h[2:4])
+        if leaf not in made_dirs:
+            os.makedirs(leaf, mode=0o700, exist_ok=True)
+            made_dirs.add(leaf)
+        fd = os.open(os.path.join(leaf, h), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.pwrite(fd, encode_header(0, key, meta, algo, zeros, mac_key=mac_key), 0)
+            os.ftruncate(fd, HEADER_BYTES + payload_bytes)
+        finally:
+            os.close(fd)
+    made_s = time.perf_counter() - t0
+    os.umask(umask)
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        cold = 1.0
+    except OSError:
+        cold = 0.0                                 # not root: the headers may be in the page cache
+    probe = hashlib.blake2b((files - 1).to_bytes(8, "little"), digest_size=16).digest()
+    t0 = time.perf_counter()
+    tier = DiskTier(d, capacity)
+    opened = time.perf_counter() - t0
+    tier.contains(0, [probe])
+    answered = time.perf_counter() - t0
+    assert tier.put(0, b"written-while-scanning", meta, zeros)
+    put = time.perf_counter() - t0
+    scanned_then = tier.info().scanned
+    assert tier.wait_scan(3600)
+    done = time.perf_counter() - t0
+    info = tier.info()
+    assert info.objects == files + 1 and tier.contains(0, [probe]) == 1, info
+    tier.close()
+    t0 = time.perf_counter()
+    shutil.rmtree(d)
+    return {"files": files, "made in (s)": made_s, "page cache dropped (1 = yes)": cold,
+            "DiskTier() returned after (s)": opened, "first contains answered after (s)": answered,
+            "first put done after (s)": put, "files scanned when that put was done": scanned_then,
+            "index rebuild done after (s)": done, "scan: microseconds per file": done / files * 1e6,
+            "removed in (s)": time.perf_counter() - t0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/var/tmp", help="a directory on the file system to measure (default /var/tmp)")
     ap.add_argument("--request-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--parts", default="checksums,files,end-to-end,ops",
+                    help="comma-separated, of checksums, files, end-to-end, ops, start (default: all but start)")
+    ap.add_argument("--ops-kib", type=int, default=64, help="chunk size of the ops part (default 64 KiB)")
+    ap.add_argument("--ops-count", type=int, default=2000, help="operations per run of the ops part")
+    ap.add_argument("--compare-with", default="", help="ops part: another disk.py to run alternately")
+    ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     n = args.request_mib << 20
     where = tempfile.mkdtemp(prefix="lmshm-disk-bench-", dir=args.dir)
     try:
@@ -231,13 +354,23 @@ def main() -> None:
         print(f"disk tier bench: {args.request_mib} MiB per request, {args.reps} reps, {where} ({fs}), "
               f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; disk checksum "
               f"{CHECKSUMS[checksum_algorithm('auto')][0]}; GB/s, medians")
-        data = memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8).numpy())
-        for name, v in checksums(data, args.reps).items():
-            print(f"  checksum {name:<52} {v:6.2f}")
-        for name, v in files(where, data, args.reps).items():
-            print(f"  {name:<61} {v:6.2f}")
-        for name, v in end_to_end(where, n, args.reps).items():
-            print(f"  end to end: {name:<49} {v:6.2f}")
+        data = memoryview(torch.randint(0, 255, (n,), dtype=torch.uint8).numpy()) \
+            if parts & {"checksums", "files"} else None
+        if "checksums" in parts:
+            for name, v in checksums(data, args.reps).items():
+                print(f"  checksum {name:<52} {v:6.2f}")
+        if "files" in parts:
+            for name, v in files(where, data, args.reps).items():
+                print(f"  {name:<61} {v:6.2f}")
+        if "end-to-end" in parts:
+            for name, v in end_to_end(where, n, args.reps).items():
+                print(f"  end to end: {name:<49} {v:6.2f}")
+        if "ops" in parts:
+            for name, v in ops(where, args.ops_kib, args.ops_count, args.reps, args.compare_with).items():
+                print(f"  ops, {name:<56} {v:8.1f}")
+        if "start" in parts:
+            for name, v in start(where, args.start_files).items():
+                print(f"  start, {name:<54} {v:10.2f}" if isinstance(v, float) else f"  start, {name:<54} {v:10d}")
     finally:
         shutil.rmtree(where, ignore_errors=True)
 

@@ -33,7 +33,7 @@ _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", 
 _TIER_COUNTERS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
                   "read_bytes", "written_bytes", "reads", "writes", "read_seconds", "write_seconds",
                   "direct_writes", "not_admitted")
-_TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit")
+_TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit", "scanned", "scan_done")
 
 
 class Metrics:

@@ -15,6 +15,8 @@ import pytest
 from lmshm.core.pool import NBYTES, OFFSET, Pool, Reservation
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.disk import HEADER_BYTES, DiskTier, BadFile, file_bytes, read_file, write_file
+
+KEY = bytes(range(32))       # a MAC key for the file functions used without a tier
 from lmshm.core.tiers.stack import TierStack
 
 META = ChunkMeta(10_000, b"L" * 16, 2)
@@ -61,6 +63,7 @@ def test_a_restart_rebuilds_the_index_and_removes_temp_files(disk_dir):
     stale.write_bytes(b"half a chunk")
     again = DiskTier(str(disk_dir), 1 << 20)
     try:
+        assert again.wait_scan(10)
         assert again.usage() == used and not stale.exists()
         dest = bytearray(META.nbytes)
         assert again.get_into(0, bytes([3]) * 16, META, memoryview(dest)) and bytes(dest) == payload(3)
@@ -100,11 +103,11 @@ def test_usage_stays_within_capacity_under_churn_and_pending_reads_are_not_evict
     try:
         tier.put(0, b"kept", META, memoryview(payload(0)))
         with tier._lock:
-            tier._index[(0, b"kept")].readers += 1       # as a read in progress holds it
+            tier._index[0][b"kept"].readers += 1         # as a read in progress holds it
         for i in range(30 * 3):                          # 3x overfill, three times over
             tier.put(0, i.to_bytes(4, "big"), META, memoryview(payload(i)))
             assert tier.usage()[1] <= capacity
-        on_disk = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file() and f.name != ".lock")
+        on_disk = sum(f.stat().st_size for f in disk_dir.rglob("*") if f.is_file() and f.name not in (".lock", ".key"))
         assert on_disk <= capacity and tier.stats.snapshot()["evictions"] > 0
         assert tier.contains(0, [b"kept"]) == 1
     finally:
@@ -144,13 +147,13 @@ def _writer(path: str, seed: int, until: float) -> None:
     data = memoryview(payload(seed, 1 << 20))
     meta = ChunkMeta(1 << 20, b"L" * 16, 1)
     while time.monotonic() < until:
-        write_file(path, 0, b"same", meta, 3, data)
+        write_file(path, 0, b"same", meta, 3, data, mac_key=KEY)
 
 
 def test_concurrent_writers_of_one_key_never_leave_a_partial_file(disk_dir):
     path = str(disk_dir / "same")
     meta = ChunkMeta(1 << 20, b"L" * 16, 1)
-    write_file(path, 0, b"same", meta, 3, memoryview(payload(1, 1 << 20)))
+    write_file(path, 0, b"same", meta, 3, memoryview(payload(1, 1 << 20)), mac_key=KEY)
     ctx = multiprocessing.get_context("spawn")
     until = time.monotonic() + 3
     procs = [ctx.Process(target=_writer, args=(path, seed, until)) for seed in (1, 2)]
@@ -160,7 +163,7 @@ def test_concurrent_writers_of_one_key_never_leave_a_partial_file(disk_dir):
     reads = 0
     dest = bytearray(1 << 20)
     while any(p.is_alive() for p in procs):
-        read_file(path, 0, b"same", meta, memoryview(dest))   # BadFile here would be a torn file
+        read_file(path, 0, b"same", meta, memoryview(dest), mac_key=KEY)   # BadFile here would be a torn file
         assert bytes(dest) in wanted
         reads += 1
     for p in procs:
@@ -172,11 +175,13 @@ def test_concurrent_writers_of_one_key_never_leave_a_partial_file(disk_dir):
 
 def test_a_file_of_another_chunk_is_refused_by_read_file(disk_dir):
     path = str(disk_dir / "x")
-    write_file(path, 0, b"a", META, 1, memoryview(payload(1)))
+    write_file(path, 0, b"a", META, 1, memoryview(payload(1)), mac_key=KEY)
     with pytest.raises(BadFile):
-        read_file(path, 0, b"b", META, memoryview(bytearray(META.nbytes)))
+        read_file(path, 0, b"b", META, memoryview(bytearray(META.nbytes)), mac_key=KEY)
     with pytest.raises(BadFile):
-        read_file(path, 1, b"a", META, memoryview(bytearray(META.nbytes)))
+        read_file(path, 1, b"a", META, memoryview(bytearray(META.nbytes)), mac_key=KEY)
+    with pytest.raises(BadFile, match="MAC"):          # another deployment's key
+        read_file(path, 0, b"a", META, memoryview(bytearray(META.nbytes)), mac_key=bytes(32))
 
 
 # ---- the stack: write-through and promotion against a real pool ---------------------------
@@ -314,6 +319,7 @@ def test_a_fifo_in_place_of_a_chunk_file_is_a_miss_and_never_blocks(disk_dir):
         tier.close()
     again = DiskTier(str(disk_dir), 1 << 20)               # the scan does not block on it either
     try:
+        assert again.wait_scan(10)
         assert again.contains(0, [b"k"]) == 0 and not os.path.exists(path)
     finally:
         again.close()
@@ -347,7 +353,8 @@ def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_ca
         meta3 = ChunkMeta(3 * 4096, META.layout, 1)
         opened = []
         real_open = os.open
-        monkeypatch.setattr(os, "open", lambda path, flags, *a: opened.append(flags) or real_open(path, flags, *a))
+        monkeypatch.setattr(os, "open", lambda path, flags, *a, **kw: (flags & os.O_CREAT and opened.append(flags))
+                            or real_open(path, flags, *a, **kw))     # the files made, not the directories
         assert tier.put(0, b"page", meta3, memoryview(aligned))
         unaligned = memoryview(bytearray(4096 + 64))[64:]  # whole pages long, not on a page
         assert tier.put(0, b"off", ChunkMeta(4096, META.layout, 1), unaligned)
@@ -359,11 +366,12 @@ def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_ca
         # through the page cache, and never tried direct again
         opened.clear()
 
-        def no_direct(path, flags, *a):
-            opened.append(flags)
+        def no_direct(path, flags, *a, **kw):
+            if flags & os.O_CREAT:
+                opened.append(flags)
             if flags & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *a)
+            return real_open(path, flags, *a, **kw)
         monkeypatch.setattr(os, "open", no_direct)
         for k in (b"p2", b"p3"):
             assert tier.put(0, k, meta3, memoryview(aligned))

@@ -30,7 +30,7 @@ def tier(w) -> dict:
 
 
 def disk_files(d: Path) -> list[Path]:
-    return [p for p in d.rglob("*") if p.is_file() and p.name != ".lock"]
+    return [p for p in d.rglob("*") if p.is_file() and p.name not in (".lock", ".key")]
 
 
 @pytest.fixture
