@@ -36,7 +36,9 @@ the pool; two uids pinning all they can at 0.5: a half and a quarter), and its l
 most ``max_pins_per_uid`` pins; a LOOKUP that would pass either answers the leading chunks that
 fit. So the uids together never pin the whole pool. Eviction takes the least
 recently used unpinned object of the tenant that holds the most bytes (with one tenant: plain
-LRU), so a STORE can always evict unpinned objects of the biggest tenant.
+LRU), so a STORE can always evict unpinned objects of the biggest tenant. A STORE's chunks are
+reserved as one batch, but a uid's batch keeps at most ``max_pinned_fraction_per_uid`` of the
+pool busy, pinned or in flight: past that its earlier chunks are committed first.
 
 The easy thing to get wrong: an object's record is a plain tuple of atomic values
 (``OFFSET``, ``NBYTES``, ... index it; ``COST`` is what it is charged), not a class instance.
@@ -278,12 +280,14 @@ class _Tenant:
     of the request (64 keys: 46 us against 9). So eviction skips pinned objects lazily, each
     at most once per pin, and ``evictable`` counts the unpinned ones. In flight: ``flight``."""
 
-    __slots__ = ("lru", "aside", "flight", "pins_of", "evictable", "used", "pinned_bytes", "lease_pins", "leases")
+    __slots__ = ("lru", "aside", "flight", "flight_bytes", "pins_of", "evictable", "used", "pinned_bytes",
+                 "lease_pins", "leases")
 
     def __init__(self) -> None:
         self.lru: OrderedDict[bytes, tuple] = OrderedDict()    # visible; least recently used first
         self.aside: dict[bytes, tuple] = {}                    # visible, pinned, met by eviction
         self.flight: dict[bytes, tuple] = {}                   # reserved, copy not complete
+        self.flight_bytes = 0     # what those cost
         self.pins_of: dict[bytes, int] = {}                    # key of a pinned object -> its pins
         self.evictable = 0        # visible objects without a pin
         self.used = 0             # bytes charged for its objects
@@ -570,6 +574,12 @@ class Pool:
                     return Reservation.NO_SPACE, None
                 self._drop(t, existing)
             cost = cost_of(nbytes, self.head_room, self.align)
+            if (batch and t is not None and t.pinned_bytes + t.flight_bytes + cost
+                    > self.max_pinned_fraction_per_uid * self.capacity):
+                # One uid's batch may keep at most that fraction of the pool busy (pinned or in
+                # flight): past it, its earlier chunks are committed first (evictable again), so
+                # a big STORE of a tenant that pins all it may never leaves others no room.
+                return Reservation.NO_SPACE, None
             busy_bytes = self.used - self._evictable_bytes          # what eviction cannot free
             busy_objects = self.objects + self.in_flight - self._evictable
             if (nbytes <= 0 or busy_bytes + cost > self.capacity
@@ -591,6 +601,7 @@ class Pool:
             obj = (offset, nbytes, layout, blocks, uid, key, cost)
             t = self._tenant(uid)
             t.flight[key] = obj
+            t.flight_bytes += cost
             t.used += cost
             self.used += cost
             self.in_flight += 1
@@ -603,6 +614,7 @@ class Pool:
                 if t is None or t.flight.get(obj[KEY]) is not obj:
                     continue                    # released meanwhile (shutdown)
                 del t.flight[obj[KEY]]
+                t.flight_bytes -= obj[COST]
                 self.in_flight -= 1
                 self.objects += 1
                 self.stored += 1
@@ -615,6 +627,7 @@ class Pool:
                 if t is None or t.flight.get(obj[KEY]) is not obj:
                     continue
                 del t.flight[obj[KEY]]
+                t.flight_bytes -= obj[COST]
                 self.in_flight -= 1
                 self._uncharge(t, obj, obj[COST])
 

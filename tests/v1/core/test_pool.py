@@ -381,3 +381,28 @@ def test_populate_ahead_gives_up_quietly_where_the_kernel_lacks_populate_write(m
         finally:
             pool.release()
     assert [r.levelname for r in caplog.records if "populated ahead" in r.getMessage()] == ["INFO"]
+
+
+def test_a_tenant_that_pins_all_it_may_cannot_fill_the_rest_with_one_batch():
+    # Before: a uid pinning its half of the pool and then reserving a big STORE as one batch held
+    # the other half in flight, and another tenant's STORE found NO_SPACE meanwhile (the
+    # sustained-attack test's honest tenant got [NO_SPACE, NO_SPACE] once in a clean-clone run).
+    chunk = 64 << 10
+    pool = Pool(1 << 20, max_pinned_fraction_per_uid=0.5)
+    try:
+        keys = [b"p%d" % i for i in range(6)]
+        for k in keys:
+            stored(pool, 1, k, chunk)
+        hits, _ = pool.lookup(1, [keys], "hog", 30)                   # pins what it may: about half
+        assert hits >= 5
+        batch = []
+        for i in range(8):                                            # one STORE's chunks, as one batch
+            outcome, obj = pool.reserve(1, b"b%d" % i, chunk, b"L", 1, batch=bool(batch))
+            if outcome != Reservation.STORED:
+                break
+            batch.append(obj)
+        assert outcome == Reservation.NO_SPACE and len(batch) == 1   # past its share: commit first
+        assert stored(pool, 2, b"honest", chunk)                      # the other tenant finds room
+        pool.commit(batch)
+    finally:
+        pool.release()
