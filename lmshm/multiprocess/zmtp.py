@@ -531,8 +531,7 @@ class ZmtpListener:
             if conn.big is None and not conn.skip:
                 conn.parse(self.max_message_bytes, trusted)
         except ProtocolError as exc:
-            _closed_log.info("lmshm: closed a ZeroMQ connection: %s", exc)
-            self.close(conn)
+            self._broke(conn, exc)
             return
         self._settle(conn, trusted, had_messages)
         if not trusted and self.unverified_bytes > self.unverified_budget:
@@ -583,11 +582,15 @@ class ZmtpListener:
             try:
                 conn.parse(self.max_message_bytes, trusted)
             except ProtocolError as exc:
-                _closed_log.info("lmshm: closed a ZeroMQ connection: %s", exc)
-                self.close(conn)
+                self._broke(conn, exc)
                 continue
             self._settle(conn, trusted, False)
             self._update(conn)
+
+    def _broke(self, conn: Connection, exc: ProtocolError) -> None:
+        """The peer broke ZMTP: its connection is closed (and a line logged, rate-limited)."""
+        _closed_log.info("lmshm: closed a ZeroMQ connection: %s", exc)
+        self.close(conn)
 
     def _flush(self, conn: Connection) -> None:
         paused = conn.out_bytes >= OUT_PAUSE
