@@ -176,11 +176,12 @@ class Link:
             return
         registration = None
         with self._lock:
-            self._connecting = False
             if self._closed:
+                self._connecting = False
                 client.close()
                 return
-            self._client = client
+            self._client = client         # before _connecting is cleared: wait_connected reads both unlocked
+            self._connecting = False
             registration = self._registration
         logger.info("lmshm: connected to lmshm-server at %s", client.url)
         if registration is not None:
@@ -197,10 +198,14 @@ class Link:
         return None
 
     def wait_connected(self, timeout_s: float) -> bool:
+        """Wait, at most ``timeout_s``, until the link is connected (and registered, if a
+        registration was asked for); False at once when the connection attempt failed."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._client is not None and (self.instance_ids or self._registration is None):
                 return True
+            if self._client is None and not self._connecting:
+                return False
             time.sleep(0.02)
         return False
 

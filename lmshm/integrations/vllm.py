@@ -425,6 +425,11 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
                 store=s.get("lmshm.store", True), load=s.get("lmshm.load", True), groups=self._groups,
                 null_block=_NULL_BLOCK)
             self._worker: Optional[WorkerSide] = None
+            # The engine's first requests are looked up as soon as it starts: connect now, so
+            # they can hit (a slow start, with the machine busy, used to miss the first step).
+            # A server that does not answer costs this wait once; the engine then goes on
+            # without lmshm and connects in the background.
+            self._link.wait_connected(self._link.config.timeout_s)
         else:
             self._scheduler = None
             self._rank = _tp_rank()

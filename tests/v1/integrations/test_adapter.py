@@ -60,6 +60,20 @@ def test_a_link_to_no_server_never_stalls():
     link.close()
 
 
+def test_waiting_for_a_link_to_no_server_ends_when_its_connection_attempt_fails():
+    link = Link(LinkConfig(url="tcp://127.0.0.1:9", timeout_s=0.5, retry_s=30))
+    t0 = time.perf_counter()
+    assert link.wait_connected(30) is False
+    assert time.perf_counter() - t0 < 5          # the attempt's own timeout, not the 30 s asked
+    link.close()
+
+
+def test_a_scheduler_side_link_is_connected_when_wait_connected_returns(server):
+    link = Link(LinkConfig(url=server.url, timeout_s=5))
+    assert link.wait_connected(30) and link.client() is not None
+    link.close()
+
+
 class Engine:
     """Both halves of a connector, and a KV cache of 4 layers [blocks, 2, BLOCK, 8]."""
 
