@@ -3,6 +3,10 @@ with an application that embeds ``lmshm.Server``. Needs a GPU (``scripts/gpu-che
 
 The client (this process) allocates and exports; the server (the embedded app, another OS
 process) opens the handle: the driver refuses to open it in the exporting process.
+
+Written against tritonclient 2.73's ``cuda_shared_memory``: ``set_shared_memory_region(handle,
+values)`` and ``get_contents_as_numpy(handle, datatype, shape)`` take no ``offset`` (unlike
+``tritonclient.utils.shared_memory``'s): reads take the region's prefix and slice it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def cuda_shm():
 
     yield make
     for handle in made:
-        __import__("tritonclient.utils.cuda_shared_memory", fromlist=["x"]).destroy_shared_memory_region(handle)
+        cudashm.destroy_shared_memory_region(handle)
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -48,8 +52,9 @@ def test_gpu_cuda_region_register_status_view_both_ways_and_unregister(app, cuda
         try:
             assert bytes.fromhex(app.ok("read", view=view)["hex"]) == bytes(range(256))
             app.ok("write", view=view, hex="ab" * 16, at=32)
-            got = cudashm.get_contents_as_numpy(handle, np.uint8, [16], offset=32)
-            assert bytes(got) == b"\xab" * 16
+            # 2.73: no offset argument; read the first 48 bytes and slice
+            got = cudashm.get_contents_as_numpy(handle, np.uint8, [48])
+            assert bytes(got[32:48]) == b"\xab" * 16 and bytes(got[:32]) == bytes(range(32))
             c.unregister_cuda("gpu0")
             assert c.cuda_status() == [] and app.ok("status")["draining"] == 1
         finally:
