@@ -35,6 +35,10 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prefault_pool: bool = False            # fault the whole pool in at start, on a background thread
     # bytes kept populated past the highest pool offset ever used, on a background thread; 0 = off
     pool_populate_ahead: Annotated[int, msgspec.Meta(ge=0, le=1 << 50)] = 256 << 20
+    # CUDA copies: how the pool is page-locked (lazy: in extents as used; start; off), and how
+    # long a CUDA request's copies may take before it fails (its bytes are held until done)
+    cuda_pin: str = "lazy"
+    cuda_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096

@@ -1,128 +1,371 @@
-"""The CUDA ordering leg of the data plane: streams, interprocess events, async copies.
+"""The CUDA ordering leg of the data plane: streams, ordering signals, async copies, pinning.
 
-A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work by
-events, never by host-side waits in the worker:
+A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work on the
+GPU, never by a host-side wait in the worker. The request carries the worker's *ordering
+token*, one of two kinds:
 
-- the worker records a fresh interprocess event on its stream after the work that wrote (STORE)
-  or last used (RETRIEVE) the blocks, sends its IPC handle with the request, and keeps the event
-  alive until the reply;
-- the server makes its own stream wait on that event, queues the copies on that stream
-  (device-to-host into the pinned pool, or host-to-device out of it), records a fresh
-  interprocess event, and answers with its handle; the worker's stream waits on it before it
-  touches the blocks again. The server keeps each event alive for a while after its reply
-  (``EVENT_KEEP``), so the worker can open it;
-- the server itself waits for its event before a stored chunk becomes visible (STORE) or a
-  pinned chunk is let go (RETRIEVE).
+- **an interprocess CUDA event** (64 bytes, the default mode): the worker records it on its
+  stream after the work that wrote (STORE) or last used (RETRIEVE) the blocks and keeps it
+  alive until the reply. The server's stream waits on it before its copies. The server then
+  records an interprocess event of its own and answers with its handle; the worker's stream
+  waits on it before it touches the blocks again. Opening an interprocess event needs both
+  processes to share ``/dev/shm`` (the driver keeps the event's state there).
+- **a flag word** (``FLAG_MAGIC`` tokens, isolated mode, ``--isolated-ipc``): the worker owns
+  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server once per
+  client like any KV cache (a raw IPC wrapper: only what a legacy memory handle needs, no
+  ``/dev/shm``). Per request the worker's stream writes a new sequence number into the
+  request's slot after its work (``cuStreamWriteValue64``); the token names the slot and the
+  number; the server's stream waits until the word reaches it (``cuStreamWaitValue64``, cyclic
+  greater-or-equal) before its copies. There is no server-to-worker signal on the GPU: the server
+  answers only once its copies have completed, so the reply itself is the ordering. A worker
+  that dies or never writes its word cannot hold the server's stream forever: past the
+  deadline the server writes the word itself (``rescue``) and fails the request.
 
-``TorchCudaSync`` does this with ``torch.cuda``; the logic tests inject a fake with the same
-methods (``tests/v1/platform/cuda/fake_sync.py``). **Unverified on a GPU so far.**
+Rules on the server side (``lmshm.core.dataplane``):
+
+- one stream per session (``stream(device, session)``), dropped when the session ends, so a
+  slow or hung worker's signal stalls only its own requests;
+- every host wait is bounded (``wait(event, deadline)`` polls a blocking-sync event, never
+  spinning a core); a copy that has not completed by its deadline fails its request, and the
+  pool bytes and registration it touches are held until the GPU is done with them (the data
+  plane's quarantine), never handed back under DMA;
+- the server's events for default-mode replies live until their copies completed *and* at
+  least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
+  each reply's event at its next step, never opens a destroyed one;
+- the pool is page-locked (``cudaHostRegister``) in extents of ``PIN_EXTENT`` bytes as copies
+  first use them (``--cuda-pin lazy``, the default), or whole at start (``start``), or never
+  (``off``: copies are staged by the driver, slower). A pin that fails is the server's problem,
+  answered ``UNAVAILABLE``.
+
+``TorchCudaSync`` does this with ``torch.cuda`` and the driver gateway; the logic tests inject
+a fake with the same methods (``tests/v1/platform/cuda/fake_sync.py``). **Unverified on a GPU
+so far**: ``scripts/gpu-check`` runs the real thing when a GPU is lent.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import struct
 import threading
-from typing import Any
+import time
+from typing import Any, Hashable, Optional
 
-#: Server events kept alive per session after their reply (the worker opens them on receipt).
-EVENT_KEEP = 256
+logger = logging.getLogger(__name__)
+
 IPC_EVENT_HANDLE_BYTES = 64
+#: Flag tokens: magic, slot (u32), sequence number (u64), then the flag page's instance id.
+FLAG_MAGIC = b"LMF1"
+_FLAG_HEAD = struct.Struct("<4sIQ")
+FLAG_TOKEN_MAX_ID = 64 - _FLAG_HEAD.size      # the id's bytes: a token fits the wire's 64
+#: 64-bit words in a worker's flag page (one per request in flight; reused round-robin).
+SLOTS = 1024
+FLAG_LAYER = "lmshm.flags"
+#: Default-mode server events are kept at least this long after their reply...
+EVENT_MIN_AGE_S = 30.0
+#: ...and at most this many per session (the oldest completed ones go first past it).
+EVENT_CAP = 4096
+#: The pool is page-locked in extents of this many bytes, as copies first touch them.
+PIN_EXTENT = 256 << 20
+PIN_MODES = ("lazy", "start", "off")
 
 
 class CudaSyncError(RuntimeError):
-    """A CUDA ordering step failed (bad event handle, driver error)."""
+    """A worker's ordering token could not be used (bad event handle, bad flag token)."""
+
+
+class PinError(RuntimeError):
+    """Page-locking part of the pool failed (the server's problem, not the worker's)."""
+
+
+def flag_token(slot: int, seq: int, instance_id: str) -> bytes:
+    iid = instance_id.encode()
+    if len(iid) > FLAG_TOKEN_MAX_ID:
+        raise ValueError(f"a flag page's instance id is at most {FLAG_TOKEN_MAX_ID} bytes")
+    return _FLAG_HEAD.pack(FLAG_MAGIC, slot, seq) + iid
+
+
+def parse_flag_token(token: bytes) -> Optional[tuple[int, int, str]]:
+    """``(slot, seq, instance id)`` of a flag token; None if ``token`` is not one;
+    ``CudaSyncError`` if it says it is one but is malformed."""
+    if not token.startswith(FLAG_MAGIC):
+        return None
+    if len(token) <= _FLAG_HEAD.size:
+        raise CudaSyncError(f"a flag token is {_FLAG_HEAD.size} bytes and an instance id, got {len(token)} bytes")
+    _, slot, seq = _FLAG_HEAD.unpack_from(token)
+    if slot >= SLOTS:
+        raise CudaSyncError(f"flag slot {slot} is out of range (a flag page has {SLOTS} words)")
+    try:
+        iid = token[_FLAG_HEAD.size:].decode()
+    except UnicodeDecodeError:
+        raise CudaSyncError("a flag token's instance id is not UTF-8") from None
+    return slot, seq, iid
 
 
 class TorchCudaSync:
-    """The real gateway: one server stream per device, events through ``torch.cuda``."""
+    """The real gateway: streams per session, events through ``torch.cuda``, the driver's
+    stream memory operations for flag words, extent-wise pool pinning."""
 
-    def __init__(self) -> None:
+    def __init__(self, pin: str = "lazy") -> None:
         import torch
 
+        from lmshm.platform.cuda.driver import get_driver
+
+        if pin not in PIN_MODES:
+            raise ValueError(f"cuda pin mode must be one of {PIN_MODES}, got {pin!r}")
         self._torch = torch
-        self._streams: dict[int, Any] = {}
-        self._pinned: set[int] = set()
+        self._drv = get_driver()
+        self.pin_mode = pin
+        self._streams: dict[tuple[int, Hashable], Any] = {}
+        self._rescue: dict[int, Any] = {}
+        self._pinned: dict[int, set[int]] = {}     # pool base -> pinned extent indices
         self._lock = threading.Lock()
 
-    def stream(self, device: int) -> Any:
+    # ---- streams -----------------------------------------------------------------------
+    def stream(self, device: int, session: Hashable = None) -> Any:
+        """The session's own non-blocking stream on ``device`` (made on first use)."""
+        key = (device, session)
         with self._lock:
-            s = self._streams.get(device)
+            s = self._streams.get(key)
             if s is None:
-                s = self._streams[device] = self._torch.cuda.Stream(device=device)
+                handle = self._drv.stream_create(device)
+                s = self._torch.cuda.ExternalStream(handle, device=self._torch.device("cuda", device))
+                self._streams[key] = s
+                _streams_registry().register(handle, device)
             return s
 
+    def drop_session(self, session: Hashable) -> None:
+        """Destroy the session's streams (queued work completes first: the driver's rule)."""
+        with self._lock:
+            gone = [(k, s) for k, s in self._streams.items() if k[1] == session]
+            for k, _ in gone:
+                del self._streams[k]
+        for (device, _), s in gone:
+            handle = int(s.cuda_stream)
+            _streams_registry().unregister(handle, device)
+            try:
+                self._drv.stream_destroy(handle, device)
+            except Exception:  # noqa: BLE001 - teardown goes on
+                logger.exception("lmshm: destroying a session's CUDA stream failed")
+
+    # ---- the worker's ordering token -----------------------------------------------------
     def wait_ipc_event(self, stream: Any, handle: bytes, device: int) -> None:
+        if len(handle) != IPC_EVENT_HANDLE_BYTES:
+            raise CudaSyncError(f"cannot open the worker's CUDA event: a handle is {IPC_EVENT_HANDLE_BYTES} "
+                                f"bytes, got {len(handle)}")
         try:
             ev = self._torch.cuda.Event.from_ipc_handle(device, handle)
         except Exception as exc:  # noqa: BLE001 - a peer's bytes
             raise CudaSyncError(f"cannot open the worker's CUDA event: {exc}") from None
         stream.wait_event(ev)
 
+    def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
+        """Make ``stream`` wait until the worker's word at ``ptr`` reaches ``seq``."""
+        self._drv.stream_wait_value64(int(stream.cuda_stream), ptr, seq, device)
+
+    def rescue(self, ptr: int, seq: int, device: int) -> None:
+        """Write ``seq`` into a worker's word from the server's side, on a stream of its own,
+        so a stream waiting on a signal that never comes goes on (its request has failed)."""
+        with self._lock:
+            s = self._rescue.get(device)
+            if s is None:
+                s = self._rescue[device] = self._drv.stream_create(device)
+        self._drv.stream_write_value64(s, ptr, seq, device)
+
+    # ---- copies and completion -------------------------------------------------------------
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
         with self._torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
 
-    def record(self, stream: Any, device: int) -> tuple[Any, bytes]:
-        ev = self._torch.cuda.Event(interprocess=True, blocking=False)
+    def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
+        """An event recorded now on ``stream`` (blocking-sync: a host wait sleeps), and its
+        IPC handle when ``interprocess`` (b"" otherwise)."""
+        ev = self._torch.cuda.Event(interprocess=interprocess, blocking=True)
         ev.record(stream)
-        return ev, bytes(ev.ipc_handle())
+        return ev, bytes(ev.ipc_handle()) if interprocess else b""
 
-    def synchronize(self, event: Any) -> None:
-        event.synchronize()
+    def done(self, event: Any) -> bool:
+        return bool(event.query())
 
-    def pin(self, tensor: Any) -> None:
-        """Page-lock the pool (``cudaHostRegister``) once, so async copies are real DMA."""
-        ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    def wait(self, event: Any, deadline: float) -> bool:
+        """True once ``event`` has completed; False at ``deadline`` (monotonic) if it has not."""
+        pause = 20e-6
+        while not event.query():
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1e-3)
+        return True
+
+    # ---- pinning the pool --------------------------------------------------------------------
+    def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:
+        """Page-lock the pool's extents that ``[offset, offset + nbytes)`` touches (all of it
+        with ``nbytes`` -1, or in ``start`` mode); ``PinError`` if the driver refuses."""
+        if self.pin_mode == "off":
+            return
+        base, size = pool.data_ptr(), pool.numel() * pool.element_size()
+        if not size:
+            return
+        if nbytes < 0 or self.pin_mode == "start":
+            offset, nbytes = 0, size
+        first, last = offset // PIN_EXTENT, (offset + max(nbytes, 1) - 1) // PIN_EXTENT
         with self._lock:
-            if ptr in self._pinned or not size:
-                return
-            rc = self._torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
-            if int(rc) != 0:
-                raise CudaSyncError(f"cudaHostRegister of the pool ({size} bytes) failed: error {int(rc)}")
-            self._pinned.add(ptr)
+            done = self._pinned.setdefault(base, set())
+            for i in range(first, min(last, (size - 1) // PIN_EXTENT) + 1):
+                if i in done:
+                    continue
+                start = i * PIN_EXTENT
+                length = min(PIN_EXTENT, size - start)
+                t0 = time.perf_counter()
+                rc = self._torch.cuda.cudart().cudaHostRegister(base + start, length, 0)
+                if int(rc) != 0:
+                    raise PinError(f"cudaHostRegister of {length} bytes of the pool at offset {start} failed: "
+                                   f"error {int(rc)} (lmshm-server --cuda-pin off copies without pinning)")
+                done.add(i)
+                logger.debug("lmshm: pinned pool extent %d (%d bytes) in %.3f s", i, length,
+                             time.perf_counter() - t0)
+
+    def pinned_bytes(self, pool: Any) -> int:
+        size = pool.numel() * pool.element_size()
+        with self._lock:
+            done = self._pinned.get(pool.data_ptr(), set())
+            return sum(min(PIN_EXTENT, size - i * PIN_EXTENT) for i in done)
 
     def unpin_all(self, tensors: list) -> None:
         with self._lock:
             for t in tensors:
-                if t.data_ptr() in self._pinned:
-                    self._torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
-                    self._pinned.discard(t.data_ptr())
+                base = t.data_ptr()
+                for i in sorted(self._pinned.pop(base, set())):
+                    self._torch.cuda.cudart().cudaHostUnregister(base + i * PIN_EXTENT)
+
+
+def _streams_registry() -> Any:
+    """``lmshm.platform.cuda.streams``: the process's copy streams, which a consumer's unmap
+    waits on (bounded) before it frees memory they may still be copying."""
+    from lmshm.platform.cuda import streams
+
+    return streams
 
 
 class WorkerCudaSync:
-    """The worker's half: record an interprocess event for a request, wait on the server's."""
+    """The worker's half: an ordering token per request, and the wait on the server's reply.
 
-    def __init__(self, device: int) -> None:
+    In isolated mode (``ipc_policy.is_isolated_ipc()``, or ``isolated=True``) it needs the
+    ``client`` (an ``MPClient``, or a callable returning one or None): on first use it registers a flag page of ``SLOTS`` words with
+    the server, under an instance id of its own, and unregisters it in ``close()``."""
+
+    def __init__(self, device: int, client: Any = None, *, isolated: Optional[bool] = None) -> None:
         import torch
 
         self._torch = torch
         self.device = device
+        if isolated is None:
+            from lmshm.platform import ipc_policy
+
+            isolated = ipc_policy.is_isolated_ipc()
+        self.isolated = bool(isolated)
+        if self.isolated and client is None:
+            raise ValueError("WorkerCudaSync in isolated mode needs the client: its flag page is registered "
+                             "with the server")
+        self._client = client
+        self._page: Any = None
+        self._page_id = ""
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def _flag_page(self) -> tuple[Any, str]:
+        if self._page is None:
+            import secrets
+
+            page = self._torch.zeros(SLOTS, dtype=self._torch.int64, device=f"cuda:{self.device}")
+            self._torch.cuda.synchronize(self.device)          # the zeros are there before any wait
+            iid = f"lmshm-flags-{secrets.token_hex(8)}"
+            client = self._client() if callable(self._client) else self._client   # a client, or what gives one
+            if client is None:
+                raise RuntimeError("no connection to lmshm-server yet: the flag page cannot be registered")
+            client.register_kv_caches({FLAG_LAYER: page}, iid, model_name=FLAG_LAYER)
+            self._registered_with = client
+            self._page, self._page_id = page, iid
+        return self._page, self._page_id
 
     def ready(self) -> tuple[Any, bytes]:
-        """An event recorded now on the current stream (keep it until the reply) and its handle."""
-        ev = self._torch.cuda.Event(interprocess=True, blocking=False)
-        ev.record(self._torch.cuda.current_stream(self.device))
-        return ev, bytes(ev.ipc_handle())
+        """The token for a request sent now: after the work queued so far on the current
+        stream. Keep the first item alive until the reply."""
+        stream = self._torch.cuda.current_stream(self.device)
+        if not self.isolated:
+            ev = self._torch.cuda.Event(interprocess=True, blocking=False)
+            ev.record(stream)
+            return ev, bytes(ev.ipc_handle())
+        from lmshm.platform.cuda.driver import get_driver
+
+        with self._lock:
+            page, iid = self._flag_page()
+            self._seq += 1
+            seq = self._seq
+        slot = seq % SLOTS
+        get_driver().stream_write_value64(int(stream.cuda_stream), page.data_ptr() + 8 * slot, seq, self.device)
+        return None, flag_token(slot, seq, iid)
 
     def wait(self, handle: bytes) -> None:
-        """Make the current stream wait for the server's event (no host-side wait)."""
+        """Make the current stream wait for the server's event (no host-side wait). Isolated
+        mode's replies carry none: they come once the server's copies are done."""
         if handle:
             ev = self._torch.cuda.Event.from_ipc_handle(self.device, handle)
             self._torch.cuda.current_stream(self.device).wait_event(ev)
 
+    def close(self) -> None:
+        if self._page is not None:
+            try:
+                self._registered_with.unregister_kv_caches(self._page_id)
+            except Exception:  # noqa: BLE001 - the server may be gone
+                logger.debug("lmshm: unregistering the flag page failed", exc_info=True)
+        self._page = None
+
 
 class EventKeeper:
-    """The server's recent events per session, kept alive until the worker can have opened them."""
+    """The server's default-mode reply events per session: each is kept until its copies have
+    completed and ``EVENT_MIN_AGE_S`` have passed since its reply; past ``EVENT_CAP`` in one
+    session, the oldest completed ones go early (``dropped_early`` counts them)."""
 
-    def __init__(self, keep: int = EVENT_KEEP) -> None:
-        self._keep = keep
+    def __init__(self, min_age_s: float = EVENT_MIN_AGE_S, cap: int = EVENT_CAP,
+                 done: Any = None) -> None:
+        self._min_age = min_age_s
+        self._cap = cap
+        self._done = done if done is not None else (lambda ev: bool(ev.query()))
         self._lock = threading.Lock()
         self._by_session: dict[Any, collections.deque] = {}
+        self.dropped_early = 0
 
-    def keep(self, session: Any, event: Any) -> None:
+    def keep(self, session: Any, event: Any, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
         with self._lock:
-            q = self._by_session.setdefault(session, collections.deque(maxlen=self._keep))
-            q.append(event)
+            q = self._by_session.setdefault(session, collections.deque())
+            q.append((now, event))
+            self._trim(q, now)
+
+    def _trim(self, q: collections.deque, now: float) -> None:
+        while q and now - q[0][0] >= self._min_age and self._done(q[0][1]):
+            q.popleft()
+        if len(q) > self._cap:           # the oldest completed ones, wherever they are
+            keep = collections.deque()
+            extra = len(q) - self._cap
+            for item in q:
+                if extra and self._done(item[1]):
+                    extra -= 1
+                    self.dropped_early += 1
+                else:
+                    keep.append(item)
+            q.clear()
+            q.extend(keep)
+
+    def expire(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            for session, q in list(self._by_session.items()):
+                self._trim(q, now)
+                if not q:
+                    del self._by_session[session]
 
     def drop(self, session: Any) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any, Callable, Hashable, Sequence
 
@@ -29,7 +30,7 @@ from lmshm.core.copier import (
     copy_chunks,
     cuda_copies,
 )
-from lmshm.core.cuda_sync import CudaSyncError, EventKeeper
+from lmshm.core.cuda_sync import FLAG_LAYER, SLOTS, CudaSyncError, EventKeeper, PIN_MODES, PinError, parse_flag_token
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
@@ -76,7 +77,8 @@ class DataPlane:
                  max_pinned_fraction_per_uid: float = 1.0, max_pins_per_uid: int = 1 << 30,
                  max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
                  tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
-                 prefault_pool: bool = False, pool_populate_ahead: int = 0) -> None:
+                 prefault_pool: bool = False, pool_populate_ahead: int = 0, cuda_pin: str = "lazy",
+                 cuda_timeout_s: float = 30.0) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool,
@@ -91,9 +93,27 @@ class DataPlane:
         self._reply = reply
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
+        if cuda_pin not in PIN_MODES:
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"--cuda-pin {quote(cuda_pin, 40)} is not one of "
+                                                        f"{', '.join(PIN_MODES)}")
+        self.cuda_pin = cuda_pin            # lazy | start | off (cuda_sync.PIN_MODES)
+        self.cuda_timeout_s = cuda_timeout_s   # a CUDA request's copies must complete within this
+        self.cuda_quarantined = 0           # requests whose copies outlived it (their bytes held)
+        self._quarantine: list = []         # (event, release, held registrations)
+        self._quarantine_lock = threading.Lock()
+        self._isolated: bool | None = None
         self.through_files = through_files  # named shm: preadv/pwritev (SIGBUS-safe), else memmove
         # the tiers below the pool (core/tiers): written through after STORE, promoted by LOOKUP
         self.tiers = TierStack(self.pool, tiers, queue_limit=tier_queue, timeout_s=tier_timeout_s) if tiers else None
+        if cuda_pin == "start" and self.pool.capacity:
+            t0 = time.perf_counter()
+            try:
+                self._sync().pin(self.pool.tensor)
+            except Exception as exc:
+                raise DataPlaneError(ErrorCode.UNAVAILABLE, f"--cuda-pin start: page-locking the pool failed: "
+                                                            f"{clip(str(exc), 300)}") from None
+            logger.info("lmshm: the pool (%d bytes) is page-locked for CUDA copies (%.1f s)", self.pool.capacity,
+                        time.perf_counter() - t0)
 
     # ---- validation, on the loop --------------------------------------------------------
     def _owned(self, session: Any, instance_id: str, what: str) -> Any:
@@ -165,7 +185,7 @@ class DataPlane:
         if self._cuda_sync is None:
             from lmshm.core.cuda_sync import TorchCudaSync
 
-            self._cuda_sync = TorchCudaSync()
+            self._cuda_sync = TorchCudaSync(self.cuda_pin)
         return self._cuda_sync
 
     def _run(self, identity: bytes, rid: bytes, result: Any) -> None:
@@ -252,7 +272,7 @@ class DataPlane:
                 return None
             i = pending[done][0]
             self.pool.count_failure()
-            logger.warning("lmshm: STORE into the pool from %s failed: %s", quote(reg.instance_id, 60), exc)
+            logger.warning("lmshm: STORE into the pool from %s failed: %s", quote(reg.instance_id, 60), str(exc))
             return _error(ErrorCode.DATA_LOSS, f"STORE: chunk {i} could not be copied ({clip(str(exc), 300)}); "
                                                f"{sum(r == Reservation.STORED for r in results[:i])} earlier "
                                                "chunk(s) were stored, this and later ones were not")
@@ -313,58 +333,184 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001
             self.pool.unpin(objs, retrieved=False)
             self.pool.count_failure()
-            logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), exc)
+            logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), str(exc))
             return _error(ErrorCode.DATA_LOSS, f"RETRIEVE: the copy failed ({clip(str(exc), 300)}); the "
                                                "blocks' contents are undefined, recompute them")
         self.pool.unpin(objs, retrieved=True)
         return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
 
     # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
+    def _cuda_order(self, session: Any, req: Any, sync: Any, stream: Any, dev: int, what: str) -> Any:
+        """Queue the wait on the worker's ordering token; the flag registration held for it
+        (or None), and the word's address and number (for a rescue)."""
+        token = req.event
+        if not token:
+            return None, None
+        flag = parse_flag_token(token)
+        if flag is None:
+            sync.wait_ipc_event(stream, token, dev)
+            return None, None
+        slot, seq, iid = flag
+        try:
+            freg = self._owned(session, iid, what)
+            freg = self.registry.acquire(iid)
+        except ServerError as exc:
+            raise CudaSyncError(f"the flag page {quote(iid, 60)} of the token: {exc.message}") from None
+        try:
+            page = freg.tensor(FLAG_LAYER)
+            kinds = {(w.device_type, w.device) for w in freg.wrappers}
+            if page is None or page.dtype.itemsize != 8 or page.numel() < SLOTS or len(kinds) != 1 \
+                    or self._cuda_ordinal(next(iter(kinds))) != dev:
+                raise CudaSyncError(f"instance {quote(iid, 60)} is not a flag page on cuda:{dev} "
+                                    f"(one layer {FLAG_LAYER!r} of {SLOTS} 64-bit words)")
+            ptr = page.data_ptr() + 8 * slot
+            sync.wait_flag(stream, ptr, seq, dev)
+        except BaseException:
+            self.registry.let_go(freg)
+            raise
+        return freg, (ptr, seq)
+
+    @staticmethod
+    def _cuda_ordinal(kind: tuple[str, str]) -> int:
+        if kind[0] != "cuda":
+            return -1
+        from lmshm.platform.cuda.driver import get_driver
+
+        return get_driver().local_ordinal(kind[1])
+
+    def _cuda_mode(self) -> bool:
+        """True in isolated mode: flag words, replies after completion, no IPC events."""
+        if self._isolated is None:
+            from lmshm.platform import ipc_policy
+
+            self._isolated = ipc_policy.is_isolated_ipc()
+        return self._isolated
+
+    def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float, rescue: Any,
+                     hold: list, release: Callable[[bool], None]) -> bool:
+        """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline, rescue a flag
+        wait (the worker's signal never came), and if the GPU is still not done, quarantine:
+        ``release(False)`` runs once it is, with the registrations in ``hold`` still held."""
+        if done is not None and sync.wait(done, deadline):
+            release(True)
+            return True
+        if rescue is not None:
+            try:
+                sync.rescue(rescue[0], rescue[1], dev)
+            except Exception:  # noqa: BLE001
+                logger.exception("lmshm: writing a worker's flag word from the server failed")
+        if done is None:
+            try:
+                done, _ = sync.record(stream, dev, False)
+            except Exception:  # noqa: BLE001 - nothing to wait on: keep everything, forever
+                logger.exception("lmshm: cannot record an event after failed CUDA copies; their pool bytes "
+                                 "are kept out of use")
+                self.cuda_quarantined += 1
+                return False
+        if sync.wait(done, time.monotonic() + 1.0):
+            release(False)
+            return False
+        for reg in hold:
+            self.registry.hold_more(reg)
+        with self._quarantine_lock:
+            self._quarantine.append((done, release, hold))
+        self.cuda_quarantined += 1
+        logger.warning("lmshm: CUDA copies did not complete within %.0f s; their pool bytes and registration "
+                       "are held until the GPU is done with them", self.cuda_timeout_s)
+        return False
+
+    def _drain_quarantine(self, sync: Any = None) -> None:
+        """Hand back what timed-out copies held, once the GPU is done with it (the loop's tick)."""
+        if not self._quarantine:
+            return
+        sync = sync or self._sync()
+        with self._quarantine_lock:
+            ready = [q for q in self._quarantine if sync.done(q[0])]
+            self._quarantine = [q for q in self._quarantine if q not in ready]
+        for _, release, hold in ready:
+            try:
+                release(False)
+            finally:
+                for reg in hold:
+                    self.registry.let_go(reg)
+
     def _store_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
         if session.ended:
             return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
         sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
+        isolated = self._cuda_mode()
         size = layout.chunk_bytes(cb)
         objs: list = []
         results: list[int] = []
+        freg = rescue = done = stream = None
+        queued = False
+        deadline = time.monotonic() + self.cuda_timeout_s
         try:
-            stream = sync.stream(dev)
-            if req.event:
-                sync.wait_ipc_event(stream, req.event, dev)
-            sync.pin(self.pool.tensor)
+            stream = sync.stream(dev, session.id)
+            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "STORE")
+            queued = freg is not None or bool(req.event)
+            base = self.pool.tensor.data_ptr()
             for i, key in enumerate(req.keys):
                 outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
                 results.append(outcome)
                 if obj is not None:
                     objs.append(obj)
-                    cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, store=True,
+                    view = self.pool.view(obj)
+                    sync.pin(self.pool.tensor, view.data_ptr() - base, size)
+                    queued = True
+                    cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], view, cb, store=True,
                                 copy=sync.copy, stream=stream)
-            done, handle = sync.record(stream, dev)
-        except CudaSyncError as exc:
-            self.pool.abort(objs)
-            self.pool.count_failure()
-            return _error(ErrorCode.INVALID_ARG, f"STORE: {exc}; nothing was stored")
+            done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001
-            self.pool.abort(objs)
+            hold = [reg] + ([freg] if freg is not None else [])
+
+            def failed(_ok: bool) -> None:
+                self.pool.abort(objs)
+            if queued and stream is not None:   # never hand back pool bytes the GPU may still write
+                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed)
+            else:
+                failed(False)
+            if freg is not None:
+                self.registry.let_go(freg)
             self.pool.count_failure()
-            logger.warning("lmshm: CUDA STORE from %s failed: %s", quote(reg.instance_id, 60), exc)
+            if isinstance(exc, CudaSyncError):
+                return _error(ErrorCode.INVALID_ARG, f"STORE: {exc}; nothing was stored")
+            if isinstance(exc, PinError):
+                logger.error("lmshm: %s", str(exc))   # str: a record keeping exc keeps its frames' tensors
+                return _error(ErrorCode.UNAVAILABLE, f"STORE: the server could not page-lock its pool ({exc}); "
+                                                     "nothing was stored")
+            logger.warning("lmshm: CUDA STORE from %s failed: %s", quote(reg.instance_id, 60), str(exc))
             return _error(ErrorCode.DATA_LOSS, f"STORE: the copies could not be queued ({clip(str(exc), 300)}); "
                                                "nothing was stored")
-        self.events.keep(session.id, done)
+        hold = [reg] + ([freg] if freg is not None else [])
+        outcome: list[bool] = []
 
-        def after() -> None:  # visible only once the copies have completed
-            try:
-                sync.synchronize(done)
-            except Exception as exc:  # noqa: BLE001
+        def release(ok: bool) -> None:   # visible only once the copies have completed
+            outcome.append(ok)
+            if not ok:
                 self.pool.abort(objs)
                 self.pool.count_failure()
-                logger.warning("lmshm: CUDA STORE from %s failed on the GPU: %s", quote(reg.instance_id, 60), exc)
                 return
             self.pool.commit(objs)
             if self.tiers is not None:
                 self.tiers.write_through(objs)
 
-        return _Then(protocol.StoreReply(results, size * len(objs), handle), after)
+        def after() -> None:
+            try:
+                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release)
+            finally:
+                if freg is not None:
+                    self.registry.let_go(freg)
+
+        if not isolated:
+            self.events.keep(session.id, done)
+            return _Then(protocol.StoreReply(results, size * len(objs), handle), after)
+        after()                       # isolated: the reply is the ordering, sent once the copies are done
+        if not outcome or not outcome[0]:
+            return _error(ErrorCode.UNAVAILABLE,
+                          f"STORE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
+                          "ordering signal never came, or the GPU is stuck); nothing was stored")
+        return protocol.StoreReply(results, size * len(objs), b"")
 
     def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
         objs, refused = self._pin_sources(session, reg, layout, uid, req)
@@ -372,29 +518,66 @@ class DataPlane:
             return refused
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
+        isolated = self._cuda_mode()
+        freg = rescue = done = stream = None
+        queued = False
+        deadline = time.monotonic() + self.cuda_timeout_s
         try:
-            stream = sync.stream(dev)
-            if req.event:
-                sync.wait_ipc_event(stream, req.event, dev)
-            sync.pin(self.pool.tensor)
+            stream = sync.stream(dev, session.id)
+            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE")
+            queued = freg is not None or bool(req.event)
+            base = self.pool.tensor.data_ptr()
             for i, obj in enumerate(objs):
-                cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj), cb, store=False,
+                view = self.pool.view(obj)
+                sync.pin(self.pool.tensor, view.data_ptr() - base, view.numel() * view.element_size())
+                queued = True
+                cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], view, cb, store=False,
                             copy=sync.copy, stream=stream)
-            done, handle = sync.record(stream, dev)
-        except Exception as exc:  # noqa: BLE001 - an unopenable event, or a copy that cannot be queued
-            self.pool.unpin(objs, retrieved=False)
+            done, handle = sync.record(stream, dev, not isolated)
+        except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
+            hold = [reg] + ([freg] if freg is not None else [])
+
+            def failed(_ok: bool) -> None:
+                self.pool.unpin(objs, retrieved=False)
+            if queued and stream is not None:   # never let pool bytes go that the GPU may still read
+                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed)
+            else:
+                failed(False)
+            if freg is not None:
+                self.registry.let_go(freg)
             self.pool.count_failure()
+            if isinstance(exc, PinError):
+                logger.error("lmshm: %s", str(exc))   # str: a record keeping exc keeps its frames' tensors
+                return _error(ErrorCode.UNAVAILABLE, f"RETRIEVE: the server could not page-lock its pool "
+                                                     f"({exc}); recompute these blocks")
             code = ErrorCode.INVALID_ARG if isinstance(exc, CudaSyncError) else ErrorCode.DATA_LOSS
             return _error(code, f"RETRIEVE: {clip(str(exc), 300)}; recompute these blocks")
-        self.events.keep(session.id, done)
+        hold = [reg] + ([freg] if freg is not None else [])
+        outcome: list[bool] = []
 
-        def after() -> None:  # the pool's bytes stay pinned until the GPU has read them
+        def release(ok: bool) -> None:   # the pool's bytes stay pinned until the GPU has read them
+            outcome.append(ok)
+            self.pool.unpin(objs, retrieved=ok)
+            if not ok:
+                self.pool.count_failure()
+
+        def after() -> None:
             try:
-                sync.synchronize(done)
+                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release)
             finally:
-                self.pool.unpin(objs, retrieved=True)
+                if freg is not None:
+                    self.registry.let_go(freg)
 
-        return _Then(protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys), handle), after)
+        nbytes = layout.chunk_bytes(cb) * len(req.keys)
+        if not isolated:
+            self.events.keep(session.id, done)
+            return _Then(protocol.RetrieveReply(len(req.keys), nbytes, handle), after)
+        after()
+        if not outcome or not outcome[0]:
+            return _error(ErrorCode.DATA_LOSS,
+                          f"RETRIEVE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
+                          "ordering signal never came, or the GPU is stuck); recompute these blocks")
+        return protocol.RetrieveReply(len(req.keys), nbytes, b"")
 
     def _cancelled(self, reg: Any) -> Callable[[bytes, bytes], None]:
         def cancel(identity: bytes, rid: bytes) -> None:
@@ -458,9 +641,17 @@ class DataPlane:
     def session_ended(self, session_id: Hashable) -> None:
         self.pool.release_session(session_id)
         self.events.drop(session_id)
+        if self._cuda_sync is not None and hasattr(self._cuda_sync, "drop_session"):
+            # after the session's queued jobs: the copier runs this in the session's order
+            def drop() -> None:
+                self._cuda_sync.drop_session(session_id)
+            self.copier.submit(session_id, drop, drop)
 
     def tick(self) -> None:
         self.pool.expire()
+        if self._cuda_sync is not None:
+            self.events.expire()
+            self._drain_quarantine(self._cuda_sync)
 
     def info(self) -> protocol.PoolInfo:
         tiers = self.tiers.info() if self.tiers is not None else []

@@ -538,6 +538,13 @@ class Registry:
             reg.holds += 1
         return reg
 
+    def hold_more(self, reg: Registration) -> None:
+        """One more hold on a registration the caller already holds (matched by a ``let_go``):
+        for memory that must outlive the operation, e.g. CUDA copies past their deadline."""
+        with self._lock:
+            assert reg.holds > 0, "hold_more needs a registration already held"
+            reg.holds += 1
+
     def let_go(self, reg: Registration) -> None:
         with self._lock:
             reg.holds -= 1

@@ -123,7 +123,7 @@ class Core:
             tiers=tiers, tier_queue=[c.disk_queue if t.name == "disk" else c.remote_queue for t in tiers],
             tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
             pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool,
-            pool_populate_ahead=c.pool_populate_ahead)
+            pool_populate_ahead=c.pool_populate_ahead, cuda_pin=c.cuda_pin, cuda_timeout_s=c.cuda_timeout_s)
 
     @classmethod
     def _open_tiers(cls, c: CoreConfig) -> list:

@@ -621,6 +621,7 @@ class WorkerStats:
     stored_bytes: int = 0
     failed_loads: int = 0
     dropped_stores: int = 0
+    cuda_errors: int = 0        # an ordering step failed in the worker: a miss or a dropped store
     load_s: list[float] = field(default_factory=list)
     store_s: list[float] = field(default_factory=list)
 
@@ -666,22 +667,24 @@ class WorkerSide:
         """RETRIEVE every load of this step and wait: the forward pass needs them. A load is
         whole or failed: if any group's RETRIEVE fails, all its blocks are reported."""
         t0 = time.perf_counter()
+        self.poll()
         pending = []
         for spec in plan.loads:
-            if self._fail_loads:
+            ready = self._cuda_ready() if not self._fail_loads else None
+            if self._fail_loads or ready is None:
                 self.link.release(spec.lease)
                 pending.append((spec, [None], None))
                 continue
-            ev, handle = self.cuda.ready() if self.cuda is not None else (None, b"")
+            ev, handle = ready
             sent = [self.link.retrieve(keys, ids, plan.chunk_blocks, spec.lease, handle, group=g)
                     for g, (keys, ids) in enumerate(zip(spec.keys[self.rank], spec.block_ids)) if keys]
             pending.append((spec, sent, ev))
         for spec, sent, _ev in pending:  # _ev lives until the replies are here
             replies = [self.link.outcome("retrieve", p) if p is not None else None for p in sent]
             if self.cuda is not None:
-                for reply in replies:
-                    if reply is not None:
-                        self.cuda.wait(reply.event)
+                for i, reply in enumerate(replies):
+                    if reply is not None and not self._cuda_wait(reply.event, "RETRIEVE"):
+                        replies[i] = None    # not ordered: the blocks are recomputed
             if any(reply is None for reply in replies):
                 self.failed_loads += 1
                 self.stats.failed_loads += 1
@@ -699,9 +702,17 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Send this step's STOREs; they complete in the background, unless the plan says the
         engine may free their blocks at its next step (``plan.wait_stores``)."""
-        ev, handle = self.cuda.ready() if self.cuda is not None and plan.stores else (None, b"")
+        self.poll()
+        ready = self._cuda_ready() if plan.stores else (None, b"")
+        if ready is None:                       # no ordering token: these stores cannot be sent
+            self.dropped_stores += len(plan.stores)
+            self.stats.dropped_stores += sum(len(k) for spec in plan.stores for k in spec.keys[self.rank])
+            plan_stores = []
+        else:
+            plan_stores = plan.stores
+        ev, handle = ready if ready is not None else (None, b"")
         now = time.perf_counter()
-        for spec in plan.stores:
+        for spec in plan_stores:
             mine = self._stores.setdefault(spec.req_id, [])
             for g, (keys, ids) in enumerate(zip(spec.keys[self.rank], spec.block_ids)):
                 if not keys:
@@ -723,18 +734,52 @@ class WorkerSide:
             for store in self._stores.get(req_id, []):
                 self._settle(store)
 
+    # ---- CUDA ordering: no CUDA error leaves the connector --------------------------------
+    def _cuda_ready(self) -> Optional[tuple[Any, bytes]]:
+        """``(keep, token)`` for requests sent now (``(None, b"")`` on CPU); None if the
+        ordering token could not be made (counted; the requests are not sent)."""
+        if self.cuda is None:
+            return None, b""
+        try:
+            return self.cuda.ready()
+        except Exception as exc:  # noqa: BLE001 - a CUDA error is a miss or a dropped store, never the engine's
+            self.stats.cuda_errors += 1
+            self.link._warn.warn("cuda-ready", "lmshm: cannot make a CUDA ordering token (%s); these blocks are "
+                                 "not copied", str(exc))
+            return None
+
+    def _cuda_wait(self, handle: bytes, what: str) -> bool:
+        try:
+            self.cuda.wait(handle)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.stats.cuda_errors += 1
+            self.link._warn.warn("cuda-wait", "lmshm: cannot wait for the server's %s event (%s)", what, str(exc))
+            return False
+
+    def poll(self) -> None:
+        """Settle every STORE whose reply is here (each step): the server's event is opened
+        and waited on at once, long before the server lets it go (``EVENT_MIN_AGE_S``)."""
+        for stores in self._stores.values():
+            for st in stores:
+                if not st.settled and st.pending.done():
+                    self._settle(st)
+
     def _settle(self, store: _InFlight) -> None:
         if store.settled:
             return
         reply = self.link.outcome("store", store.pending)
+        if reply is not None and self.cuda is not None:
+            # Counted if it fails: the server keeps its events long past their completion
+            # (EVENT_MIN_AGE_S), so an event that cannot be opened here is one it destroyed
+            # after its copies were done, or a driver fault.
+            self._cuda_wait(reply.event, "STORE")
         if reply is not None:
             ok = sum(1 for r in reply.results if r == 0)
             self.stored_chunks += ok
             self.stats.stored_chunks += ok
             self.stats.stored_bytes += reply.nbytes
             self.stats.store_s.append(time.perf_counter() - store.sent)
-            if self.cuda is not None:
-                self.cuda.wait(reply.event)  # the blocks are reused only after the server read them
         else:
             self.stats.dropped_stores += 1
         store.settled, store.event = True, None
@@ -742,6 +787,7 @@ class WorkerSide:
     def finished(self, finished_req_ids: Iterable[str]) -> set[str]:
         """Requests whose blocks may be freed now: finished, and no store in flight."""
         self._finishing.update(r for r in finished_req_ids if r in self._stores)
+        self.poll()
         done = set()
         for req_id in list(self._finishing):
             stores = self._stores.get(req_id, [])

@@ -138,7 +138,7 @@ class LmshmWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc,valid
 # ---- statistics, in vLLM's logged stats and its Prometheus metrics ----------------------
 
 _COUNTERS = ("lookups", "hit_tokens", "loaded_chunks", "loaded_bytes", "stored_chunks", "stored_bytes",
-             "failed_loads", "dropped_stores")
+             "failed_loads", "dropped_stores", "cuda_errors")
 _TIMINGS = ("lookup_s", "load_s", "store_s")
 _MAX_SAMPLES = 10_000
 
@@ -193,6 +193,7 @@ if KVConnectorPromMetrics is not None:
             "stored_bytes": "KV bytes stored in lmshm-server (every rank)",
             "failed_loads": "loads that failed and were recomputed",
             "dropped_stores": "STOREs dropped (server unreachable, timed out, or shut down first)",
+            "cuda_errors": "CUDA ordering steps that failed in the worker (each a recomputed load or dropped store)",
         }
 
         def __init__(self, vllm_config: Any, metric_types: Any, labelnames: list[str],
@@ -465,7 +466,8 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         if first is not None and first.is_cuda:
             from lmshm.core.cuda_sync import WorkerCudaSync
 
-            self._worker.cuda = WorkerCudaSync(first.device.index or 0)
+            # Isolated mode registers a flag page through the link's client, once it is up.
+            self._worker.cuda = WorkerCudaSync(first.device.index or 0, client=self._link.client)
         self._link.register_groups(groups, model_name=self._model_name, world_size=self._world, rank=self._rank,
                                    block_dim=block_dim)
         self._link.wait_connected(self._link.config.timeout_s)

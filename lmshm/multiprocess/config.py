@@ -159,6 +159,14 @@ SETTINGS: tuple[Setting, ...] = (
             "start, so that the first STOREs (and STOREs into memory the pool never used) find their pages there "
             "instead of waiting for the kernel to fault them in; the pool uses at most this much memory more than "
             "it ever held (default 256MiB; 0 = off; Linux >= 5.14, else nothing is populated)", "SIZE", "size"),
+    Setting("cuda_pin", "--cuda-pin", "LMSHM_CUDA_PIN", "cuda_pin",
+            "how the pool is page-locked for CUDA copies: lazy (in 256 MiB extents, as copies first use them; the "
+            "default), start (all of it when the server starts: every page is then resident and locked), or off "
+            "(never: the driver stages each copy, slower)", "MODE"),
+    Setting("cuda_timeout_s", "--cuda-timeout", "LMSHM_CUDA_TIMEOUT", "cuda_timeout",
+            "longest a CUDA STORE/RETRIEVE's copies may take, waiting for the worker's ordering signal "
+            "included, in seconds; past it the request fails and the pool bytes it touched stay out of use until "
+            "the GPU is done with them (default 30)", "SECONDS"),
     Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
             "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
     Setting("max_inflight_per_session", "--max-inflight-per-session", "LMSHM_MAX_INFLIGHT",

@@ -1,10 +1,12 @@
 """FakeCudaSync -- a FAKE of ``lmshm.core.cuda_sync.TorchCudaSync`` for CPU-only logic tests.
 
 Same methods; copies run at once on the (host) tensors the fake driver hands out, events are
-counters, and every call is logged in order, so a test can check *what the data plane asks the
-GPU to do, and when* (wait on the worker's event before any copy, reply before the server
-waits, commit or unpin only after it). It proves nothing about CUDA itself; the same requests
-run on a GPU in ``test_cuda_server_e2e.py`` (``scripts/gpu-check``).
+small objects that complete at once unless the test holds them (``hold_events``), flag waits
+read the simulated word, and every call is logged in order, so a test can check *what the data
+plane asks the GPU to do, and when* (wait on the worker's token before any copy, reply before
+or after the server's wait, commit or unpin only after it). It proves nothing about CUDA itself;
+the same requests run on a GPU in ``test_cuda_server_e2e.py`` and ``test_cuda_dataplane_gpu.py``
+(``scripts/gpu-check``).
 """
 
 from __future__ import annotations
@@ -14,34 +16,74 @@ from typing import Any, Callable, Optional
 from lmshm.core.cuda_sync import CudaSyncError
 
 
+class FakeEvent:
+    def __init__(self, n: int, done: bool) -> None:
+        self.n, self.complete = n, done
+
+    def __repr__(self) -> str:
+        return f"event{self.n}"
+
+
 class FakeCudaSync:
-    def __init__(self) -> None:
+    def __init__(self, read_word: Optional[Callable[[int], int]] = None) -> None:
         self.log: list[str] = []
         self._events = 0
         self.on_synchronize: Optional[Callable[[], None]] = None
+        self.hold_events = False            # new events stay incomplete until complete_all()
+        self.made: list[FakeEvent] = []
+        self.read_word = read_word          # reads a simulated 8-byte word (flag waits)
+        self.flag_waits: list[tuple[int, int]] = []
+        self.rescued: list[tuple[int, int]] = []
+        self.pins: list[tuple[int, int]] = []
+        self.dropped: list[Any] = []
 
-    def stream(self, device: int) -> str:
+    def stream(self, device: int, session: Any = None) -> str:
         self.log.append(f"stream:{device}")
-        return f"stream{device}"
+        return f"stream{device}-{session}"
+
+    def drop_session(self, session: Any) -> None:
+        self.dropped.append(session)
 
     def wait_ipc_event(self, stream: Any, handle: bytes, device: int) -> None:
         if len(handle) != 64:
             raise CudaSyncError(f"cannot open the worker's CUDA event: a handle is 64 bytes, got {len(handle)}")
         self.log.append(f"wait:{handle[:1].decode()}")
 
+    def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
+        self.flag_waits.append((ptr, seq))
+        self.log.append(f"wait-flag:{seq}")
+        if self.read_word is not None and self.read_word(ptr) < seq:
+            self.hold_events = True          # the stream is blocked: nothing after it completes
+
+    def rescue(self, ptr: int, seq: int, device: int) -> None:
+        self.rescued.append((ptr, seq))
+        self.log.append(f"rescue:{seq}")
+
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
         dst.copy_(src)
         self.log.append("copy")
 
-    def record(self, stream: Any, device: int) -> tuple[Any, bytes]:
+    def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
         self._events += 1
         self.log.append(f"record:{self._events}")
-        return f"event{self._events}", bytes([self._events]) * 64
+        ev = FakeEvent(self._events, not self.hold_events)
+        self.made.append(ev)
+        return ev, (bytes([self._events]) * 64 if interprocess else b"")
 
-    def synchronize(self, event: Any) -> None:
+    def complete_all(self) -> None:
+        self.hold_events = False
+        for ev in self.made:
+            ev.complete = True
+
+    def done(self, event: Any) -> bool:
+        return event.complete
+
+    def wait(self, event: Any, deadline: float) -> bool:
         if self.on_synchronize is not None:
             self.on_synchronize()
-        self.log.append(f"sync:{event}")
+        self.log.append(f"sync:{event}" if event.complete else f"timeout:{event}")
+        return event.complete
 
-    def pin(self, tensor: Any) -> None:
+    def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:
+        self.pins.append((offset, nbytes))
         self.log.append("pin")

@@ -173,3 +173,267 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
         dp.shutdown()
         registry.release_all()
         leader.close()
+
+
+# ---- isolated mode's flag words, deadlines, quarantine, event lifetimes (issue 26: 2, 4, 5, 7) ----
+import ctypes  # noqa: E402
+import time  # noqa: E402
+
+from lmshm.core import cuda_sync  # noqa: E402
+from lmshm.core.cuda_sync import FLAG_LAYER, SLOTS, EventKeeper, flag_token, parse_flag_token  # noqa: E402
+
+
+def _word(ptr: int) -> int:
+    return int.from_bytes(ctypes.string_at(ptr, 8), "little")
+
+
+@pytest.fixture
+def isolated(gpu_registration, fake_driver, as_consumer):
+    """The same registration, in isolated mode, with a flag page registered by the same session."""
+    g = gpu_registration
+    page_base = fake_driver.malloc(SLOTS * 8)
+    as_consumer()                                # back to the producer's identity to export it
+    owner = RawCudaIPCWrapper.from_pointer(page_base, SLOTS * 8, torch.int64, (SLOTS,), 0)
+    as_consumer()
+    g.as_consumer = as_consumer
+    wire = DeviceIPCWrapper.Deserialize(owner.Serialize())
+    g.dp.registry.register(peer=g.session.peer, instance_id="flags-1", model_name=FLAG_LAYER, world_size=1,
+                           worker_rank=0, groups=[LayerGroup(wire, [FLAG_LAYER], [0])])
+    g.dp._isolated = True
+    g.sync.read_word = _word
+    g.page = g.dp.registry.get("flags-1").tensor(FLAG_LAYER)
+    yield g
+    g.page = None                               # the server-side view holds the mapping
+    owner.close()
+
+
+def _set_word(g, slot: int, value: int) -> None:
+    g.page[slot] = value                 # the fake's "device" memory is host memory
+
+
+def test_a_flag_token_round_trips_and_refuses_what_is_not_one():
+    t = flag_token(7, 123456789, "flags-1")
+    assert len(t) <= 64 and parse_flag_token(t) == (7, 123456789, "flags-1")
+    assert parse_flag_token(b"W" * 64) is None                    # an IPC event handle
+    for bad in (cuda_sync.FLAG_MAGIC + b"\0" * 4, flag_token(0, 1, "x")[:16] + b"\xff\xfe"):
+        with pytest.raises(cuda_sync.CudaSyncError):
+            parse_flag_token(bad)
+    with pytest.raises(cuda_sync.CudaSyncError, match="out of range"):
+        parse_flag_token(cuda_sync._FLAG_HEAD.pack(cuda_sync.FLAG_MAGIC, SLOTS, 1) + b"flags-1")
+
+
+def test_isolated_store_waits_on_the_workers_word_and_replies_only_after_the_copies(isolated):
+    g = isolated
+    _set_word(g, 5, 41)                                  # the worker's stream wrote 41 (>= 41: go)
+    seen = []
+    g.sync.on_synchronize = lambda: seen.append((len(g.replies), g.dp.pool.info()["objects"]))
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
+    (reply,) = g.replies
+    assert reply.results == [protocol.StoreResult.STORED] and reply.event == b""   # no IPC event to open
+    assert g.sync.log == ["stream:0", "wait-flag:41", "pin", "copy", "copy", "record:1", "sync:event1"]
+    assert seen == [(0, 0)]                      # the wait came before the reply and the commit
+    assert g.sync.flag_waits == [(g.page.data_ptr() + 8 * 5, 41)]
+    assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 0
+    assert g.dp.registry.get("flags-1").holds == 0
+
+
+def test_isolated_retrieve_unpins_before_its_reply(isolated):
+    g = isolated
+    _set_word(g, 1, 1)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
+    _set_word(g, 2, 2)
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(2, 2, "flags-1")))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.RetrieveReply) and reply.event == b"" and g.dp.pool.info()["pinned"] == 0
+    assert block(g.fake, g.base, 0, 5) == block(g.fake, g.base, 0, 1)
+
+
+def test_a_flag_word_that_never_comes_is_rescued_and_fails_the_store_with_nothing_handed_back(isolated):
+    g = isolated
+    g.dp.cuda_timeout_s = 0.05
+    reg = g.dp.registry.get("gpu")
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 9, "flags-1")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "ordering signal never came" in reply.message
+    assert g.sync.rescued == [(g.page.data_ptr() + 8 * 3, 9)]      # the server unblocked its own stream
+    info = g.dp.pool.info()
+    assert info["in_flight"] == 1 and info["objects"] == 0          # reserved bytes still out of use...
+    assert reg.holds == 1 and g.dp.registry.get("flags-1").holds == 1 and g.dp.cuda_quarantined == 1
+    g.dp.tick()
+    assert g.dp.pool.info()["in_flight"] == 1                       # ...while the GPU may write them
+    g.sync.complete_all()
+    g.dp.tick()
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0) and info["failed"] == 1
+    assert reg.holds == 0 and g.dp.registry.get("flags-1").holds == 0
+
+
+def test_a_default_mode_copy_past_its_deadline_holds_its_bytes_until_the_gpu_is_done(gpu_registration):
+    g = gpu_registration
+    g.dp.cuda_timeout_s = 0.05
+    g.sync.hold_events = True
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply)       # replied at once, the worker waits on the GPU
+    assert g.dp.pool.info()["in_flight"] == 1 and g.dp.registry.get("gpu").holds == 1
+    assert any(x.startswith("timeout:") for x in g.sync.log)
+    g.sync.complete_all()
+    g.dp.tick()
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["objects"], info["failed"]) == (0, 0, 1)   # failed, never committed
+    assert g.dp.registry.get("gpu").holds == 0
+
+
+def test_a_failure_after_copies_were_queued_waits_for_the_gpu_before_aborting(gpu_registration, monkeypatch):
+    g = gpu_registration
+    real_record = g.sync.record
+    calls = []
+
+    def record(stream, device, interprocess=True):
+        calls.append(interprocess)
+        if len(calls) == 1:
+            raise RuntimeError("cudaEventRecord failed (injected)")
+        return real_record(stream, device, interprocess)
+
+    monkeypatch.setattr(g.sync, "record", record)
+    g.sync.hold_events = True
+    g.dp.cuda_timeout_s = 0.05
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS
+    assert calls == [True, False]                     # a plain event to learn when the copies are done
+    assert g.dp.pool.info()["in_flight"] == 1         # not aborted while the queued copies may run
+    g.sync.complete_all()
+    g.dp.tick()
+    assert g.dp.pool.info()["in_flight"] == 0 and g.dp.registry.get("gpu").holds == 0
+
+
+def test_a_flag_token_naming_anothers_page_is_refused(isolated, fake_driver):
+    g = isolated
+    other = local_peer("s2")
+    page = fake_driver.malloc(SLOTS * 8)
+    g.as_consumer()
+    owner = RawCudaIPCWrapper.from_pointer(page, SLOTS * 8, torch.int64, (SLOTS,), 0)
+    g.as_consumer()
+    try:
+        wire = DeviceIPCWrapper.Deserialize(owner.Serialize())
+        g.dp.registry.register(peer=other, instance_id="flags-2", model_name=FLAG_LAYER, world_size=1,
+                               worker_rank=0, groups=[LayerGroup(wire, [FLAG_LAYER], [0])])
+        run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(0, 1, "flags-2")))
+        (reply,) = g.replies
+        assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.INVALID_ARG, reply
+        assert "belongs to another session" in reply.message and "copy" not in g.sync.log
+        assert g.dp.pool.info()["in_flight"] == 0
+    finally:
+        owner.close()
+
+
+def test_a_flag_page_of_the_wrong_shape_is_refused(gpu_registration):
+    g = gpu_registration
+    g.dp._isolated = True
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(0, 1, "gpu")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.INVALID_ARG
+    assert "is not a flag page" in reply.message and g.dp.registry.get("gpu").holds == 0
+
+
+def test_a_sessions_streams_are_dropped_after_its_queued_jobs(gpu_registration):
+    g = gpu_registration
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2))
+    g.dp.session_ended("s1")
+    deadline = time.monotonic() + 5
+    while not g.sync.dropped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert g.sync.dropped == ["s1"]
+
+
+class _Ev:
+    def __init__(self, done: bool) -> None:
+        self.finished = done
+
+
+def test_server_events_live_until_done_and_old_enough_and_the_cap_takes_only_completed_ones():
+    keeper = EventKeeper(min_age_s=30, cap=3, done=lambda ev: ev.finished)
+    pending, old = _Ev(False), _Ev(True)
+    keeper.keep("s", old, now=0)
+    keeper.keep("s", pending, now=1)
+    keeper.expire(now=10)
+    assert len(keeper) == 2                     # younger than 30 s: kept, though done
+    keeper.expire(now=40)
+    assert len(keeper) == 1                     # the old done one went; the pending one stays
+    keeper.expire(now=1000)
+    assert len(keeper) == 1                     # pending: never destroyed under the worker
+    for i in range(4):
+        keeper.keep("s", _Ev(True), now=1000 + i)
+    assert len(keeper) == 3 and keeper.dropped_early == 2   # past the cap: the oldest completed went early
+    pending.finished = True
+    keeper.expire(now=2000)
+    assert len(keeper) == 0
+
+
+class FakeCudart:
+    """A FAKE of ``torch.cuda.cudart()``: records cudaHostRegister calls (no memory is locked)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.fail = fail
+
+    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802
+        if self.fail:
+            return 2                               # cudaErrorMemoryAllocation
+        self.registered.append((ptr, size))
+        return 0
+
+    def cudaHostUnregister(self, ptr):  # noqa: N802
+        self.registered = [r for r in self.registered if r[0] != ptr]
+        return 0
+
+
+def test_the_pool_is_pinned_in_extents_as_copies_use_them(monkeypatch, fake_driver):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    sync = cuda_sync.TorchCudaSync("lazy")
+    pool = torch.empty(3 * cuda_sync.PIN_EXTENT + 4096, dtype=torch.uint8, device="meta")
+    pool = SimpleNamespace(data_ptr=lambda: 1 << 40, numel=lambda: 3 * cuda_sync.PIN_EXTENT + 4096,
+                           element_size=lambda: 1)
+    sync.pin(pool, 10, 100)
+    assert cudart.registered == [(1 << 40, cuda_sync.PIN_EXTENT)]           # one extent, not the pool
+    sync.pin(pool, cuda_sync.PIN_EXTENT - 10, 20)                           # straddles into the second
+    sync.pin(pool, 3 * cuda_sync.PIN_EXTENT, 10)                            # the short last extent
+    assert cudart.registered[1:] == [((1 << 40) + cuda_sync.PIN_EXTENT, cuda_sync.PIN_EXTENT),
+                                     ((1 << 40) + 3 * cuda_sync.PIN_EXTENT, 4096)]
+    assert sync.pinned_bytes(pool) == 2 * cuda_sync.PIN_EXTENT + 4096
+    sync.unpin_all([pool])
+    assert cudart.registered == []
+    start = cuda_sync.TorchCudaSync("start")
+    start.pin(pool, 0, 1)
+    assert sum(size for _, size in cudart.registered) == 3 * cuda_sync.PIN_EXTENT + 4096
+    off = cuda_sync.TorchCudaSync("off")
+    before = list(cudart.registered)
+    off.pin(pool, 0, 1)
+    assert cudart.registered == before
+    with pytest.raises(cuda_sync.PinError, match="cuda-pin off"):
+        cudart.fail = True
+        cuda_sync.TorchCudaSync("lazy").pin(SimpleNamespace(data_ptr=lambda: 1 << 41, numel=lambda: 10,
+                                                            element_size=lambda: 1), 0, 1)
+
+
+def test_a_pin_failure_is_the_servers_unavailable_not_the_workers_error(gpu_registration, monkeypatch):
+    g = gpu_registration
+
+    def refuse(pool, offset=0, nbytes=-1):
+        raise cuda_sync.PinError("cudaHostRegister ... failed: error 2")
+
+    monkeypatch.setattr(g.sync, "pin", refuse)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE
+    assert "page-lock" in reply.message and g.dp.pool.info()["in_flight"] == 0
+
+
+def test_an_unknown_pin_mode_is_refused_naming_the_choices():
+    with pytest.raises(Exception, match="lazy, start, off"):
+        DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
+                  max_leases_per_session=8, reply=lambda *a: None, cuda_pin="eager")
