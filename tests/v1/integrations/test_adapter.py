@@ -386,3 +386,66 @@ def test_a_window_model_needs_one_block_per_chunk():
     with pytest.raises(ValueError, match="positive multiple"):
         SchedulerSide(Link(LinkConfig(url="tcp://127.0.0.1:9"), connect_now=False), Namespace("m", "f", "L"),
                       chunk_tokens=24, block_size=BLOCK)
+
+
+class FakeWorkerCudaSync:
+    """A FAKE of ``lmshm.core.cuda_sync.WorkerCudaSync`` (its two methods), over a CPU
+    registration: it records which reply events the worker waited on, and fails on demand. The
+    real one runs on a GPU in tests/v1/platform/cuda/test_cuda_dataplane_gpu.py."""
+
+    device = 0
+
+    def __init__(self) -> None:
+        self.waited: list[bytes] = []
+        self.fail_ready = self.fail_wait = False
+
+    def ready(self):
+        if self.fail_ready:
+            raise RuntimeError("cudaEventRecord failed (injected)")
+        return object(), b""
+
+    def wait(self, handle: bytes) -> None:
+        if self.fail_wait:
+            raise RuntimeError("cudaIpcOpenEventHandle failed (injected)")
+        self.waited.append(handle)
+
+
+def test_store_replies_are_settled_at_the_next_step_not_when_the_request_finishes(server):
+    a = Engine(server.url, "A")
+    a.worker.cuda = FakeWorkerCudaSync()
+    try:
+        a.prefill("r", list(range(64)), [0, 1, 2, 3])
+        pending = [st.pending for st in a.worker._stores["r"]]
+        wait_for(lambda: all(p.done() for p in pending), 10, what="the STORE replies")
+        assert a.worker.cuda.waited == []
+        a.worker.save(a.sched.plan())                   # the next step, with nothing to store
+        assert len(a.worker.cuda.waited) == len(pending) and all(st.settled for st in a.worker._stores["r"])
+        assert a.worker.stored_chunks == 4              # settled before the request ever finished
+    finally:
+        a.close()
+        gc.collect()
+
+
+def test_no_cuda_error_leaves_the_worker_side(server):
+    a = Engine(server.url, "A")
+    fake = a.worker.cuda = FakeWorkerCudaSync()
+    try:
+        tokens = list(range(64))
+        fake.fail_ready = True
+        a.prefill("r0", tokens, [0, 1, 2, 3])           # no ordering token: the stores are dropped
+        assert a.worker.stats.cuda_errors == 1 and a.worker.stats.dropped_stores == 4
+        assert "r0" not in a.worker._stores or a.worker._stores["r0"] == []
+        fake.fail_ready = False
+        a.prefill("r1", tokens, [0, 1, 2, 3])
+        a.worker.wait_for_stores()
+        assert a.sched.matched_tokens("again", tokens, 0) == 63
+        a.sched.allocated("again", [[8, 9, 10, 11]], 63)
+        plan = a.sched.plan()
+        a.sched.take_loads(plan)
+        fake.fail_wait = True                           # the server's event cannot be waited on
+        a.worker.load(plan)
+        assert a.worker.take_load_errors() == {8, 9, 10, 11} and a.worker.failed_loads == 1
+        assert a.worker.stats.cuda_errors == 2
+    finally:
+        a.close()
+        gc.collect()
