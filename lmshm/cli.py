@@ -105,6 +105,12 @@ def format_status_table(status) -> str:
             f"{p.retrieved} retrieved, {p.store_skipped} store(s) skipped, {p.evictions} eviction(s)"
             + (f", {p.pins_capped} chunk(s) found but not pinned (per-uid caps)" if p.pins_capped else "")
             + (f", {p.failed} failed" if p.failed else ""))
+        if p.cuda_pinned_bytes or p.cuda_quarantined or p.cuda_events_dropped:
+            lines.append(f"cuda: {_human_bytes(p.cuda_pinned_bytes)} of the pool page-locked"
+                         + (f", {p.cuda_quarantined} request(s) past --cuda-timeout (their bytes held until the "
+                            "GPU was done)" if p.cuda_quarantined else "")
+                         + (f", {p.cuda_events_dropped} server event(s) let go early (per-session cap)"
+                            if p.cuda_events_dropped else ""))
     else:
         lines.append("pool: none (lmshm-server --capacity 0)")
     for t in getattr(p, "tiers", ()):   # 3.5

@@ -655,7 +655,10 @@ class DataPlane:
 
     def info(self) -> protocol.PoolInfo:
         tiers = self.tiers.info() if self.tiers is not None else []
-        return protocol.PoolInfo(**self.pool.info(), tiers=tiers)
+        sync = self._cuda_sync
+        pinned = sync.pinned_bytes(self.pool.tensor) if sync is not None and hasattr(sync, "pinned_bytes") else 0
+        return protocol.PoolInfo(**self.pool.info(), cuda_pinned_bytes=pinned, cuda_quarantined=self.cuda_quarantined,
+                                 cuda_events_dropped=self.events.dropped_early, tiers=tiers)
 
     def shutdown(self) -> None:
         """Cancel queued copies, wait for running ones, drop the pool."""

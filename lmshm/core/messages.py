@@ -254,6 +254,11 @@ class PoolInfo(msgspec.Struct, frozen=True):
     lease_pins: int = 0      # pins the leases hold (each lease pins each of its objects once)
     pins_capped: int = 0     # chunks LOOKUP found but did not pin: a per-uid cap
     uids: int = 0            # uids holding objects or leases
+    # CUDA (docs/design/dataplane.md): pool bytes page-locked; requests whose copies outlived
+    # --cuda-timeout (their bytes held until the GPU was done); server events let go early
+    cuda_pinned_bytes: int = 0
+    cuda_quarantined: int = 0
+    cuda_events_dropped: int = 0
     tiers: list[TierInfo] = []   # 3.5: the tiers below the pool, top first (none without --disk)
 
 

@@ -82,7 +82,7 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 5
+PROTOCOL_MINOR = 6
 
 PEEK_MAX_BYTES = 4096
 STATUS_PAGE = 1000       # registrations one STATUS reply lists at most

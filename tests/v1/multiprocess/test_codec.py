@@ -237,11 +237,14 @@ def test_every_message_encodes_to_the_same_bytes_as_protocol_3_3():
         if isinstance(m, p.StatusReply):   # 3.5 added pool.tiers (empty here): the rest is 3.3's bytes
             raw = msgspec.msgpack.decode(data)
             assert raw["pool"].pop("tiers") == []
+            for added in ("cuda_pinned_bytes", "cuda_quarantined", "cuda_events_dropped"):   # 3.6
+                assert raw["pool"].pop(added) == 0
             data = msgspec.msgpack.encode(raw)
         assert data.hex() == WIRE_3_3[type(m).__name__], type(m).__name__
     # 3.4 added STATUS's optional fields and STATUS_PAGE_REPLY; every 3.3 message keeps its bytes,
-    # 3.5 added pool.tiers (taken out above: the rest of STATUS_REPLY is 3.3's bytes)
-    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 5)
+    # 3.5 added pool.tiers and 3.6 pool's CUDA counters (taken out above: the rest of STATUS_REPLY
+    # is 3.3's bytes); 3.6's flag tokens travel in STORE/RETRIEVE's existing event field
+    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 6)
 
 
 def test_a_3_3_status_decodes_as_3_5_and_a_3_3_pool_reads_a_3_5_one():
