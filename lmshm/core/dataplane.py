@@ -665,6 +665,15 @@ class DataPlane:
         self.copier.shutdown()
         if self.tiers is not None and not self.tiers.close():
             return                          # a tier's thread is stuck on the pool's bytes: keep it mapped
+        if self._cuda_sync is not None:
+            deadline = time.monotonic() + 5.0
+            while self._quarantine and time.monotonic() < deadline:
+                self._drain_quarantine(self._cuda_sync)
+                time.sleep(0.01)
+            if self._quarantine:
+                logger.error("lmshm: %d CUDA request(s) still have copies on the GPU; the pool stays mapped",
+                             len(self._quarantine))
+                return                      # DMA may still reach the pool's bytes: keep them
         if self._cuda_sync is not None and hasattr(self._cuda_sync, "unpin_all"):
             try:
                 self._cuda_sync.unpin_all([self.pool.tensor])

@@ -437,3 +437,19 @@ def test_an_unknown_pin_mode_is_refused_naming_the_choices():
     with pytest.raises(Exception, match="lazy, start, off"):
         DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
                   max_leases_per_session=8, reply=lambda *a: None, cuda_pin="eager")
+
+
+def test_shutdown_keeps_the_pool_while_quarantined_copies_may_still_reach_it(gpu_registration, monkeypatch):
+    g = gpu_registration
+    g.dp.cuda_timeout_s = 0.01
+    g.sync.hold_events = True
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    released = []
+    monkeypatch.setattr(g.dp.pool, "release", lambda: released.append(True))
+    monkeypatch.setattr(time, "monotonic", lambda t=[0.0]: t.__setitem__(0, t[0] + 1.0) or t[0])  # 5 s pass fast
+    g.dp.shutdown()
+    assert released == [] and g.dp._quarantine            # still mapped: the GPU may write into it
+    monkeypatch.undo()
+    g.sync.complete_all()
+    g.dp._drain_quarantine(g.sync)
+    assert g.dp.registry.get("gpu").holds == 0
