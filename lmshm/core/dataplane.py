@@ -387,22 +387,26 @@ class DataPlane:
         return self._isolated
 
     def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float, rescue: Any,
-                     hold: list, release: Callable[[bool], None]) -> bool:
+                     hold: list, release: Callable[[bool], None], session: Any = None,
+                     writes_worker: bool = False) -> bool:
         """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline, rescue a flag
         wait (the worker's signal never came), and if the GPU is still not done, quarantine:
-        ``release(False)`` runs once it is, with the registrations in ``hold`` still held."""
+        ``release(False)`` runs once it is, with the registrations in ``hold`` still held.
+
+        A RETRIEVE (``writes_worker``) is rescued only once its session has ended: its copies
+        write the worker's blocks, which a live worker may still be using."""
         if done is not None and sync.wait(done, deadline):
             release(True)
             return True
-        if rescue is not None:
-            try:
-                sync.rescue(rescue[0], rescue[1], dev)
-            except Exception:  # noqa: BLE001
-                logger.exception("lmshm: writing a worker's flag word from the server failed")
+        later = None
+        if rescue is not None and writes_worker and not getattr(session, "ended", True):
+            later = rescue
+        elif rescue is not None:
+            self._rescue(sync, rescue, dev)
         if done is None:
             try:
                 done, _ = sync.record(stream, dev, False)
-            except Exception:  # noqa: BLE001 - nothing to wait on: keep everything, forever
+            except Exception:  # noqa: BLE001 - nothing to wait on: keep the pool bytes out of use, forever
                 logger.exception("lmshm: cannot record an event after failed CUDA copies; their pool bytes "
                                  "are kept out of use")
                 self.cuda_quarantined += 1
@@ -413,21 +417,32 @@ class DataPlane:
         for reg in hold:
             self.registry.hold_more(reg)
         with self._quarantine_lock:
-            self._quarantine.append((done, release, hold))
+            self._quarantine.append([done, release, hold, later, session, dev])
         self.cuda_quarantined += 1
         logger.warning("lmshm: CUDA copies did not complete within %.0f s; their pool bytes and registration "
                        "are held until the GPU is done with them", self.cuda_timeout_s)
         return False
 
+    def _rescue(self, sync: Any, rescue: tuple[int, int], dev: int) -> None:
+        try:
+            sync.rescue(rescue[0], rescue[1], dev)
+        except Exception:  # noqa: BLE001
+            logger.exception("lmshm: writing a worker's flag word from the server failed")
+
     def _drain_quarantine(self, sync: Any = None) -> None:
-        """Hand back what timed-out copies held, once the GPU is done with it (the loop's tick)."""
+        """Hand back what timed-out copies held, once the GPU is done with it; rescue the flag
+        waits of RETRIEVEs whose session has ended (the loop's tick)."""
         if not self._quarantine:
             return
         sync = sync or self._sync()
         with self._quarantine_lock:
             ready = [q for q in self._quarantine if sync.done(q[0])]
             self._quarantine = [q for q in self._quarantine if q not in ready]
-        for _, release, hold in ready:
+            ended = [q for q in self._quarantine if q[3] is not None and getattr(q[4], "ended", True)]
+            for q in ended:
+                rescue, q[3] = q[3], None
+                self._rescue(sync, rescue, q[5])
+        for _, release, hold, *_ in ready:
             try:
                 release(False)
             finally:
@@ -540,7 +555,7 @@ class DataPlane:
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
-                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed)
+                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed, session, True)
             else:
                 failed(False)
             if freg is not None:
@@ -563,7 +578,7 @@ class DataPlane:
 
         def after() -> None:
             try:
-                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release)
+                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release, session, True)
             finally:
                 if freg is not None:
                     self.registry.let_go(freg)

@@ -453,3 +453,24 @@ def test_shutdown_keeps_the_pool_while_quarantined_copies_may_still_reach_it(gpu
     g.sync.complete_all()
     g.dp._drain_quarantine(g.sync)
     assert g.dp.registry.get("gpu").holds == 0
+
+
+def test_a_retrieve_whose_word_never_comes_is_rescued_only_once_its_session_ended(isolated):
+    """Its copies write the worker's blocks: a live worker may still be using them."""
+    g = isolated
+    _set_word(g, 1, 1)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
+    g.dp.cuda_timeout_s = 0.05
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(2, 7, "flags-1")))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS, reply
+    assert g.sync.rescued == [] and g.dp.pool.info()["pinned"] == 1      # held, not rescued: the worker lives
+    g.dp.tick()
+    assert g.sync.rescued == []
+    g.session.ended = True
+    g.dp.tick()
+    assert g.sync.rescued == [(g.page.data_ptr() + 8 * 2, 7)]            # gone: its stream may go on
+    g.sync.complete_all()
+    g.dp.tick()
+    assert g.dp.pool.info()["pinned"] == 0 and g.dp.registry.get("gpu").holds == 0
