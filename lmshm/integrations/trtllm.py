@@ -107,7 +107,8 @@ class TrtllmKVPool:
         if device.type == "cuda":
             from lmshm.core.cuda_sync import WorkerCudaSync
 
-            self._cuda = WorkerCudaSync(device.index or 0)
+            self._cuda = WorkerCudaSync(device.index or 0, client=self.link.client)   # isolated: a flag page
+        self.cuda_errors = 0          # CUDA ordering steps that failed: a failed load, a dropped store
 
     def register(self, instance_id: Optional[str] = None) -> None:
         """Register the pool (now, or as soon as the server answers)."""
@@ -147,12 +148,16 @@ class TrtllmKVPool:
         if not keys:
             self.release(lease)
             return False
-        ev, handle = self._cuda.ready() if self._cuda is not None else (None, b"")
+        ready = self._ready()
+        if ready is None:
+            self.release(lease)
+            return False
+        ev, handle = ready
         pending = self.link.retrieve(keys, chunk_block_ids(block_ids, 0, chunks, self.chunk_blocks),
                                      self.chunk_blocks, lease, handle)
         reply = self.link.outcome("retrieve", pending) if pending is not None else None
-        if reply is not None and self._cuda is not None:
-            self._cuda.wait(reply.event)   # the current stream reads the blocks after the copies
+        if reply is not None and not self._wait(reply.event):   # the stream reads the blocks after the copies
+            reply = None
         del ev
         return reply is not None
 
@@ -163,7 +168,10 @@ class TrtllmKVPool:
         keys = self.keys(tokens, salt)[self.rank]
         if not keys:
             return 0 if wait else None
-        ev, handle = self._cuda.ready() if self._cuda is not None else (None, b"")
+        ready = self._ready()
+        if ready is None:
+            return 0 if wait else None
+        ev, handle = ready
         pending = self.link.store(keys, chunk_block_ids(block_ids, 0, len(keys), self.chunk_blocks),
                                   self.chunk_blocks, handle)
         if not wait or pending is None:
@@ -171,9 +179,31 @@ class TrtllmKVPool:
                 pending._lmshm_event = ev  # alive until the caller has the reply
             return pending if not wait else 0
         reply = self.link.outcome("store", pending)
-        if reply is not None and self._cuda is not None:
-            self._cuda.wait(reply.event)   # reuse the blocks only after the server read them
+        if reply is not None:
+            self._wait(reply.event)        # reuse the blocks only after the server read them
         return 0 if reply is None else sum(1 for r in reply.results if r == 0)
+
+    # ---- CUDA ordering: no CUDA error reaches the engine ------------------------------------
+    def _ready(self) -> Optional[tuple[Any, bytes]]:
+        if self._cuda is None:
+            return None, b""
+        try:
+            return self._cuda.ready()
+        except Exception as exc:  # noqa: BLE001 - a miss or a dropped store, never the engine's error
+            self.cuda_errors += 1
+            self.link._warn.warn("cuda-ready", "lmshm: cannot make a CUDA ordering token (%s)", str(exc))
+            return None
+
+    def _wait(self, handle: bytes) -> bool:
+        if self._cuda is None:
+            return True
+        try:
+            self._cuda.wait(handle)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            self.cuda_errors += 1
+            self.link._warn.warn("cuda-wait", "lmshm: cannot wait for the server's CUDA event (%s)", str(exc))
+            return False
 
     def release(self, lease: bytes) -> None:
         self.link.release(lease)
