@@ -12,9 +12,12 @@ Three switches, each settable in code or through the environment:
 - ``isolated_ipc`` (``LMSHM_ISOLATED_IPC``): worker and server share neither ``/dev/shm`` nor
   an IPC namespace (separate containers). CPU memory then always travels as memfd file
   descriptors, whatever ``cpu_segments`` says; CUDA memory as raw driver IPC handles instead
-  of PyTorch storage sharing.
-- ``use_vmm_api`` (``LMSHM_USE_VMM_API``): CUDA memory was allocated through the VMM API
-  (PyTorch expandable segments, vLLM sleep mode) and must be exported as VMM handles.
+  of PyTorch storage sharing (no /dev/shm needed; across containers they need a shared PID
+  namespace at least, and that case is unverified on hardware: see ``cuda/raw_ipc.py``).
+- ``use_vmm_api`` (``LMSHM_USE_VMM_API``): CUDA memory was allocated through the VMM API with a
+  shareable handle type (cuMemCreate with POSIX_FILE_DESCRIPTOR or FABRIC: PyTorch expandable
+  segments, ``lmshm.platform.cuda.empty_vmm``) and must be exported as VMM handles. vLLM sleep
+  mode's memory is VMM memory created with no shareable handle type: nothing can export it.
 
 The choice is evaluated at every call and never cached: a process that flips a switch
 gets the other wrapper on its next wrap. A value set in code wins over the environment;

@@ -103,6 +103,9 @@ def wrap_kv_caches(kv_caches: Mapping[str, torch.Tensor]) -> list[DeviceIPCWrapp
 
 
 def release_wrappers(wrappers: list[DeviceIPCWrapper]) -> None:
-    """Close every wrapper (idempotent, never raises)."""
-    for w in wrappers:
+    """Close every wrapper (idempotent, never raises), last first: a ``sibling()`` comes after
+    its leader in ``wrap_kv_caches``' list, so every sibling is closed before the leader that
+    owns what they share (the VMM kind's exported fd, which a sibling exports while its
+    leader is open)."""
+    for w in reversed(list(wrappers)):
         w.close()

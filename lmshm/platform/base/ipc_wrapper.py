@@ -245,11 +245,13 @@ class DeviceIPCWrapper:
         in the same storage, at ``storage_offset``. Only for ``groupable`` kinds; copies the
         (already validated) state without checking it again, which is what makes wrapping
         the per-layer views of one pool cheap. ``leader`` points at the wrapper it came from.
+        Attributes named in ``leader_only_attrs`` stay with the leader: a sibling never
+        closes what the leader owns (one fd closed N times closes N-1 unrelated files).
         """
         if not self.groupable:
             raise TypeError(f"{type(self).__name__} cannot derive sibling wrappers")
         new = object.__new__(type(self))
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update((k, v) for k, v in self.__dict__.items() if k not in self.leader_only_attrs)
         new.storage_offset = storage_offset
         new._lease = None
         new._closed = False
@@ -258,6 +260,9 @@ class DeviceIPCWrapper:
 
     #: The wrapper this one was derived from with ``sibling()`` (None for an original).
     leader: "DeviceIPCWrapper | None" = None
+    #: Producer-side attributes that only the leader holds and ``sibling()`` does not copy:
+    #: what ``close()`` frees exactly once (the VMM kind's exported fd).
+    leader_only_attrs: ClassVar[tuple[str, ...]] = ()
 
     def Serialize(self) -> bytes:  # noqa: N802 - the name engines already call
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)

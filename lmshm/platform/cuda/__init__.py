@@ -1,10 +1,14 @@
 """CUDA IPC wrappers.
 
-- ``CudaIPCWrapper`` ("cuda-torch"): PyTorch storage sharing; any stride; needs a shared /dev/shm.
-- ``RawCudaIPCWrapper`` ("cuda-raw"): legacy driver IPC handles of cudaMalloc memory; works across
-  containers (``isolated_ipc``); also built from a raw pointer (``from_pointer``) for TRT-LLM pools.
-- ``VmmCudaIPCWrapper`` ("cuda-vmm"): VMM memory (expandable segments, vLLM sleep mode) as a POSIX
-  fd (over the server's fd channel) or a fabric handle (``use_vmm_api``).
+- ``CudaIPCWrapper`` ("cuda-torch"): PyTorch storage sharing; any stride; needs a shared /dev/shm
+  (and, for expandable-segments memory, pidfd_getfd rights on the worker: see torch_ipc.py).
+- ``RawCudaIPCWrapper`` ("cuda-raw"): legacy driver IPC handles of cudaMalloc memory; needs no
+  shared /dev/shm (``isolated_ipc``); separate containers need a shared PID namespace at least,
+  and that is unverified on hardware; also built from a raw pointer (``from_pointer``) for TRT-LLM.
+- ``VmmCudaIPCWrapper`` ("cuda-vmm"): cuMemCreate memory created exportable (POSIX fd or fabric:
+  PyTorch expandable segments, ``empty_vmm``) as a POSIX fd (over the server's fd channel) or a
+  fabric handle (``use_vmm_api``). vLLM sleep mode's memory has no shareable handle type.
+- ``streams``: the copy streams a consumer waits for before it unmaps (``quiesce``).
 
 Selection (``device_registry.resolve_kv_wrapper_factory("cuda")``): use_vmm_api -> VMM, else
 isolated_ipc -> raw, else torch. Importing this package imports neither cupy nor cuda-python and

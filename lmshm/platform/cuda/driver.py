@@ -11,9 +11,14 @@ a raw ``(CUresult, ...)`` tuple.
   cuda-bindings 13 removed the ``.reserved`` byte field of ``CUipcMemHandle``.
 - A thread that has no current CUDA context (a fresh Python thread that never ran a CUDA
   call) gets the device's primary context bound before the call -- the same context torch and
-  CuPy use -- and keeps it; a thread bound to another device's context gets the right one
-  pushed for the call and popped after. Without this, driver calls fail with
-  CUDA_ERROR_INVALID_CONTEXT, which looks like a bad pointer.
+  CuPy use -- and keeps it; a thread whose current context is any other one (another device's,
+  or a non-primary context of the same device, which would own the imports made in it) gets the
+  primary context pushed for the call and popped after. Without this, driver calls fail with
+  CUDA_ERROR_INVALID_CONTEXT, which looks like a bad pointer, or map into a context that torch
+  and CuPy never use and that may be destroyed under the mapping.
+- Handles come back as cuda-python objects and are kept as ints, through
+  ``cuda.bindings.utils.get_cuda_native_handle`` where present (``int(obj)`` is deprecated in
+  cuda-bindings 13).
 
 The driver object is process-wide and swappable (``install_driver``) so that CPU-only tests
 can run the refcount and error logic against a fake; the fake lives in the tests and is
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 from collections import Counter
@@ -119,10 +125,29 @@ def load_bindings() -> Any:
     return driver
 
 
+@functools.lru_cache(maxsize=1)
+def _native_handle_getter() -> Callable[[Any], int] | None:
+    """``cuda.bindings.utils.get_cuda_native_handle`` where the bindings have it (12.8+, 13.x),
+    else None. ``int(cuda_obj)`` is deprecated there and due for removal."""
+    try:
+        from cuda.bindings.utils import get_cuda_native_handle
+    except ImportError:
+        return None
+    return get_cuda_native_handle
+
+
 def _as_int(value: Any) -> int:
     """An integer from a cuda-python handle/pointer object (or an int)."""
     if value is None:
         return 0
+    if isinstance(value, int):
+        return int(value)
+    native = _native_handle_getter()
+    if native is not None:
+        try:
+            return int(native(value))
+        except TypeError:
+            pass  # a type it has no getter for (an output that is a plain number): int() below
     try:
         return int(value)
     except TypeError:
@@ -212,16 +237,22 @@ class CudaDriver:
 
     @contextlib.contextmanager
     def bound(self, ordinal: int) -> Iterator[None]:
-        """Run the block with a context of device ``ordinal`` current on this thread."""
+        """Run the block with device ``ordinal``'s primary context current on this thread.
+
+        Compares contexts, not devices: a non-primary context of the same device (one a library
+        made with cuCtxCreate) is another address space for imports and events, so the primary
+        one is pushed for the call and the thread's own context restored after."""
         self._init()
-        if _as_int(self._call("cuCtxGetCurrent")) == 0:
-            self._call("cuCtxSetCurrent", self._primary_context(ordinal), subject=f"device=cuda:{ordinal}")
+        current = _as_int(self._call("cuCtxGetCurrent"))
+        primary = self._primary_context(ordinal)
+        if current == 0:
+            self._call("cuCtxSetCurrent", primary, subject=f"device=cuda:{ordinal}")
             yield
             return
-        if _as_int(self._call("cuCtxGetDevice")) == _as_int(self._device(ordinal)):
+        if current == _as_int(primary):
             yield
             return
-        self._call("cuCtxPushCurrent", self._primary_context(ordinal), subject=f"device=cuda:{ordinal}")
+        self._call("cuCtxPushCurrent", primary, subject=f"device=cuda:{ordinal}")
         try:
             yield
         finally:
@@ -364,6 +395,34 @@ class CudaDriver:
         with self.bound(ordinal):
             return _as_int(self._call("cuMemCreate", size, self._device_prop(ordinal, handle_type), 0,
                                       subject=f"size={size}, device=cuda:{ordinal}, handle type={handle_type}"))
+
+    # ---- events (the consumers' quiesce before an unmap, ``lmshm.platform.cuda.streams``) ------
+    def event_create(self, ordinal: int) -> int:
+        """A new event without timing (CU_EVENT_DISABLE_TIMING) on ``ordinal``'s primary context."""
+        with self.bound(ordinal):
+            return _as_int(self._call("cuEventCreate", 0x2, subject=f"device=cuda:{ordinal}"))
+
+    def event_record(self, event: int, stream: int, ordinal: int) -> None:
+        """Record ``event`` on ``stream``: it completes when the work queued before it has."""
+        with self.bound(ordinal):
+            self._call("cuEventRecord", self.b.CUevent(event), self.b.CUstream(stream),
+                       subject=f"event=0x{event:x}, stream=0x{stream:x}")
+
+    def event_query(self, event: int, ordinal: int) -> bool:
+        """True if ``event`` completed, False while it has not (CUDA_ERROR_NOT_READY); any other
+        result raises CudaDriverError."""
+        with self.bound(ordinal):
+            result = self.b.cuEventQuery(self.b.CUevent(event))
+        code = result[0] if isinstance(result, tuple) else result
+        if int(code) != 0 and error_name(code) == "CUDA_ERROR_NOT_READY":
+            return False
+        check("cuEventQuery", result, f"event=0x{event:x}", self._describe)
+        self.calls["cuEventQuery"] += 1
+        return True
+
+    def event_destroy(self, event: int, ordinal: int) -> None:
+        with self.bound(ordinal):
+            self._call("cuEventDestroy", self.b.CUevent(event), subject=f"event=0x{event:x}")
 
     # ---- devices ---------------------------------------------------------------------------
     def device_attribute(self, name: str, ordinal: int) -> int:

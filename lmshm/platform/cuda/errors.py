@@ -10,25 +10,33 @@ from lmshm.platform import ipc_policy
 
 VMM_HANDLE_TYPE_ENV = "LMSHM_VMM_HANDLE_TYPE"
 
+#: What the VMM wrapper can export, said once for every hint that sends a user there.
+VMM_ALLOCATION_NEEDED = (
+    "VmmCudaIPCWrapper (use_vmm_api) needs memory from cuMemCreate with "
+    "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in CUmemAllocationProp.requestedHandleTypes (or "
+    f"CU_MEM_HANDLE_TYPE_FABRIC, exported with {VMM_HANDLE_TYPE_ENV}=fabric), each tensor inside one "
+    "such allocation: lmshm.platform.cuda.empty_vmm(shape, dtype, device) allocates it"
+)
+
+#: Raw wrapper, memory that is not cuMemCreate memory either (retaining its handle failed).
 NOT_CUDA_MALLOC_HINT = (
-    "this memory was not allocated with cudaMalloc, so it has no legacy CUDA IPC handle. "
-    "PyTorch expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), vLLM sleep "
-    "mode (CuMemAllocator) and cudaMallocAsync pools allocate through other APIs: enable the VMM "
-    f"wrapper ({ipc_policy.USE_VMM_API_ENV}=1 or lmshm.set_use_vmm_api(True)), or turn those "
-    "features off"
+    "this memory was not allocated with cudaMalloc, so it has no legacy CUDA IPC handle, and it is "
+    "no cuMemCreate allocation either (cudaMallocAsync pools and managed memory are neither): "
+    "allocate the KV cache with cudaMalloc (PyTorch's default caching allocator) for the raw or "
+    f"torch wrapper, or as exportable VMM memory for the VMM wrapper ({VMM_ALLOCATION_NEEDED})"
 )
 
 NOT_VMM_HINT = (
-    "VmmCudaIPCWrapper shares memory allocated through the CUDA VMM API (cuMemCreate + cuMemMap: "
-    "PyTorch expandable segments, vLLM sleep mode). For cudaMalloc memory turn use_vmm_api off "
+    f"{VMM_ALLOCATION_NEEDED}. For cudaMalloc memory turn use_vmm_api off "
     f"({ipc_policy.USE_VMM_API_ENV}=0): the raw or torch wrapper serves it"
 )
 
 SPANS_CHUNKS_HINT = (
     "a VMM handle covers one physical allocation and the importer maps exactly one, so a tensor "
     "must lie inside one chunk. PyTorch expandable segments map memory in 20 MiB chunks (2 MiB "
-    "for small pools): allocate the KV cache as one cuMemCreate allocation (vLLM sleep mode "
-    "does), wrap per-chunk views, or turn expandable segments off and use the raw wrapper"
+    "for small pools): allocate the KV cache as one cuMemCreate allocation exportable as a POSIX "
+    "fd (lmshm.platform.cuda.empty_vmm), wrap per-chunk views, or turn expandable segments off "
+    "and use the raw or torch wrapper"
 )
 
 FD_CHANNEL_HINT = (
@@ -39,14 +47,68 @@ FD_CHANNEL_HINT = (
     "use_vmm_api off for cudaMalloc memory"
 )
 
+_NO_HANDLE_TYPES = (
+    "vLLM sleep mode's CuMemAllocator (csrc/cumem_allocator.cpp) creates its memory this way: "
+    "it never sets requestedHandleTypes"
+)
+
+
+def _has(requested: str, name: str) -> bool:
+    return name in requested.split("|")
+
 
 def not_exportable_hint(handle_type: str, requested: str) -> str:
-    return (
-        f"the allocation was created with requestedHandleTypes={requested}, which does not include "
-        f"{handle_type}. Allocate with that handle type in CUmemAllocationProp.requestedHandleTypes "
-        f"(PyTorch expandable segments request POSIX file descriptors), or choose the handle type "
-        f"the allocation supports with {VMM_HANDLE_TYPE_ENV}=posix-fd|fabric"
-    )
+    """The VMM wrapper asked for ``handle_type`` of an allocation whose requestedHandleTypes
+    are ``requested`` (``driver.handle_type_names``: "NONE", "FABRIC", ...)."""
+    head = f"the allocation was created with requestedHandleTypes={requested}"
+    if requested == "NONE":
+        return (f"{head}, so the driver cannot export it as any shareable handle and no lmshm "
+                f"wrapper can share it ({_NO_HANDLE_TYPES}). Turn sleep mode off and share the KV "
+                f"cache with the raw or torch wrapper, or allocate it exportable: {VMM_ALLOCATION_NEEDED}")
+    if handle_type == "posix-fd" and _has(requested, "FABRIC"):
+        return (f"{head}, not POSIX_FILE_DESCRIPTOR. Recent PyTorch expandable segments try "
+                "FABRIC first and keep it wherever cuMemCreate grants it (an IMEX channel is "
+                f"present): export it with {VMM_HANDLE_TYPE_ENV}=fabric (both processes need the "
+                "IMEX channel), or allocate the KV cache yourself: " + VMM_ALLOCATION_NEEDED)
+    if handle_type == "fabric" and _has(requested, "POSIX_FILE_DESCRIPTOR"):
+        return (f"{head}, not FABRIC: export it as a POSIX fd ({VMM_HANDLE_TYPE_ENV}=posix-fd, "
+                "sent over the server's fd side channel)")
+    return f"{head}, which does not include {handle_type}. {VMM_ALLOCATION_NEEDED}"
+
+
+def vmm_not_cuda_malloc_hint(requested: str) -> str:
+    """The raw wrapper was given cuMemCreate memory whose requestedHandleTypes are ``requested``."""
+    head = (f"this is CUDA VMM memory (cuMemCreate), which has no legacy CUDA IPC handle; it was "
+            f"created with requestedHandleTypes={requested}")
+    if requested == "NONE":
+        return (f"{head}, so it cannot be exported at all ({_NO_HANDLE_TYPES}). Turn sleep mode "
+                f"off, or allocate the KV cache exportable: {VMM_ALLOCATION_NEEDED}")
+    if _has(requested, "POSIX_FILE_DESCRIPTOR"):
+        return (f"{head} (PyTorch expandable segments, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, "
+                "where FABRIC was not granted): enable the VMM wrapper "
+                f"({ipc_policy.USE_VMM_API_ENV}=1 or lmshm.set_use_vmm_api(True)) -- each tensor must lie "
+                "inside one chunk -- or turn expandable segments off")
+    if _has(requested, "FABRIC"):
+        return (f"{head} (recent PyTorch expandable segments keep FABRIC where the driver grants "
+                f"it): enable the VMM wrapper (use_vmm_api: {ipc_policy.USE_VMM_API_ENV}=1) with fabric "
+                f"handles ({VMM_HANDLE_TYPE_ENV}=fabric, an IMEX channel in both processes), or turn "
+                "expandable segments off")
+    return f"{head}. {VMM_ALLOCATION_NEEDED}"
+
+
+#: cuda-torch on memory from PyTorch's expandable segments (the consumer's open failed).
+TORCH_EXPANDABLE_HINT = (
+    "the tensor lives in PyTorch expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:"
+    "True). PyTorch shares those as POSIX fds that the consumer copies out of the worker with "
+    "pidfd_open + pidfd_getfd (torch's CUDACachingAllocator, ExpandableSegment::fromShared): the "
+    "server must see the worker's pid (the same PID namespace) and may take its fds (the same uid "
+    "and ptrace allowed: kernel.yama.ptrace_scope=0, or CAP_SYS_PTRACE for the server, or the worker "
+    "naming the server with prctl(PR_SET_PTRACER); in a container, a seccomp profile that also "
+    "allows pidfd_getfd; Docker: --cap-add=SYS_PTRACE). Otherwise enable the VMM wrapper "
+    f"({ipc_policy.USE_VMM_API_ENV}=1: its fd travels over the server's fd channel; each tensor "
+    "must lie inside one expandable-segment chunk, or be allocated with "
+    "lmshm.platform.cuda.empty_vmm), or turn expandable segments off"
+)
 
 
 class CudaUnavailableError(RuntimeError):

@@ -1,22 +1,30 @@
-"""RawCudaIPCWrapper: legacy CUDA IPC handles, with no /dev/shm and no IPC namespace needed.
+"""RawCudaIPCWrapper: legacy CUDA IPC handles, with no /dev/shm and no fd channel needed.
 
 Producer: find the allocation holding the tensor (``cuMemGetAddressRange``), take an IPC
 handle of its *base* (``cuIpcGetMemHandle``), and send the 64 handle bytes with the tensor's
 byte offset inside the allocation -- tensors are usually interior pointers of a
-caching-allocator block. The rendezvous happens inside the kernel driver, so worker and server
-may live in separate containers. TRT-LLM-style pools that no torch tensor describes use
+caching-allocator block. TRT-LLM-style pools that no torch tensor describes use
 ``RawCudaIPCWrapper.from_pointer(ptr, nbytes, dtype, shape, device)``.
+
+Where it can work: the handle is resolved by the kernel driver, not through /dev/shm, so it
+needs neither a shared /dev/shm nor the fd channel. It does need both processes to reach the
+same GPU through the same driver, and legacy handles are reported to fail across PID
+namespaces (UCX PR #11514, vLLM PR #55906): worker and server in separate containers need at
+least a shared PID namespace. That two-container case is unverified: no GPU run has proved it.
 
 Consumer: ``cuIpcOpenMemHandle`` maps the whole allocation and returns its base; the tensor is
 rebuilt at ``base + alloc_offset``. The driver keeps one mapping per (process, allocation) (older
 drivers tore it down at the first ``cuIpcCloseMemHandle``; current ones count opens), so the
 open goes through the process-wide ``MAPPINGS`` table keyed by the handle bytes: one open per
-allocation, the last release closes, close is idempotent and a failing close is logged.
+allocation, the last release closes -- after ``streams.quiesce`` says no registered copy stream
+still works on the device (else the mapping is leaked and counted, never closed under DMA) --
+close is idempotent and a failing close is logged.
 
 Only cudaMalloc-style memory has legacy IPC handles: memory from the VMM API (PyTorch expandable
-segments, vLLM sleep mode) or from cudaMallocAsync pools is refused with a hint to use
-``use_vmm_api``. A handle cannot be opened in the process that exported it, and the exporter must
-still be alive when the consumer opens it.
+segments, vLLM sleep mode) or from cudaMallocAsync pools is refused; for cuMemCreate memory the
+hint names the handle types the allocation was created with and says where it can go
+(``use_vmm_api`` only when it is exportable). A handle cannot be opened in the process that
+exported it, and the exporter must still be alive when the consumer opens it.
 """
 
 from __future__ import annotations
@@ -24,29 +32,51 @@ from __future__ import annotations
 import logging
 from typing import Any, Hashable
 
+from lmshm.platform.cuda import streams
 from lmshm.platform.cuda._common import (
     DeviceMapping,
     FlatCudaWrapper,
     check_bytes,
     producer_id,
+    quietly,
 )
 from lmshm.platform.cuda.driver import (
     IPC_HANDLE_BYTES,
     CudaDriverError,
     get_driver,
+    handle_type_names,
     hexptr,
 )
 from lmshm.platform.cuda.errors import (
     NOT_CUDA_MALLOC_HINT,
     CudaExportError,
     NotCudaMallocMemoryError,
+    vmm_not_cuda_malloc_hint,
 )
 
 logger = logging.getLogger(__name__)
 
 
+def _not_cuda_malloc_hint(ptr: int, ordinal: int) -> str:
+    """The hint for memory without a legacy IPC handle, naming the VMM handle types it was
+    created with when it is cuMemCreate memory (so the user is sent where it can go)."""
+    drv = get_driver()
+    try:
+        alloc = drv.retain_allocation(ptr, ordinal)
+    except CudaDriverError:
+        return NOT_CUDA_MALLOC_HINT      # not VMM memory either
+    try:
+        requested = handle_type_names(drv.allocation_handle_types(alloc, ordinal))
+    except CudaDriverError:
+        return NOT_CUDA_MALLOC_HINT
+    finally:
+        quietly("releasing a retained allocation handle", drv.release_allocation, alloc, ordinal)
+    return vmm_not_cuda_malloc_hint(requested)
+
+
 class RawCudaIPCWrapper(FlatCudaWrapper):
-    """A CUDA tensor shared through a driver IPC handle of its allocation (isolated mode)."""
+    """A CUDA tensor shared through a driver IPC handle of its allocation (isolated mode: no
+    shared /dev/shm needed; across containers unverified, see the module docstring)."""
 
     kind = "cuda-raw"
     extra_fields = ("producer", "ipc_handle", "alloc_offset", "alloc_size")
@@ -81,12 +111,13 @@ class RawCudaIPCWrapper(FlatCudaWrapper):
             raise NotCudaMallocMemoryError(
                 f"cannot export {where} as a CUDA IPC handle "
                 "(CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE is false)",
-                NOT_CUDA_MALLOC_HINT,
+                _not_cuda_malloc_hint(ptr, ordinal),
             )
         try:
             handle = drv.ipc_get_handle(base, ordinal)
         except CudaDriverError as exc:
-            raise NotCudaMallocMemoryError(f"cannot export {where}: {exc}", NOT_CUDA_MALLOC_HINT) from exc
+            raise NotCudaMallocMemoryError(f"cannot export {where}: {exc}",
+                                           _not_cuda_malloc_hint(ptr, ordinal)) from exc
         return cls(dtype=dtype, shape=shape, stride=stride, storage_offset=0, device=uuid,
                    producer=producer_id(), ipc_handle=handle, alloc_offset=ptr - base, alloc_size=size)
 
@@ -116,6 +147,10 @@ class RawCudaIPCWrapper(FlatCudaWrapper):
 
     @staticmethod
     def _close_mapping(mapping: DeviceMapping) -> None:
+        if not streams.quiesce(mapping.ordinal):
+            streams.leak_mapping(f"a CUDA IPC mapping at {hexptr(mapping.base)} ({mapping.size} bytes, "
+                                 f"cuda:{mapping.ordinal})")
+            return
         get_driver().ipc_close(mapping.base, mapping.ordinal)
 
     def describe(self) -> dict[str, Any]:

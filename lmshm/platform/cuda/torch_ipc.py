@@ -21,8 +21,22 @@ a consumer still maps it waits in torch's "limbo" list; the next allocation or
 ``torch.cuda.ipc_collect()`` returns it once the counter reaches zero.
 
 Requires what torch sharing requires: both processes see the same ``/dev/shm`` (and IPC
-namespace). Separate containers use the raw wrapper (``isolated_ipc``). Each wrapper's bytes
-are meant to be mapped by one consumer process (torch's counter counts one consumer per share).
+namespace). Workers without one use the raw wrapper (``isolated_ipc``; what separate containers
+need is in raw_ipc.py, and unverified). Each wrapper's bytes are meant to be mapped by one
+consumer process (torch's counter counts one consumer per share).
+
+Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): torch shares such a
+block not as a legacy IPC handle but as the POSIX fds of its segment's chunks, numbered in the
+worker, with the worker's pid (the handle's second byte is ``'e'``, ``'c'`` for cudaMalloc). The
+consumer copies those fds out of the worker with ``pidfd_open(pid)`` + ``pidfd_getfd`` (torch's
+``ExpandableSegment::fromShared``). So the server needs pidfd_getfd rights on the worker: the
+same PID namespace (the pid must name the worker), the same uid, and ptrace access
+(``kernel.yama.ptrace_scope`` 0, or CAP_SYS_PTRACE for the server -- Docker: ``--cap-add=SYS_PTRACE``
+-- or the worker naming the server with ``prctl(PR_SET_PTRACER)``). Without them the open fails
+and the error says so, with the alternative: the VMM wrapper (``use_vmm_api``), which sends the
+fd over the server's fd channel instead. lmshm does not switch to it by itself: a VMM wrapper
+maps one chunk per tensor (20 MiB in expandable segments), so a KV cache that spans chunks --
+which torch sharing handles -- would then be refused.
 """
 
 from __future__ import annotations
@@ -44,6 +58,7 @@ from lmshm.platform.cuda._common import (
     producer_ordinal,
 )
 from lmshm.platform.cuda.driver import get_driver
+from lmshm.platform.cuda.errors import TORCH_EXPANDABLE_HINT
 from lmshm.quoting import quote
 
 #: Storages opened with ``_new_shared_cuda`` in this process (torch maps each block once).
@@ -55,8 +70,19 @@ REF_COUNTER_FILE_SIZE = 10000
 _REF_COUNTER_RE = re.compile(r"/torch_([0-9]{1,10})_([0-9]{1,20})_([0-9]{1,20})")
 
 
+#: torch's ShareableHandleType for a block in expandable segments (CUDACachingAllocator.cpp).
+_SHAREABLE_EXPANDABLE_SEGMENT = b"e"
+
+
+def is_expandable_segment_handle(handle: bytes) -> bool:
+    """True for torch's shareable handle of an expandable-segments block: ``<version> 'e' ...``
+    (SHAREABLE_HANDLE_VERSION is 2 in torch 2.x)."""
+    return len(handle) >= 2 and handle[0] in (1, 2) and handle[1:2] == _SHAREABLE_EXPANDABLE_SEGMENT
+
+
 class CudaIPCWrapper(CudaWrapperBase):
-    """A CUDA tensor shared through PyTorch's storage IPC (needs a shared /dev/shm)."""
+    """A CUDA tensor shared through PyTorch's storage IPC (needs a shared /dev/shm; for
+    expandable-segments memory also pidfd_getfd rights on the worker, see the module docstring)."""
 
     kind = "cuda-torch"
     groupable = True  # to_tensor() sets the whole shared storage: other layers are other offsets
@@ -86,6 +112,12 @@ class CudaIPCWrapper(CudaWrapperBase):
         """This wrapper for another view of the same storage (``wrap_kv_caches``): one storage
         handle for every layer, per-layer storage offsets."""
         return self.sibling(tensor.storage_offset())
+
+    @property
+    def expandable_segment(self) -> bool:
+        """True when the storage is in PyTorch expandable segments (torch's shareable handle:
+        version byte, then ``'e'``; see the module docstring for what the consumer then needs)."""
+        return is_expandable_segment_handle(self.torch_handle)
 
     # ---- wire checks -----------------------------------------------------------------------
     def _validate_extra(self) -> None:
@@ -162,10 +194,17 @@ class CudaIPCWrapper(CudaWrapperBase):
             torch.UntypedStorage._release_ipc_counter(self.ref_counter_handle, self.ref_counter_offset,
                                                        device=ordinal)
             return storage
-        storage = torch.UntypedStorage._new_shared_cuda(
-            ordinal, self.torch_handle, self.storage_bytes, self.storage_byte_offset,
-            self.ref_counter_handle, self.ref_counter_offset, self.event_handle, self.event_sync_required,
-        )
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                ordinal, self.torch_handle, self.storage_bytes, self.storage_byte_offset,
+                self.ref_counter_handle, self.ref_counter_offset, self.event_handle, self.event_sync_required,
+            )
+        except RuntimeError as exc:
+            if self.expandable_segment:
+                raise RuntimeError(
+                    f"{type(self).__name__} on {self.device}: opening a storage of producer "
+                    f"{self.producer} failed ({exc}): {TORCH_EXPANDABLE_HINT}") from exc
+            raise
         reductions.shared_cache[cache_key] = reductions.StorageWeakRef(storage)
         stats["storage_opens"] += 1
         return storage

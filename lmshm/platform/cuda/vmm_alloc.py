@@ -7,7 +7,9 @@ back to back into one reserved address range; ``chunk_bytes`` smaller than the t
 PyTorch's expandable segments.
 
 Lifetime: the returned tensor (and every view of it) keeps the allocation alive; when the last
-one is freed the chunks are unmapped and released and the range is freed. Nothing else owns it.
+one is freed the device is synchronised (``cuCtxSynchronize``: this is the producer's own memory,
+and any of its streams may still use it), then the chunks are unmapped and released and the
+range is freed. Nothing else owns it.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ class VmmAllocation:
         if self.va is None:
             return
         drv = get_driver()
+        if self._mapped:
+            # Work queued on this memory (kernels, copies of any stream of this process) must
+            # finish before the unmap: cuMemUnmap does not wait for it (PyTorch's expandable
+            # segments synchronise before unmapping for the same reason).
+            quietly("synchronizing before unmapping a VMM allocation", drv.synchronize, self.ordinal)
         for off in self._mapped:
             quietly("unmapping a VMM chunk", drv.unmap, self.va + off, self.chunk_bytes, self.ordinal)
         for h in self.handles:

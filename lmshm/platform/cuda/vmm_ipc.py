@@ -10,7 +10,9 @@ refused, since the importer maps exactly one allocation. ``cuMemRetainAllocation
 ``cuMemExportToShareableHandle`` then export the chunk:
 - ``posix-fd`` (default): a file descriptor. It cannot travel as bytes: the wire carries a
   token, ``export_fds()`` returns ``{token: fd}``, and the client sends it over the server's fd
-  side channel (SCM_RIGHTS) before registering. The wrapper owns the fd until ``close()``.
+  side channel (SCM_RIGHTS) before registering. The wrapper owns the fd until ``close()``; its
+  ``sibling()``s (the other layers of one chunk) share it but never close it: only the leader
+  does, and a sibling exports the leader's fd while the leader is open.
 - ``fabric``: 64 bytes that travel in the wrapper itself (needs IMEX / NVSwitch fabric support).
 Choose with ``wrap(tensor, handle_type=...)`` or ``LMSHM_VMM_HANDLE_TYPE``.
 
@@ -18,7 +20,14 @@ Consumer: import the handle, reserve an address range, map the allocation, grant
 read/write access -- undoing whatever succeeded if a later step fails -- and rebuild the tensor
 at ``va + alloc_offset``. The mapping is shared through ``MAPPINGS``, keyed by the producer's
 identity and its allocation handle, so 64 layer views of one chunk import it once; the last
-release unmaps, frees the range and releases the imported handle (failures logged).
+release unmaps, frees the range and releases the imported handle (failures logged) -- after
+``streams.quiesce`` says no registered copy stream still works on the device; if one does not
+drain, the mapping is leaked (counted in ``streams.LEAKED_MAPPINGS``), never unmapped under DMA.
+
+The easy thing to get wrong: the allocation handle value is the producer's and the driver hands
+the same value out again once the allocation is released, so a worker that frees a pool and
+makes another can send a new chunk under an old (producer, handle) pair. Every export carries a
+random 64-bit ``export_nonce`` (siblings share their leader's), and the mapping key includes it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from typing import Any, Hashable
 
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import WrapperDecodeError
-from lmshm.platform.cuda import devices
+from lmshm.platform.cuda import devices, streams
 from lmshm.platform.cuda._common import (
     DeviceMapping,
     FlatCudaWrapper,
@@ -82,7 +91,9 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
     kind = "cuda-vmm"
     fd_channel_hint = FD_CHANNEL_HINT
     extra_fields = ("producer", "handle_type", "fd_token", "fabric_handle", "alloc_id",
-                    "alloc_offset", "alloc_size")
+                    "export_nonce", "alloc_offset", "alloc_size")
+    # The exported fd is the leader's alone: siblings never close it (see export_fds).
+    leader_only_attrs = ("_fd",)
 
     # ---- producer --------------------------------------------------------------------------
     @classmethod
@@ -139,7 +150,8 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
             wrapper = cls(dtype=dtype, shape=shape, stride=stride, storage_offset=0, device=uuid,
                           producer=producer_id(), handle_type=handle_type,
                           fd_token=_new_token() if fd is not None else "", fabric_handle=fabric,
-                          alloc_id=alloc, alloc_offset=ptr - base, alloc_size=size)
+                          alloc_id=alloc, export_nonce=secrets.randbits(64),
+                          alloc_offset=ptr - base, alloc_size=size)
         except BaseException:
             if fd is not None:
                 os.close(fd)
@@ -153,10 +165,19 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
         return self.handle_type == "posix-fd"
 
     def export_fds(self) -> dict[str, int]:
+        """``{fd_token: fd}``; a sibling gives its leader's fd (the same token), which the
+        leader owns: it is valid while the leader is open, and refused after."""
         if not self.needs_fd_channel:
             return {}
-        fd = self.__dict__.get("_fd")
+        owner = self.leader if self.leader is not None else self
+        fd = None if self._closed or owner.closed else owner.__dict__.get("_fd")
         if fd is None:
+            if owner is not self and not self._closed:
+                raise RuntimeError(
+                    f"{type(self).__name__} {self.fd_token!r}: no fd to export: this wrapper is a "
+                    "sibling of a leader that was closed, and the leader owned the exported fd "
+                    "(export a group while its first wrapper is open, or wrap the tensor again)"
+                )
             raise RuntimeError(
                 f"{type(self).__name__} {self.fd_token!r}: no fd to export (only the producer "
                 "that wrapped the tensor can export it, while the wrapper is open)"
@@ -179,6 +200,7 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
         if self.handle_type not in HANDLE_TYPES:
             raise WrapperDecodeError(f"{cls.__name__}: handle_type must be one of {HANDLE_TYPES}, got {quote(self.handle_type)}")
         check_int(cls, "alloc_id", self.alloc_id, hi=(1 << 64) - 1)
+        check_int(cls, "export_nonce", self.export_nonce, hi=(1 << 64) - 1)
         check_bytes(cls, "fabric_handle", self.fabric_handle, max_len=FABRIC_HANDLE_BYTES)
         if self.handle_type == "posix-fd":
             if not isinstance(self.fd_token, str) or not _TOKEN_RE.match(self.fd_token) or self.fabric_handle:
@@ -191,9 +213,10 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
     # ---- consumer --------------------------------------------------------------------------
     def _mapping_key(self) -> Hashable:
         # Scoped to the session: another session naming the same producer and allocation
-        # gets (and must prove with its own fd) an import of its own.
+        # gets (and must prove with its own fd) an import of its own. The nonce tells two
+        # exports apart whose handle value the producer's driver recycled.
         return ("cuda-vmm", self._scope(), devices.normalize_uuid(self.device), self.producer,
-                self.alloc_id, self.alloc_size)
+                self.alloc_id, self.export_nonce, self.alloc_size)
 
     def _open(self, ordinal: int) -> DeviceMapping:
         drv = get_driver()
@@ -233,6 +256,10 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
 
     @staticmethod
     def _close_mapping(mapping: DeviceMapping) -> None:
+        what = f"a VMM import at {hexptr(mapping.base)} ({mapping.size} bytes, cuda:{mapping.ordinal})"
+        if not streams.quiesce(mapping.ordinal):
+            streams.leak_mapping(what)
+            return
         drv = get_driver()
         quietly("cuMemUnmap of a VMM import", drv.unmap, mapping.base, mapping.size, mapping.ordinal)
         quietly("cuMemAddressFree of a VMM import", drv.free_address, mapping.base, mapping.size, mapping.ordinal)

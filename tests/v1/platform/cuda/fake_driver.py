@@ -8,7 +8,11 @@ tested with it is also covered by a GPU test (test_cuda_gpu.py).
 
 Simulated: cudaMalloc-style allocations with legacy IPC handles; VMM chunks (cuMemCreate)
 mapped into reserved ranges, exported as real memfd file descriptors or fabric bytes;
-one mapping per (process, allocation) for IPC opens; failure injection by call name.
+one mapping per (process, allocation) for IPC opens; allocation handle values recycled once
+released (as the real driver does); failure injection by call name; streams whose work can be
+held unfinished (``hold_stream``), events on them, and the 64-bit stream memory operations
+(a write lands at once; a wait is recorded and pending until the word reaches its value).
+``sequence`` lists every successful call in order.
 """
 
 from __future__ import annotations
@@ -81,6 +85,15 @@ class FakeCudaDriver:
         self.fabric: dict[bytes, Physical] = {}
         self._fail: dict[str, str] = {}
         self._ctx = threading.local()
+        self._free_handles: list[int] = []          # released handle values, reused first
+        self.sequence: list[str] = []               # successful calls, in order
+        self.stream_mem_ops = True                  # CAN_USE_64_BIT_STREAM_MEM_OPS
+        self._next_stream = 0x5000
+        self.streams: set[int] = set()              # live streams
+        self.held: set[int] = set()                 # streams whose queued work never finishes
+        self._next_event = 0x9000
+        self.events: dict[int, int | None] = {}     # event -> stream it waits on (None: done)
+        self.waits: list[dict] = []                 # cuStreamWaitValue64 calls, in order
 
     # ---- test controls ---------------------------------------------------------------------
     def fail_next(self, call: str, error: str = "CUDA_ERROR_INVALID_VALUE") -> None:
@@ -92,6 +105,7 @@ class FakeCudaDriver:
         if error is not None:
             raise CudaDriverError(call, error, subject)
         self.calls[call] += 1
+        self.sequence.append(call)
 
     def _va(self, size: int) -> int:
         va = self._next_va
@@ -99,8 +113,11 @@ class FakeCudaDriver:
         return va
 
     def _handle(self, phys: Physical) -> int:
-        h = self._next_handle
-        self._next_handle += 1
+        if self._free_handles:
+            h = self._free_handles.pop()
+        else:
+            h = self._next_handle
+            self._next_handle += 1
         self.handles[h] = phys
         self.handle_refs[h] = 1
         return h
@@ -269,6 +286,7 @@ class FakeCudaDriver:
             if self.handle_refs[handle] == 0:
                 del self.handle_refs[handle]
                 del self.handles[handle]
+                self._free_handles.append(handle)
 
     def allocation_handle_types(self, handle: int, ordinal: int) -> int:
         self._enter("cuMemGetAllocationPropertiesFromHandle")
@@ -329,3 +347,92 @@ class FakeCudaDriver:
             h = self.create_allocation(chunk, ordinal, handle_type)
             self.map(va + i * chunk, chunk, h, ordinal)
         return va
+
+    # ---- streams, events and stream memory operations ----------------------------------------
+    def hold_stream(self, stream: int) -> None:
+        """Make the work queued on ``stream`` never finish (until ``finish_stream``): events
+        recorded on it stay incomplete, as behind a hung copy."""
+        self.held.add(stream)
+
+    def finish_stream(self, stream: int) -> None:
+        self.held.discard(stream)
+
+    def can_use_64bit_stream_mem_ops(self, ordinal: int) -> bool:
+        return self.stream_mem_ops
+
+    def stream_create(self, ordinal: int) -> int:
+        with self._lock:
+            self._enter("cuStreamCreate", f"device=cuda:{ordinal}")
+            s = self._next_stream
+            self._next_stream += 0x10
+            self.streams.add(s)
+            return s
+
+    def stream_destroy(self, stream: int, ordinal: int) -> None:
+        with self._lock:
+            if stream not in self.streams:
+                self._fail.setdefault("cuStreamDestroy", "CUDA_ERROR_INVALID_HANDLE")
+            self._enter("cuStreamDestroy", f"stream=0x{stream:x}")
+            self.streams.discard(stream)
+
+    def stream_write_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
+        """Writes the 8 little-endian bytes at once (the fake runs no queue)."""
+        with self._lock:
+            self._enter("cuStreamWriteValue64", f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
+            self.write(ptr, (value & (1 << 64) - 1).to_bytes(8, "little"))
+
+    def read_u64(self, ptr: int) -> int:
+        return int.from_bytes(self.read(ptr, 8), "little")
+
+    def _wait_met(self, ptr: int, value: int) -> bool:
+        # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*ptr - value) >= 0
+        diff = (self.read_u64(ptr) - value) & ((1 << 64) - 1)
+        return diff < (1 << 63)
+
+    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
+        """Records the wait; it is met at once if the word already is >= ``value`` (cyclic),
+        else pending until a later write makes it so (see ``pending_waits``)."""
+        with self._lock:
+            self._enter("cuStreamWaitValue64", f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
+            self.waits.append(dict(stream=stream, ptr=ptr, value=value, met=self._wait_met(ptr, value)))
+
+    def pending_waits(self, stream: int | None = None) -> list[dict]:
+        """The waits (of ``stream``, or all) whose word has not reached their value yet."""
+        with self._lock:
+            for w in self.waits:
+                if not w["met"]:
+                    w["met"] = self._wait_met(w["ptr"], w["value"])
+            return [dict(w) for w in self.waits if not w["met"] and (stream is None or w["stream"] == stream)]
+
+    def synchronize(self, ordinal: int) -> None:
+        self._enter("cuCtxSynchronize", f"device=cuda:{ordinal}")
+
+    def event_create(self, ordinal: int) -> int:
+        with self._lock:
+            self._enter("cuEventCreate", f"device=cuda:{ordinal}")
+            ev = self._next_event
+            self._next_event += 0x10
+            self.events[ev] = None
+            return ev
+
+    def event_record(self, event: int, stream: int, ordinal: int) -> None:
+        with self._lock:
+            if event not in self.events or stream not in self.streams:
+                self._fail.setdefault("cuEventRecord", "CUDA_ERROR_INVALID_HANDLE")
+            self._enter("cuEventRecord", f"event=0x{event:x}, stream=0x{stream:x}")
+            self.events[event] = stream if stream in self.held else None
+
+    def event_query(self, event: int, ordinal: int) -> bool:
+        with self._lock:
+            if event not in self.events:
+                self._fail.setdefault("cuEventQuery", "CUDA_ERROR_INVALID_HANDLE")
+            self._enter("cuEventQuery", f"event=0x{event:x}")
+            stream = self.events[event]
+            return stream is None or stream not in self.held
+
+    def event_destroy(self, event: int, ordinal: int) -> None:
+        with self._lock:
+            if event not in self.events:
+                self._fail.setdefault("cuEventDestroy", "CUDA_ERROR_INVALID_HANDLE")
+            self._enter("cuEventDestroy", f"event=0x{event:x}")
+            del self.events[event]

@@ -117,6 +117,9 @@ def test_a_failing_driver_call_is_checked_with_its_subject():
         def cuDeviceGet(self, ordinal):
             return (self.CUresult.CUDA_SUCCESS, ordinal)
 
+        def cuDevicePrimaryCtxRetain(self, dev):
+            return (self.CUresult.CUDA_SUCCESS, 1)           # the current context is the primary
+
         def cuIpcCloseMemHandle(self, ptr):
             return (self.CUresult.CUDA_ERROR_INVALID_VALUE,)
 
@@ -130,7 +133,8 @@ def test_a_failing_driver_call_is_checked_with_its_subject():
 
 
 class ContextBindings:
-    """Just enough of cuda-python for the context logic: per-thread current context, devices 0-1."""
+    """Just enough of cuda-python for the context logic: per-thread current context, devices 0-1
+    (primary context of device d: 100 + d), and non-primary contexts made with ``create``."""
 
     class CUresult(enum.IntEnum):
         CUDA_SUCCESS = 0
@@ -141,6 +145,12 @@ class ContextBindings:
         self.tls = threading.local()
         self.log = []
         self.ok = self.CUresult.CUDA_SUCCESS
+        self.device_of = {100: 0, 101: 1}
+
+    def create(self, ctx, dev):
+        """A non-primary context ``ctx`` of device ``dev`` (what cuCtxCreate would make)."""
+        self.device_of[ctx] = dev
+        return ctx
 
     def _cur(self):
         return getattr(self.tls, "ctx", 0)
@@ -159,7 +169,7 @@ class ContextBindings:
         return (self.ok, self._cur())
 
     def cuCtxGetDevice(self):
-        return (self.ok, self._cur() - 100)
+        return (self.ok, self.device_of[self._cur()])
 
     def cuCtxSetCurrent(self, ctx):
         self.log.append(("set", ctx))
@@ -209,4 +219,129 @@ def test_a_thread_bound_to_another_device_gets_the_right_context_for_the_call_on
     assert b.log[-3:] == [("push", 101), ("meminfo", 101), ("pop", 101)]
     assert gateway.current_context() == 100
     gateway.mem_info(0)                               # already right: nothing pushed
-    assert b.log[-1] == ("meminfo", 100) and gateway.calls["cuDevicePrimaryCtxRetain"] == 1
+    assert b.log[-1] == ("meminfo", 100) and ("push", 100) not in b.log
+    assert gateway.calls["cuDevicePrimaryCtxRetain"] == 2          # once per device, then cached
+    gateway.mem_info(0)
+    assert gateway.calls["cuDevicePrimaryCtxRetain"] == 2
+
+
+def test_a_non_primary_context_of_the_same_device_gets_the_primary_pushed_for_the_call():
+    # A library's cuCtxCreate context on device 1: imports made there would belong to it, not
+    # to the primary context torch and CuPy use (and die with it).
+    b = ContextBindings()
+    gateway = driver.CudaDriver(b)
+    b.tls.ctx = b.create(555, dev=1)
+    gateway.mem_info(1)
+    assert b.log[-3:] == [("push", 101), ("meminfo", 101), ("pop", 101)]
+    assert gateway.current_context() == 555
+
+
+class _FakeHandle:
+    """Stands in for a cuda-python handle object (CUcontext, CUstream ...)."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def __int__(self) -> int:
+        raise AssertionError("int(cuda_obj) is deprecated in cuda-bindings 13; must not be used")
+
+
+def test_handles_become_ints_through_get_cuda_native_handle_where_the_bindings_have_it(monkeypatch):
+    import types
+
+    utils = types.ModuleType("cuda.bindings.utils")
+    seen = []
+
+    def get_cuda_native_handle(obj):
+        seen.append(obj)
+        if not isinstance(obj, _FakeHandle):
+            raise TypeError("Unknown type: " + str(type(obj)))
+        return obj.address
+
+    utils.get_cuda_native_handle = get_cuda_native_handle
+    monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings", types.ModuleType("cuda.bindings"))
+    monkeypatch.setitem(sys.modules, "cuda.bindings.utils", utils)
+    driver._native_handle_getter.cache_clear()
+    try:
+        assert driver._as_int(_FakeHandle(0x7F00)) == 0x7F00
+        assert driver._as_int(5) == 5 and driver._as_int(None) == 0        # ints need no getter
+
+        class PlainNumber:                                              # a type it has no getter for
+            def __int__(self):
+                return 42
+
+        assert driver._as_int(PlainNumber()) == 42
+        assert len(seen) == 2
+    finally:
+        driver._native_handle_getter.cache_clear()
+
+
+def test_without_get_cuda_native_handle_handles_fall_back_to_int(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.bindings.utils", None)      # an older cuda-python
+    driver._native_handle_getter.cache_clear()
+    try:
+        class OldHandle:
+            def __int__(self):
+                return 0x1234
+
+        assert driver._as_int(OldHandle()) == 0x1234
+    finally:
+        driver._native_handle_getter.cache_clear()
+
+
+class EventBindings(ContextBindings):
+    """ContextBindings plus events: cuEventQuery says NOT_READY while ``busy`` holds the event."""
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_HANDLE = 400
+        CUDA_ERROR_NOT_READY = 600
+
+    def __init__(self):
+        super().__init__()
+        self.ok = self.CUresult.CUDA_SUCCESS
+        self.busy = set()
+
+    def CUevent(self, value):
+        return ("event", value)
+
+    def CUstream(self, value):
+        return ("stream", value)
+
+    def cuEventCreate(self, flags):
+        self.log.append(("create", flags))
+        return (self.ok, 0xE0)
+
+    def cuEventRecord(self, event, stream):
+        self.log.append(("record", event, stream))
+        return (self.ok,)
+
+    def cuEventQuery(self, event):
+        if event[1] == 0xBAD:
+            return (self.CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        return (self.CUresult.CUDA_ERROR_NOT_READY if event[1] in self.busy else self.ok,)
+
+    def cuEventDestroy(self, event):
+        self.log.append(("destroy", event))
+        return (self.ok,)
+
+    def cuGetErrorString(self, code):
+        return (self.ok, b"invalid resource handle")
+
+
+def test_event_methods_pass_typed_handles_and_read_not_ready_as_false():
+    b = EventBindings()
+    gateway = driver.CudaDriver(b)
+    ev = gateway.event_create(0)
+    assert ev == 0xE0 and ("create", 0x2) in b.log                  # CU_EVENT_DISABLE_TIMING
+    gateway.event_record(ev, 0x5000, 0)
+    assert ("record", ("event", 0xE0), ("stream", 0x5000)) in b.log
+    b.busy.add(0xE0)
+    assert gateway.event_query(ev, 0) is False
+    b.busy.clear()
+    assert gateway.event_query(ev, 0) is True
+    with pytest.raises(CudaDriverError, match=r"cuEventQuery failed \(CUDA_ERROR_INVALID_HANDLE.*event=0xbad"):
+        gateway.event_query(0xBAD, 0)
+    gateway.event_destroy(ev, 0)
+    assert b.log[-1] == ("destroy", ("event", 0xE0))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -256,3 +259,120 @@ def test_vmm_wrapper_refuses_cudamalloc_memory_with_a_hint(producer):
     out = producer.call("try_wrap", "plain", "cuda-vmm")
     assert out["error"] == "NotVmmMemoryError" and "LMSHM_USE_VMM_API=0" in out["message"]
     producer.call("free", "plain")
+
+
+# ---- issue 26: sibling fds, and unmapping after queued work -----------------------------------
+
+def test_gpu_vmm_siblings_export_the_leaders_fd_and_never_close_it():
+    """wrap_kv_caches-style leader + siblings over a real cuMemCreate chunk: the siblings hand
+    out the leader's exported fd, and closing them after the leader never closes the file that
+    took the leader's fd number (on the broken code each sibling closed it again)."""
+    from lmshm.platform.cuda import VmmCudaIPCWrapper, empty_vmm
+
+    t = empty_vmm((4, 1024), torch.float16, "cuda")
+    lead = VmmCudaIPCWrapper.wrap(t[0], name="layer0")
+    sibs = [lead.sibling_for(t[i], t.untyped_storage().data_ptr()) for i in (1, 2, 3)]
+    assert all(s is not None for s in sibs)
+    fd = lead._fd
+    os.fstat(fd)
+    assert all(s.export_fds() == {lead.fd_token: fd} for s in sibs)
+    lead.close()
+    null = os.open("/dev/null", os.O_RDONLY)
+    if null != fd:
+        os.dup2(null, fd)
+        os.close(null)
+        null = fd
+    try:
+        for s in sibs:
+            s.close()
+        assert os.readlink(f"/proc/self/fd/{null}") == "/dev/null", "a sibling closed the leader's fd number"
+    finally:
+        os.close(null)
+    del t
+
+
+def _run_isolated(code: str, timeout_s: float = 180.0) -> str:
+    """Run ``code`` in a fresh interpreter: a fault under DMA poisons the CUDA context of the
+    process it happens in, and must not take the rest of this module down with it."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in sys.path if p])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout_s, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"the isolated check failed (rc={proc.returncode}):\n{out[-4000:]}"
+    return out
+
+
+_DELAY_MS = 300
+
+_PRODUCER_RELEASE = f"""
+import gc, time, torch
+from cuda_testing import gpu_delay
+from lmshm.platform.cuda import empty_vmm
+src = torch.full((64 << 20,), 7, dtype=torch.uint8, device="cuda")
+t = empty_vmm((64 << 20,), torch.uint8, "cuda")
+torch.cuda.synchronize()
+gpu_delay({_DELAY_MS})                 # the copy below runs ~{_DELAY_MS} ms from now, on this stream
+t.copy_(src)
+t0 = time.monotonic()
+del t                                  # the last reference: VmmAllocation.release() runs now
+gc.collect()
+waited = time.monotonic() - t0
+torch.cuda.synchronize()               # a fault under the unmap would raise here
+print("RELEASE_WAITED", round(waited, 3))
+"""
+
+
+def test_gpu_releasing_vmm_memory_with_a_copy_queued_waits_for_it_and_does_not_fault():
+    out = _run_isolated(_PRODUCER_RELEASE)
+    waited = float(out.split("RELEASE_WAITED", 1)[1].split()[0])
+    assert waited >= _DELAY_MS / 1000 * 0.5, (
+        f"VmmAllocation.release() returned after {waited:.3f} s with a ~{_DELAY_MS} ms copy still queued: "
+        "it did not synchronise before cuMemUnmap")
+
+
+_CONSUMER_CLOSE = f"""
+import gc, time, torch
+from cuda_testing import Producer, gpu_delay, receive
+from lmshm.platform.cuda import streams
+from lmshm.platform.cuda.driver import get_driver
+
+drv = get_driver()
+with Producer() as p:
+    for kind, memory in (("cuda-raw", "torch"), ("cuda-vmm", "vmm")):
+        name = "close-" + kind
+        p.call("alloc", name, (32 << 20,), "uint8", memory=memory, seed=3)
+        out = p.call("wrap", name, kind, ())
+        w = receive(out["payload"], out.get("fds"))
+        t = w.to_tensor()
+        handle = drv.stream_create(0)
+        streams.register(handle, 0)
+        stream = torch.cuda.ExternalStream(handle)
+        src = torch.full_like(t, 9)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            gpu_delay({_DELAY_MS})
+            t.copy_(src)               # a copy into mapped memory, still queued
+        t0 = time.monotonic()
+        w.close()
+        del t
+        gc.collect()                   # the last lease: quiesce, then the unmap
+        waited = time.monotonic() - t0
+        torch.cuda.synchronize()       # a fault under the unmap would raise here
+        streams.unregister(handle, 0)
+        drv.stream_destroy(handle, 0)
+        assert streams.LEAKED_MAPPINGS == 0, streams.LEAKED_MAPPINGS
+        print("CLOSE_WAITED", kind, round(waited, 3))
+        p.call("free", name)
+"""
+
+
+def test_gpu_the_last_consumer_close_waits_for_a_registered_copy_stream_and_does_not_fault():
+    out = _run_isolated(_CONSUMER_CLOSE)
+    waits = dict(line.split()[1:3] for line in out.splitlines() if line.startswith("CLOSE_WAITED"))
+    assert set(waits) == {"cuda-raw", "cuda-vmm"}, out[-2000:]
+    for kind, waited in waits.items():
+        assert float(waited) >= _DELAY_MS / 1000 * 0.5, (
+            f"{kind}: the last close returned after {waited} s with a ~{_DELAY_MS} ms copy queued on a "
+            "registered stream: it did not quiesce before unmapping")

@@ -114,12 +114,43 @@ def test_a_handle_is_never_opened_by_the_process_that_exported_it(fake_driver):
 
 
 def test_raw_on_vmm_memory_says_the_memory_is_not_cudamalloc_and_what_to_do(fake_driver):
-    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    va = fake_driver.vmm_pool(GRANULARITY, 1)                      # POSIX-fd exportable
     with pytest.raises(NotCudaMallocMemoryError) as info:
         RawCudaIPCWrapper.from_pointer(va, 1024, torch.float16, (512,), 0, name="model.layers.3.attn")
     msg = str(info.value)
     assert "'model.layers.3.attn'" in msg and f"ptr={hex(va)}" in msg and UUIDS[0] in msg
-    assert "expandable" in msg and "sleep mode" in msg and "LMSHM_USE_VMM_API=1" in msg
+    assert "requestedHandleTypes=POSIX_FILE_DESCRIPTOR" in msg and "expandable" in msg
+    assert "LMSHM_USE_VMM_API=1" in msg
+    assert fake_driver.handle_refs[next(iter(fake_driver.handles))] == 1   # the probe's retain was released
+
+
+def test_raw_on_sleep_mode_memory_names_handle_type_none_and_does_not_send_it_to_the_vmm_wrapper(fake_driver):
+    # vLLM sleep mode (csrc/cumem_allocator.cpp) never sets requestedHandleTypes: nothing can
+    # export it, so "enable use_vmm_api" would send the user to a second refusal.
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="none")
+    with pytest.raises(NotCudaMallocMemoryError) as info:
+        RawCudaIPCWrapper.from_pointer(va, 1024, torch.float16, (512,), 0, name="kv")
+    msg = str(info.value)
+    assert "requestedHandleTypes=NONE" in msg and "sleep mode" in msg and "cannot be exported" in msg
+    assert "LMSHM_USE_VMM_API=1" not in msg
+    assert "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR" in msg and "empty_vmm" in msg
+
+
+def test_raw_on_fabric_only_memory_says_to_export_fabric_handles(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")   # expandable segments that got FABRIC
+    with pytest.raises(NotCudaMallocMemoryError) as info:
+        RawCudaIPCWrapper.from_pointer(va, 1024, torch.float16, (512,), 0)
+    msg = str(info.value)
+    assert "requestedHandleTypes=FABRIC" in msg and "LMSHM_VMM_HANDLE_TYPE=fabric" in msg
+
+
+def test_raw_on_memory_that_is_not_vmm_either_names_both_allocations_that_work(fake_driver):
+    ptr = fake_driver.malloc_managed(1 * MiB)
+    with pytest.raises(NotCudaMallocMemoryError) as info:
+        RawCudaIPCWrapper.from_pointer(ptr, 1024, torch.float16, (512,), 0)
+    msg = str(info.value)
+    assert "no cuMemCreate allocation either" in msg and "cudaMalloc" in msg
+    assert "CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR" in msg
 
 
 def test_raw_reports_the_driver_error_when_the_handle_export_fails(fake_driver):
@@ -197,14 +228,13 @@ def test_malformed_raw_fields_from_a_peer_are_refused(fake_driver, field, value,
 def test_vmm_posix_fd_round_trip_travels_by_token_and_maps_once(fake_driver, as_consumer, fd_session):
     va = fake_driver.vmm_pool(GRANULARITY, 2)
     fake_driver.write(va + GRANULARITY + 256, b"\x5a" * 32)
-    views = [VmmCudaIPCWrapper.from_pointer(va + GRANULARITY + 256 * i, 256, torch.float8_e4m3fn, (256,), 0)
-             for i in range(1, 4)]
+    lead = VmmCudaIPCWrapper.from_pointer(va + GRANULARITY + 256, 256, torch.float8_e4m3fn, (256,), 0)
+    views = [lead] + [lead.sibling(256 * i) for i in (1, 2)]          # one export, three layers
     assert all(v.handle_type == "posix-fd" and v.alloc_size == GRANULARITY for v in views)
-    assert views[0].alloc_offset == 256
-    tokens = [t for v in views for t in v.export_fds()]
-    assert len(set(tokens)) == 3 and all(t == v.fd_token for t, v in zip(tokens, views))
-    for v in views:
-        deliver_fds(v)
+    assert lead.alloc_offset == 256 and len({v.export_nonce for v in views}) == 1
+    exported = [v.export_fds() for v in views]
+    assert all(e == {lead.fd_token: lead._fd} for e in exported)      # siblings give the leader's fd
+    deliver_fds(lead)
     as_consumer()
     peers = [over_the_wire(v) for v in views]
     ts = [p.to_tensor() for p in peers]
@@ -217,11 +247,32 @@ def test_vmm_posix_fd_round_trip_travels_by_token_and_maps_once(fake_driver, as_
     del ts
     assert fake_driver.live_mappings() == 0 and fake_driver.live_imported_handles() == 0
     assert not fake_driver.reserved.keys() - {va}             # the importer's range is freed
-    for v in views:
-        fd = v._fd
+    fd = lead._fd
+    for v in reversed(views):
         v.close()
-        with pytest.raises(OSError):
-            os.fstat(fd)                                       # the producer's fd is closed
+    with pytest.raises(OSError):
+        os.fstat(fd)                                           # the producer's fd is closed
+
+
+def test_two_separate_exports_of_one_chunk_import_it_separately(fake_driver, as_consumer, fd_session):
+    # Each export has its own nonce (a recycled handle value must never reuse a mapping), so
+    # only siblings share an import; two exports of one live chunk cost two imports, no more.
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    a = VmmCudaIPCWrapper.from_pointer(va, 256, torch.uint8, (256,), 0)
+    b = VmmCudaIPCWrapper.from_pointer(va + 256, 256, torch.uint8, (256,), 0)
+    assert a.alloc_id == b.alloc_id and a.export_nonce != b.export_nonce
+    deliver_fds(a)
+    deliver_fds(b)
+    as_consumer()
+    pa, pb = over_the_wire(a), over_the_wire(b)
+    ta, tb = pa.to_tensor(), pb.to_tensor()
+    assert fake_driver.calls["cuMemImportFromShareableHandle"] == 2
+    del ta, tb
+    pa.close()
+    pb.close()
+    a.close()
+    b.close()
+    assert fake_driver.live_mappings() == 0
 
 
 def test_vmm_fabric_handles_travel_inside_the_wrapper(fake_driver, as_consumer):
@@ -456,3 +507,271 @@ def test_the_fill_pattern_matches_its_formula_without_a_tensor_sized_temporary(n
     fill_pattern(u8, seed=7)
     want = ((torch.arange(n, dtype=torch.int64) * 131 + 7) % PATTERN_PRIME).to(torch.uint8)
     assert torch.equal(u8, want)
+
+
+# ---- VMM siblings own no fd (issue 26, item 3) -------------------------------------------------
+
+def test_closing_a_sibling_never_closes_a_file_that_reused_the_leaders_fd_number(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    lead = VmmCudaIPCWrapper.from_pointer(va, 256, torch.uint8, (256,), 0)
+    sib = lead.sibling(256)
+    fd = lead._fd
+    assert sib.export_fds() == {lead.fd_token: fd}                # the leader's, while it is open
+    lead.close()
+    null = os.open("/dev/null", os.O_RDONLY)
+    if null != fd:                                   # take the freed number for certain
+        os.dup2(null, fd)
+        os.close(null)
+        null = fd
+    try:
+        sib.close()
+        assert os.readlink(f"/proc/self/fd/{null}") == "/dev/null"   # still open
+    finally:
+        os.close(null)
+    assert "_fd" not in sib.__dict__                                # sibling() never copied it
+
+
+def test_a_sibling_exports_nothing_once_its_leader_is_closed(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    lead = VmmCudaIPCWrapper.from_pointer(va, 256, torch.uint8, (256,), 0)
+    sib = lead.sibling(256)
+    lead.close()
+    with pytest.raises(RuntimeError, match="sibling of a leader that was closed"):
+        sib.export_fds()
+    sib.close()
+
+
+def test_release_wrappers_closes_every_sibling_before_its_leader(fake_driver, monkeypatch):
+    from lmshm.platform.kv_wrap import release_wrappers
+
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    lead = VmmCudaIPCWrapper.from_pointer(va, 256, torch.uint8, (256,), 0)
+    group = [lead, lead.sibling(256), lead.sibling(512)]
+    fd = lead._fd
+    seen = []
+    original = VmmCudaIPCWrapper._close_extra
+
+    def spy(self):
+        seen.append((self is lead, lead.closed))
+        original(self)
+
+    monkeypatch.setattr(VmmCudaIPCWrapper, "_close_extra", spy)
+    release_wrappers(group)
+    assert seen == [(False, False), (False, False), (True, True)]
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+# ---- VMM export nonce (issue 26, item 10) ------------------------------------------------------
+
+def test_a_recycled_allocation_handle_value_does_not_reuse_the_old_exports_mapping(fake_driver, fd_session):
+    # The producer frees a chunk and makes another; the driver hands out the same handle value.
+    # A consumer still holding the first mapping must import the second chunk, not alias it.
+    va1 = fake_driver.vmm_pool(GRANULARITY, 1)
+    fake_driver.write(va1, b"\x11" * 16)
+    w1 = VmmCudaIPCWrapper.from_pointer(va1, 16, torch.uint8, (16,), 0)
+    deliver_fds(w1)
+    p1 = over_the_wire(w1)
+    t1 = p1.to_tensor()
+    fake_driver.unmap(va1, GRANULARITY, 0)                          # the producer frees chunk 1
+    fake_driver.release_allocation(w1.alloc_id, 0)
+    w1.close()
+    va2 = fake_driver.vmm_pool(GRANULARITY, 1)
+    fake_driver.write(va2, b"\x22" * 16)
+    w2 = VmmCudaIPCWrapper.from_pointer(va2, 16, torch.uint8, (16,), 0)
+    assert w2.alloc_id == w1.alloc_id and w2.alloc_size == w1.alloc_size   # recycled
+    deliver_fds(w2)
+    p2 = over_the_wire(w2)
+    t2 = p2.to_tensor()
+    assert fake_driver.calls["cuMemImportFromShareableHandle"] == 2
+    assert bytes(t2.tolist()) == b"\x22" * 16 and bytes(t1.tolist()) == b"\x11" * 16
+    assert w2.export_nonce != w1.export_nonce
+    del t1, t2
+    p1.close()
+    p2.close()
+    w2.close()
+
+
+@pytest.mark.parametrize("nonce", [-1, 1 << 64, "x", None])
+def test_a_malformed_export_nonce_from_a_peer_is_refused(fake_driver, nonce):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    state = dict(w.__getstate__(), export_nonce=nonce)
+    with pytest.raises(WrapperDecodeError, match="export_nonce must be an int"):
+        VmmCudaIPCWrapper.__new__(VmmCudaIPCWrapper).__setstate__(state)
+    w.close()
+
+
+# ---- hints name the allocation's real handle types (issue 26, item 8) ---------------------------
+
+def test_vmm_on_sleep_mode_memory_says_nothing_can_export_it(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="none")   # requestedHandleTypes never set
+    with pytest.raises(VmmNotExportableError) as info:
+        VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0, name="kv")
+    msg = str(info.value)
+    assert "requestedHandleTypes=NONE" in msg and "sleep mode" in msg and "cumem_allocator" in msg
+    assert "cannot export it as any shareable handle" in msg and "empty_vmm" in msg
+    assert "LMSHM_VMM_HANDLE_TYPE=posix-fd|fabric" not in msg
+
+
+def test_vmm_fabric_only_memory_asked_for_a_posix_fd_names_expandable_segments_fabric_first(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    with pytest.raises(VmmNotExportableError) as info:
+        VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0, handle_type="posix-fd")
+    msg = str(info.value)
+    assert "requestedHandleTypes=FABRIC, not POSIX_FILE_DESCRIPTOR" in msg
+    assert "try FABRIC first" in msg and "LMSHM_VMM_HANDLE_TYPE=fabric" in msg
+
+
+def test_vmm_posix_fd_memory_asked_for_fabric_says_to_export_a_posix_fd(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    with pytest.raises(VmmNotExportableError, match=r"not FABRIC: export it as a POSIX fd \(LMSHM_VMM_HANDLE_TYPE=posix-fd"):
+        VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0, handle_type="fabric")
+
+
+def test_vmm_on_cudamalloc_memory_says_what_allocation_the_vmm_wrapper_needs(fake_driver):
+    base = fake_driver.malloc(1 * MiB)
+    with pytest.raises(NotVmmMemoryError) as info:
+        VmmCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+    msg = str(info.value)
+    assert "cuMemCreate with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in CUmemAllocationProp.requestedHandleTypes" in msg
+    assert "lmshm.platform.cuda.empty_vmm" in msg
+
+
+# ---- quiesce before unmap (issue 26, item 7) ---------------------------------------------------
+
+@pytest.fixture
+def copy_stream(fake_driver):
+    from lmshm.platform.cuda import streams
+
+    s = fake_driver.stream_create(0)
+    streams.register(s, 0)
+    yield s
+    streams.unregister(s, 0)
+    fake_driver.finish_stream(s)
+
+
+def test_quiesce_is_true_with_no_streams_and_with_idle_ones(fake_driver, copy_stream):
+    from lmshm.platform.cuda import streams
+
+    assert streams.registered(0) == [copy_stream] and streams.registered(1) == []
+    assert streams.quiesce(1)                                   # nothing registered on cuda:1
+    assert fake_driver.calls["cuEventRecord"] == 0
+    assert streams.quiesce(0, timeout_s=1.0)
+    assert fake_driver.calls["cuEventRecord"] == 1 and fake_driver.events == {}   # destroyed
+
+
+def test_quiesce_is_false_when_a_stream_never_drains(fake_driver, copy_stream):
+    import time
+
+    from lmshm.platform.cuda import streams
+
+    fake_driver.hold_stream(copy_stream)
+    t0 = time.monotonic()
+    assert not streams.quiesce(0, timeout_s=0.05)
+    assert 0.05 <= time.monotonic() - t0 < 2 and fake_driver.events == {}
+    fake_driver.finish_stream(copy_stream)
+    assert streams.quiesce(0, timeout_s=0.05)
+
+
+def test_a_stream_registered_twice_stays_until_unregistered_twice(fake_driver):
+    from lmshm.platform.cuda import streams
+
+    s = fake_driver.stream_create(0)
+    streams.register(s, 0)
+    streams.register(s, 0)
+    streams.unregister(s, 0)
+    assert streams.registered(0) == [s]
+    streams.unregister(s, 0)
+    streams.unregister(s, 0)                                    # unknown now: ignored
+    assert streams.registered(0) == []
+
+
+def test_an_unreadable_stream_counts_as_busy(fake_driver, copy_stream):
+    from lmshm.platform.cuda import streams
+
+    fake_driver.fail_next("cuEventRecord", "CUDA_ERROR_INVALID_HANDLE")
+    assert not streams.quiesce(0, timeout_s=0.05)
+    assert fake_driver.events == {}
+
+
+def _mapped_vmm(fake_driver):
+    va = fake_driver.vmm_pool(GRANULARITY, 1)
+    w = VmmCudaIPCWrapper.from_pointer(va, 16, torch.uint8, (16,), 0)
+    deliver_fds(w)
+    peer = over_the_wire(w)
+    peer.to_tensor()                                            # dropped at once: the lease alone holds it
+    return w, peer
+
+
+def _mapped_raw(fake_driver, as_consumer):
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+    as_consumer()
+    peer = over_the_wire(w)
+    peer.to_tensor()
+    return w, peer
+
+
+@pytest.mark.parametrize("kind,unmap", [("vmm", "cuMemUnmap"), ("raw", "cuIpcCloseMemHandle")])
+def test_the_last_close_waits_for_the_copy_streams_then_unmaps(fake_driver, as_consumer, fd_session,
+                                                              copy_stream, kind, unmap):
+    w, peer = _mapped_vmm(fake_driver) if kind == "vmm" else _mapped_raw(fake_driver, as_consumer)
+    peer.close()
+    seq = fake_driver.sequence
+    assert seq.index("cuEventRecord") < seq.index("cuEventQuery") < seq.index(unmap)
+    assert fake_driver.live_mappings() == 0
+    w.close()
+
+
+@pytest.mark.parametrize("kind,unmap", [("vmm", "cuMemUnmap"), ("raw", "cuIpcCloseMemHandle")])
+def test_a_close_under_a_stream_that_never_drains_leaks_the_mapping_instead_of_unmapping(
+        fake_driver, as_consumer, fd_session, copy_stream, monkeypatch, caplog, kind, unmap):
+    import functools
+
+    from lmshm.platform.cuda import streams
+
+    monkeypatch.setattr(streams, "quiesce", functools.partial(streams.quiesce, timeout_s=0.05))
+    w, peer = _mapped_vmm(fake_driver) if kind == "vmm" else _mapped_raw(fake_driver, as_consumer)
+    fake_driver.hold_stream(copy_stream)
+    leaked = streams.LEAKED_MAPPINGS
+    with caplog.at_level(logging.ERROR, logger="lmshm.platform.cuda.streams"):
+        peer.close()
+    assert fake_driver.calls[unmap] == 0 and fake_driver.live_mappings() == 1
+    assert streams.LEAKED_MAPPINGS == leaked + 1
+    assert "not unmapping" in caplog.text and "leaked" in caplog.text
+    w.close()
+
+
+def test_releasing_a_vmm_allocation_synchronizes_before_it_unmaps(fake_driver):
+    from lmshm.platform.cuda.vmm_alloc import VmmAllocation
+
+    alloc = VmmAllocation(3 * GRANULARITY, 0, "posix-fd", GRANULARITY)
+    alloc.release()
+    seq = fake_driver.sequence
+    assert seq.count("cuMemUnmap") == 3
+    assert seq.index("cuCtxSynchronize") < seq.index("cuMemUnmap")
+    alloc.release()                                             # idempotent: nothing more
+    assert fake_driver.sequence.count("cuCtxSynchronize") == 1
+
+
+# ---- cuda-torch on expandable segments (issue 26, item 10) -------------------------------------
+
+def test_cuda_torch_on_expandable_segments_says_the_server_needs_pidfd_getfd_rights(monkeypatch):
+    expandable = CudaIPCWrapper(**torch_wrapper_state(torch_handle=b"\x02e" + b"\0" * 64))
+    malloc = CudaIPCWrapper(**torch_wrapper_state(torch_handle=b"\x02c" + b"\0" * 64))
+    assert expandable.expandable_segment and not malloc.expandable_segment
+
+    def refuse(*args):
+        raise RuntimeError("pidfd_getfd: Operation not permitted")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(refuse), raising=False)
+    with pytest.raises(RuntimeError) as info:
+        expandable._open(0)
+    msg = str(info.value)
+    assert "pidfd_getfd: Operation not permitted" in msg and "expandable_segments:True" in msg
+    assert "PID namespace" in msg and "CAP_SYS_PTRACE" in msg and "ptrace_scope" in msg
+    assert "LMSHM_USE_VMM_API=1" in msg
+    with pytest.raises(RuntimeError, match=r"^pidfd_getfd: Operation not permitted$"):
+        malloc._open(0)                                         # cudaMalloc blocks: torch's error as is

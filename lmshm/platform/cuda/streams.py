@@ -1,0 +1,117 @@
+"""The streams that copy to or from mapped device memory, and waiting for them before an unmap.
+
+``cuMemUnmap`` and ``cuIpcCloseMemHandle`` do not wait for copies still queued on a stream
+(PyTorch's expandable segments synchronise before unmapping for that reason). A device-wide
+``cuCtxSynchronize`` in the server would make one hung worker's stream stall every tenant's
+unmap, so the consumer's close waits only for the streams that can touch mapped memory:
+
+- whoever queues copies on mapped memory (the data plane, per session) calls
+  ``register(stream, ordinal)`` once it made the stream and ``unregister`` before destroying it;
+- a wrapper's last release calls ``quiesce(ordinal)``: it records a fresh event on every stream
+  registered for that device (under the registry's lock, so none is destroyed meanwhile) and
+  polls them with short sleeps until all completed or ``timeout_s`` passed;
+- when ``quiesce`` returns False the caller does not unmap: it calls ``leak_mapping``, which
+  logs an error and counts it in ``LEAKED_MAPPINGS``. A leaked mapping pins the producer's memory
+  until this process exits; freeing memory under DMA would corrupt whatever reuses it.
+
+The registry is process-wide and thread-safe; handles are plain ints (the driver gateway's).
+A stream registered twice must be unregistered twice. An error while recording counts as "not
+idle" (the mapping is leaked, the error logged): a stream that was destroyed without
+``unregister`` cannot be proven idle.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+from lmshm.platform.cuda.driver import get_driver
+
+logger = logging.getLogger(__name__)
+
+# Re-entrant: a finaliser (a dropped lease unmapping) may run quiesce() on a thread that is
+# inside register() or unregister().
+_lock = threading.RLock()
+_streams: dict[int, Counter[int]] = {}   # ordinal -> stream handle -> registrations
+
+#: Mappings this process left mapped because a copy stream did not drain in time.
+LEAKED_MAPPINGS = 0
+
+_POLL_FIRST_S = 0.0005
+_POLL_MAX_S = 0.02
+
+
+def register(stream_handle: int, ordinal: int) -> None:
+    """Note that ``stream_handle`` (on device ``ordinal``) may copy to or from mapped memory."""
+    with _lock:
+        _streams.setdefault(ordinal, Counter())[int(stream_handle)] += 1
+
+
+def unregister(stream_handle: int, ordinal: int) -> None:
+    """Undo one ``register``; unknown streams are ignored (teardown paths call this)."""
+    with _lock:
+        per = _streams.get(ordinal)
+        if per is None or per[int(stream_handle)] <= 0:
+            return
+        per[int(stream_handle)] -= 1
+        if per[int(stream_handle)] <= 0:
+            del per[int(stream_handle)]
+        if not per:
+            del _streams[ordinal]
+
+
+def registered(ordinal: int) -> list[int]:
+    """The streams registered for device ``ordinal`` now (a snapshot)."""
+    with _lock:
+        return sorted(_streams.get(ordinal, ()))
+
+
+def quiesce(ordinal: int, timeout_s: float = 10.0) -> bool:
+    """True once every stream registered for ``ordinal`` finished the work queued on it before
+    this call; False if one did not within ``timeout_s`` (or its state could not be read)."""
+    drv = get_driver()
+    events: list[int] = []
+    try:
+        with _lock:
+            streams = sorted(_streams.get(ordinal, ()))
+            if not streams:
+                return True
+            for stream in streams:
+                ev = drv.event_create(ordinal)
+                events.append(ev)
+                drv.event_record(ev, stream, ordinal)
+        deadline = time.monotonic() + timeout_s
+        pause = _POLL_FIRST_S
+        pending = list(events)
+        while True:
+            pending = [ev for ev in pending if not drv.event_query(ev, ordinal)]
+            if not pending:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                logger.error("lmshm: %d of %d copy stream(s) on cuda:%d still busy after %.1f s",
+                             len(pending), len(events), ordinal, timeout_s)
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+    except Exception:  # noqa: BLE001 - an unreadable stream is not an idle one
+        logger.exception("lmshm: cannot tell whether the copy streams on cuda:%d are idle", ordinal)
+        return False
+    finally:
+        for ev in events:
+            try:
+                drv.event_destroy(ev, ordinal)
+            except Exception:  # noqa: BLE001
+                logger.exception("lmshm: destroying a quiesce event failed")
+
+
+def leak_mapping(what: str) -> None:
+    """Leave ``what`` mapped (a copy stream may still use it): log it and count it."""
+    global LEAKED_MAPPINGS
+    with _lock:
+        LEAKED_MAPPINGS += 1
+        total = LEAKED_MAPPINGS
+    logger.error("lmshm: not unmapping %s: a copy stream on its device did not drain; the mapping "
+                 "is leaked until this process exits (%d leaked so far)", what, total)
