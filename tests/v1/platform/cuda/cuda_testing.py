@@ -7,6 +7,9 @@ calling process plays the consumer (the server's role): it decodes the wrapper b
 the fds it received in ``FD_INBOX`` and maps with ``to_tensor()``. File descriptors (VMM POSIX
 handles) travel over the same pipe with SCM_RIGHTS, as they would over the fd channel.
 
+``gpu_delay`` queues a calibrated ``torch.cuda._sleep`` on the current stream: the ordering tests
+put it before a fill, so a server that ignored the worker's ordering signal would copy stale bytes.
+
 ``measure_reclaim`` is the worker-crash scenario: the producer exports a pool, the consumer
 maps it, the producer is SIGKILLed, the consumer releases its mappings (what the server's
 reclaim does) and the device's free memory is polled until the pool is back.
@@ -92,6 +95,44 @@ def fill_pattern(u8: Any, seed: int = 0) -> None:
     for start in range(0, n, step):
         stop = min(n, start + step)
         u8[start:stop].copy_(block[:stop - start])
+
+
+# ---- delays on the GPU: what makes an ordering test able to fail --------------------------
+
+_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def cycles_per_ms(device: int = 0) -> float:
+    """``torch.cuda._sleep``'s spin cycles per millisecond on ``device``, measured once per process.
+
+    Measured rather than taken from the clock rate: the SM clock boosts, and the figure only has
+    to be right to a factor of two. It synchronises the device, so call it before anything whose
+    ordering a test checks is queued.
+    """
+    import torch
+
+    if device not in _CYCLES_PER_MS:
+        with torch.cuda.device(device):
+            torch.cuda._sleep(1000)                  # loads the kernel
+            torch.cuda.synchronize()
+            n = 20_000_000                           # ~10 ms at 2 GHz
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(n)
+            end.record()
+            end.synchronize()
+            _CYCLES_PER_MS[device] = n / max(start.elapsed_time(end), 1e-3)
+    return _CYCLES_PER_MS[device]
+
+
+def gpu_delay(ms: float, device: int = 0) -> None:
+    """Queue ``ms`` milliseconds of spinning on the current stream and return at once: whatever is
+    queued after it on this stream (a fill) runs that much later, while the host goes on and
+    sends its request. A peer that does not wait for this stream's ordering signal sees the bytes
+    as they were before."""
+    import torch
+
+    torch.cuda._sleep(max(1, int(ms * cycles_per_ms(device))))
 
 
 # ---- the producer process -----------------------------------------------------------------

@@ -10,7 +10,10 @@ one combined ``[B, L, H, N, C]`` view for block-outermost ones, block_dim 0; a k
 smaller than the block is regrouped as ``block_view`` does. Worker A STOREs shuffled blocks,
 worker B RETRIEVEs them into other blocks; B compares, on the GPU, K and V of every layer of
 every block with what A had, and its other blocks with a snapshot taken before. An NHD store
-must be refused by an HND registration with LAYOUT, leaving B's memory as it was.
+must be refused by an HND registration with LAYOUT, leaving B's memory as it was. Before each
+STORE the stored bytes, and before each RETRIEVE the destination's last write, land 50 ms late
+on the worker's stream (``cuda_testing.gpu_delay``) while the request goes at once: only the
+ordering signals keep the comparisons true.
 
 One server and two workers serve every test of a wrapper kind (module-scoped fixture): the
 default CUDA wrapper (PyTorch storage sharing, ``cuda-torch``) and the isolated one (raw driver
@@ -39,6 +42,7 @@ _MULTIPROCESS = str(Path(__file__).resolve().parents[2] / "multiprocess")
 if _MULTIPROCESS not in sys.path:
     sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
 
+from cuda_testing import cycles_per_ms, gpu_delay  # noqa: E402
 from harness import ServerProcess, scratch_dir, wait_for  # noqa: E402
 from test_kv_layouts import LAYOUTS  # noqa: E402
 from worker import vllm_layout_strides  # noqa: E402
@@ -67,6 +71,7 @@ SRC = [13, 3, 4, 5, 11, 0, 14, 15]      # shuffled, with runs of consecutive ids
 DST = [2, 9, 10, 8, 1, 6, 12, 7]        # other blocks (9..10 a run)
 CHUNK = 2                               # blocks per chunk: four chunks
 KINDS = ("cuda-torch", "cuda-raw")      # the default wrapper, and the isolated (raw IPC) one
+DELAY_MS = 50                           # how late the worker's writes land before each STORE/RETRIEVE
 CASES = [pytest.param(name, 1, id=name) for name in LAYOUTS]
 CASES.append(pytest.param("LBHNC", 2, id="LBHNC-kernel-blocks-of-half-a-block"))
 
@@ -95,7 +100,8 @@ class _WorkerState:
         from lmshm.core.cuda_sync import WorkerCudaSync
 
         self.client = client
-        self.sync = WorkerCudaSync(0)
+        self.sync = WorkerCudaSync(0, client=client)    # isolated mode: registers its flag page
+        cycles_per_ms(0)                                # calibrate gpu_delay before anything is queued
         self.caches: dict[str, _Cache] = {}
 
     # every op_* method is callable from the test process
@@ -141,9 +147,20 @@ class _WorkerState:
         return c.blocks_of(c.buf)[:, idx].contiguous().cpu().numpy().tobytes()
 
     def op_store(self, instance_id: str, keys: list, blocks: list, chunk_blocks: int) -> dict:
+        """STORE ``blocks`` with their bytes written ``DELAY_MS`` late on this worker's stream:
+        the buffer is zeroed (and that finished), then the real bytes are copied back behind a
+        ``gpu_delay`` and the request goes at once. A server that did not wait for the ordering
+        signal would store zeros, and the comparison in B would show it."""
+        c = self.caches[instance_id]
+        real = c.buf.clone()
+        c.buf.zero_()
+        torch.cuda.synchronize()
+        gpu_delay(DELAY_MS)
+        c.buf.copy_(real)
         _event, handle = self.sync.ready()      # after the fill: the server's copies wait on it
         reply = self.client.store(instance_id, keys, blocks, chunk_blocks, event=handle)
         self.sync.wait(reply.event)
+        del real                                # the caching allocator orders its reuse on this stream
         return {"results": [int(r) for r in reply.results], "nbytes": reply.nbytes}
 
     def _lookup(self, keys: list, timeout_s: float = 10.0) -> tuple[int, bytes]:
@@ -172,7 +189,11 @@ class _WorkerState:
             if lease:
                 self.client.release(lease)
             return {"error": {"code": -1, "message": f"LOOKUP found {hits} of {len(keys)} stored chunks"}}
-        _event, handle = self.sync.ready()      # after the snapshot: the server's writes wait on it
+        # The worker's last use of the blocks lands DELAY_MS late (it rewrites what they hold): a
+        # server that did not wait for the ordering signal would have its writes overwritten.
+        gpu_delay(DELAY_MS)
+        c.buf.copy_(snap)
+        _event, handle = self.sync.ready()      # after that last use: the server's writes wait on it
         try:
             got = self.client.retrieve(instance_id, keys, blocks, chunk_blocks, lease, event=handle)
         except ServerError as exc:

@@ -152,41 +152,138 @@ def test_gpu_worker_registers_through_the_server_and_a_kill_gives_the_memory_bac
         assert rc == 0, f"lmshm-server exited {rc}:\n{log.read_text()[-4000:]}"
 
 
-@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw"])
-def test_gpu_store_and_retrieve_are_ordered_by_events(scratch, kind):
-    """The data plane on a GPU: layers of one allocation (one group), blocks written on the
-    worker's stream and stored with its event, overwritten right after the server's event, then
-    retrieved into other blocks -- with no host-side synchronisation in the worker between."""
+#: How late the worker's fills land on its stream (``gpu_delay``): far longer than a round trip.
+DELAY_MS = 100
+
+
+def _lookup(client, keys: list, timeout_s: float = 10.0) -> bytes:
+    """A CUDA STORE's chunks become visible once the server's copies completed (after the
+    reply, or with it in isolated mode): ask until they are all there; returns the lease."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = client.lookup([keys])
+        if found.hits == len(keys):
+            return found.lease
+        if found.lease:
+            client.release(found.lease)
+        assert time.monotonic() < deadline, f"LOOKUP found {found.hits} of {len(keys)} stored chunks after {timeout_s} s"
+        time.sleep(0.01)
+
+
+def _wait_counters(url: str, want: tuple, timeout_s: float = 10.0) -> None:
+    """(stored, retrieved, pinned, failed) reach ``want``: a CUDA job commits or unpins once the
+    server's own copies completed, which may be after its reply."""
+    from lmshm.multiprocess.client import query_status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = query_status(url).pool
+        got = (info.stored, info.retrieved, info.pinned, info.failed)
+        if got == want:
+            return
+        assert time.monotonic() < deadline, f"pool counters (stored, retrieved, pinned, failed) = {got}, want {want}"
+        time.sleep(0.02)
+
+
+def _delayed_round_trip(scratch: Path, kind: str, signal_store: bool) -> dict:
+    """One worker (this process) and a real server: zeros everywhere, then a fill of blocks 3..4
+    queued ``DELAY_MS`` late on the worker's stream and STOREd at once (with the worker's
+    ordering signal or, for the control, without); an overwrite of 3..4 right after the reply;
+    then the destination blocks 10..11 written ``DELAY_MS`` late (the worker's last use of them)
+    and a RETRIEVE into them at once. Returns what the blocks hold afterwards (host-side reads only
+    at the end, queued after the worker waited for the server's signal)."""
     from lmshm.core.cuda_sync import WorkerCudaSync
     from lmshm.multiprocess.client import MPClient, query_status
     from lmshm.platform import ipc_policy
 
+    from cuda_testing import cycles_per_ms, gpu_delay
+
     isolated = kind == "cuda-raw"
     server, url, fd_socket, log = start_server(scratch, isolated)
     ipc_policy.set_isolated_ipc(isolated)
+    out: dict = {"log": log}
     try:
+        cycles_per_ms(0)                              # calibrate before anything is in flight
         pool = torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda:0")   # layers x blocks x ...
+        torch.cuda.synchronize()                      # the stale bytes are zeros, for sure
         kv = {f"model.layers.{i}.attn": pool[i] for i in range(2)}
         with MPClient(url, fd_socket=fd_socket, heartbeat=False) as client:
             iid = client.register_kv_caches(kv, "gpu-dp")
             (reg,) = query_status(url).registrations
             assert reg.kinds == [kind] and reg.num_layers == 2
-            sync = WorkerCudaSync(0)
+            sync = WorkerCudaSync(0, client=client)
+            key = b"k" * 16
+
+            gpu_delay(DELAY_MS)
             pool[:, 3:5].fill_(1.25)
-            _ev, handle = sync.ready()
-            stored = client.store(iid, [b"k" * 16], [3, 4], 2, event=handle)
-            assert stored.results == [0] and len(stored.event) == 64
+            filled = torch.cuda.Event()
+            filled.record()
+            keep, token = sync.ready() if signal_store else (None, b"")
+            t0 = time.monotonic()
+            stored = client.store(iid, [key], [3, 4], 2, event=token)
+            out["store_reply_s"] = time.monotonic() - t0
+            out["fill_pending_at_reply"] = not filled.query()
+            assert stored.results == [0], stored
             sync.wait(stored.event)
-            pool[:, 3:5].fill_(-7.0)                  # ordered after the server's read
-            _ev2, handle2 = sync.ready()
-            got = client.retrieve(iid, [b"k" * 16], [10, 11], 2, event=handle2)
+            del keep
+            pool[:, 3:5].fill_(-7.0)                  # ordered after the server's read by its signal only
+            lease = _lookup(client, [key])            # a host wait: the delays below start after it
+
+            gpu_delay(DELAY_MS)
+            pool[:, 10:12].fill_(9.0)                 # the worker's last use of the destination blocks
+            keep2, token2 = sync.ready()
+            got = client.retrieve(iid, [key], [10, 11], 2, lease, event=token2)
+            assert got.chunks == 1, got
             sync.wait(got.event)
-            assert bool((pool[:, 10:12] == 1.25).all()), "RETRIEVE did not bring back what STORE read"
-            assert bool((pool[:, 3:5] == -7.0).all())
-            info = query_status(url).pool
-            assert (info.stored, info.retrieved, info.pinned, info.failed) == (1, 1, 0, 0)
+            del keep2
+            dst, src = pool[:, 10:12], pool[:, 3:5]
+            out["dst_is_fill"] = bool((dst == 1.25).all())          # queued after the wait: ordered
+            out["dst_is_stale"] = bool((dst == 0).all())
+            out["dst_values"] = sorted({float(v) for v in dst.flatten().unique().tolist()})
+            out["src_is_overwrite"] = bool((src == -7.0).all())
+            _wait_counters(url, (1, 1, 0, 0))
             client.unregister_kv_caches(iid)
     finally:
         ipc_policy.set_isolated_ipc(None)
         server.terminate()
-        assert server.wait(30) == 0, log.read_text()[-4000:]
+        rc = server.wait(30)
+        server.stdout.close()
+    assert rc == 0, log.read_text()[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw"])
+def test_gpu_store_and_retrieve_are_ordered_by_events(scratch, kind):
+    """Proves that STORE and RETRIEVE on a CUDA registration (layers of one allocation, one group)
+    are ordered against the worker's stream by the ordering signals alone (interprocess events;
+    in isolated mode the flag word): the fill STOREd and the worker's last write of the RETRIEVE's
+    destination are queued 100 ms late on the worker's stream while the requests go at once, so
+    a server that did not wait for the worker's signal would store zeros, and its RETRIEVE would
+    be overwritten by the late write; the overwrite after the STORE's reply is ordered only by
+    the server's signal. ``test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes`` is the
+    control that shows the delay is long enough for this to fail."""
+    out = _delayed_round_trip(scratch, kind, signal_store=True)
+    if kind == "cuda-raw":
+        # isolated mode answers after its copies completed, and those waited for the fill
+        assert out["store_reply_s"] >= 0.5 * DELAY_MS / 1000, \
+            f"isolated STORE answered after {out['store_reply_s'] * 1000:.0f} ms, before the fill it should wait for"
+    else:
+        assert out["fill_pending_at_reply"], "the fill had completed by the STORE's reply: the test proved nothing"
+    assert out["dst_is_fill"], f"RETRIEVE did not bring back what the delayed fill wrote: blocks hold {out['dst_values']}"
+    assert out["src_is_overwrite"], "the overwrite after the STORE's reply did not land"
+
+
+@pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw"])
+def test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes(scratch, kind):
+    """The control of ``test_gpu_store_and_retrieve_are_ordered_by_events``: the same 100 ms-late
+    fill STOREd with no ordering signal (event=b"") must be stored STALE (the zeros from before),
+    which proves the delay outlasts the round trip, so the positive test fails on a server that
+    ignores the signal. A server may instead refuse a CUDA STORE without a signal (skip, saying so)."""
+    from lmshm.multiprocess.client import ServerError
+
+    try:
+        out = _delayed_round_trip(scratch, kind, signal_store=False)
+    except ServerError as exc:
+        pytest.skip(f"the server refuses a CUDA STORE without an ordering signal ({exc}): no control possible")
+    assert out["dst_is_stale"], (f"a STORE sent with no ordering signal still saw the delayed fill (blocks hold "
+                                 f"{out['dst_values']}): {DELAY_MS} ms is too short for the ordering tests to fail")
