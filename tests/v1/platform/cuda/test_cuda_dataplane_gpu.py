@@ -218,7 +218,7 @@ def test_gpu_vmm_pools_store_and_retrieve_between_two_workers(shared_server):
 def test_gpu_600_stores_in_flight_in_one_session_all_land(shared_server):
     """Proves a session can have far more than 256 CUDA requests in flight: 600 STOREs, each
     with its own ordering signal recorded after its block's (late) fill, are all sent before any
-    reply is read; only then is each reply's server signal waited for, oldest first (the server
+    reply is read (behind one 1 s delay); only then is each reply's server signal waited for, oldest first (the server
     must keep its signals alive that long, not recycle them after 256 newer ones). All 600 must
     be STORED, and a second worker RETRIEVEs every one byte for byte."""
     n, blocks = 600, 640
@@ -228,10 +228,10 @@ def test_gpu_600_stores_in_flight_in_one_session_all_land(shared_server):
             w.call("register", instance_id=iid, layers=2, blocks=blocks, block_bytes=4096)
         ks = keys(n, "many")
         ids = list(range(n))
-        put = a.call("put_many", instance_id="many-a", keys=ks, blocks=ids, delay_ms=500, timeout_s=120)
+        put = a.call("put_many", instance_id="many-a", keys=ks, blocks=ids, delay_ms=1000, timeout_s=120)
         print(f"\n600 STOREs sent in {put['sent_s'] * 1000:.0f} ms, {put['unanswered_after_send']} unanswered then, "
               f"all settled after {put['settled_s'] * 1000:.0f} ms")
-        assert put["sent_s"] < 0.5, "sending took longer than the fills' delay: fewer were in flight together"
+        assert put["sent_s"] < 1.0, "sending took longer than the fills' delay: fewer were in flight together"
         assert put["results"] == [STORED] * n, [i for i, r in enumerate(put["results"]) if r != STORED][:20]
         got = b.call("get", instance_id="many-b", keys=ks, blocks=ids, delay_ms=20, timeout_s=120)
         differ = [i for i, (x, y) in enumerate(zip(put["digests"], got["digests"])) if x != y]
@@ -371,7 +371,7 @@ def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_serve
             assert "error" in bad or bad["results"][1] != STORED, bad
             wait_unpinned(server.url)
             round_trip(server.url, a, b, "err-a", "err-b", "after-bad", [1, 2, 3], [10, 11, 12])
-            assert "CUDA_ERROR" not in server.log(), "a refused STORE left a CUDA error in the server's log"
+            assert_clean_log(server)
 
             # 2. workers killed with their STOREs' copies queued behind a late fill
             for w, iid in ((doomed_torch, "doomed-torch"), (doomed_vmm, "doomed-vmm")):
