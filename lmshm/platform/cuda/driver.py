@@ -396,6 +396,44 @@ class CudaDriver:
             return _as_int(self._call("cuMemCreate", size, self._device_prop(ordinal, handle_type), 0,
                                       subject=f"size={size}, device=cuda:{ordinal}, handle type={handle_type}"))
 
+    # ---- streams and stream memory operations ----------------------------------------------
+    # The isolated mode's ordering (``lmshm.core.cuda_sync``): a word in legacy-IPC device
+    # memory that one process's stream writes and another's waits on. Needs nothing an IPC
+    # event needs (no shared /dev/shm), only what a legacy memory handle needs.
+    def can_use_64bit_stream_mem_ops(self, ordinal: int) -> bool:
+        try:
+            return bool(self.device_attribute("CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", ordinal))
+        except (AttributeError, CudaDriverError):
+            return False
+
+    def stream_create(self, ordinal: int) -> int:
+        """A new non-blocking stream on ``ordinal``'s primary context (its handle)."""
+        with self.bound(ordinal):
+            return _as_int(self._call("cuStreamCreate", 0x1, subject=f"device=cuda:{ordinal}"))  # CU_STREAM_NON_BLOCKING
+
+    def stream_destroy(self, stream: int, ordinal: int) -> None:
+        """Destroy a stream; work still queued on it completes first (the driver's rule)."""
+        with self.bound(ordinal):
+            self._call("cuStreamDestroy", self.b.CUstream(stream), subject=f"stream=0x{stream:x}")
+
+    def stream_write_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
+        """Queue ``*ptr = value`` (8 bytes) on ``stream``, after the work queued before it."""
+        with self.bound(ordinal):
+            self._call("cuStreamWriteValue64", self.b.CUstream(stream), ptr, value, 0,
+                       subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
+
+    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
+        """Make ``stream`` wait until ``(int64)(*ptr - value) >= 0`` (the driver's cyclic
+        greater-or-equal, ``CU_STREAM_WAIT_VALUE_GEQ``)."""
+        with self.bound(ordinal):
+            self._call("cuStreamWaitValue64", self.b.CUstream(stream), ptr, value, 0,
+                       subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
+
+    def synchronize(self, ordinal: int) -> None:
+        """cuCtxSynchronize on ``ordinal``'s context: every stream of this process is idle after."""
+        with self.bound(ordinal):
+            self._call("cuCtxSynchronize", subject=f"device=cuda:{ordinal}")
+
     # ---- events (the consumers' quiesce before an unmap, ``lmshm.platform.cuda.streams``) ------
     def event_create(self, ordinal: int) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING) on ``ordinal``'s primary context."""
