@@ -131,7 +131,7 @@ class TorchCudaSync:
                 handle = self._drv.stream_create(device)
                 s = self._torch.cuda.ExternalStream(handle, device=self._torch.device("cuda", device))
                 self._streams[key] = s
-                _streams_registry().register(handle, device)
+                _streams_registry().register(handle, device, session)
             return s
 
     def drop_session(self, session: Hashable) -> None:
@@ -142,7 +142,7 @@ class TorchCudaSync:
                 del self._streams[k]
         for (device, _), s in gone:
             handle = int(s.cuda_stream)
-            _streams_registry().unregister(handle, device)
+            _streams_registry().unregister(handle, device, session)
             try:
                 self._drv.stream_destroy(handle, device)
             except Exception:  # noqa: BLE001 - teardown goes on

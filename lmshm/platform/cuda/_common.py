@@ -128,6 +128,7 @@ class DeviceMapping:
     size: int
     ordinal: int
     handle: int = 0   # VMM: the imported allocation handle
+    scope: Hashable = None   # the session that opened it: its copy streams are the ones to wait for
 
 
 class FlatCudaWrapper(CudaWrapperBase):

@@ -143,11 +143,13 @@ class RawCudaIPCWrapper(FlatCudaWrapper):
         except CudaDriverError as exc:
             logger.debug("lmshm: no address range for an IPC mapping (%s); using the producer's size", exc)
             size = self.alloc_size
-        return DeviceMapping(base=base, size=size, ordinal=ordinal)
+        # Scoped to the opening session: the registry admits only the producer's own session to a
+        # handle, so that session's copy streams are the ones that can touch this mapping.
+        return DeviceMapping(base=base, size=size, ordinal=ordinal, scope=self._scope())
 
     @staticmethod
     def _close_mapping(mapping: DeviceMapping) -> None:
-        if not streams.quiesce(mapping.ordinal):
+        if not streams.quiesce(mapping.ordinal, scope=mapping.scope):
             streams.leak_mapping(f"a CUDA IPC mapping at {hexptr(mapping.base)} ({mapping.size} bytes, "
                                  f"cuda:{mapping.ordinal})")
             return

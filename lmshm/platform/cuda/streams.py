@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from typing import Hashable
 
 from lmshm.platform.cuda.driver import get_driver
 
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 # Re-entrant: a finaliser (a dropped lease unmapping) may run quiesce() on a thread that is
 # inside register() or unregister().
 _lock = threading.RLock()
-_streams: dict[int, Counter[int]] = {}   # ordinal -> stream handle -> registrations
+_streams: dict[int, Counter[tuple[int, Hashable]]] = {}   # ordinal -> (stream handle, scope) -> registrations
 
 #: Mappings this process left mapped because a copy stream did not drain in time.
 LEAKED_MAPPINGS = 0
@@ -43,39 +44,44 @@ _POLL_FIRST_S = 0.0005
 _POLL_MAX_S = 0.02
 
 
-def register(stream_handle: int, ordinal: int) -> None:
-    """Note that ``stream_handle`` (on device ``ordinal``) may copy to or from mapped memory."""
+def register(stream_handle: int, ordinal: int, scope: Hashable = None) -> None:
+    """Note that ``stream_handle`` (on device ``ordinal``) may copy to or from mapped memory of
+    ``scope`` (a session: its copies touch only that session's mappings; None: any mapping)."""
     with _lock:
-        _streams.setdefault(ordinal, Counter())[int(stream_handle)] += 1
+        _streams.setdefault(ordinal, Counter())[(int(stream_handle), scope)] += 1
 
 
-def unregister(stream_handle: int, ordinal: int) -> None:
+def unregister(stream_handle: int, ordinal: int, scope: Hashable = None) -> None:
     """Undo one ``register``; unknown streams are ignored (teardown paths call this)."""
+    key = (int(stream_handle), scope)
     with _lock:
         per = _streams.get(ordinal)
-        if per is None or per[int(stream_handle)] <= 0:
+        if per is None or per[key] <= 0:
             return
-        per[int(stream_handle)] -= 1
-        if per[int(stream_handle)] <= 0:
-            del per[int(stream_handle)]
+        per[key] -= 1
+        if per[key] <= 0:
+            del per[key]
         if not per:
             del _streams[ordinal]
 
 
-def registered(ordinal: int) -> list[int]:
-    """The streams registered for device ``ordinal`` now (a snapshot)."""
+def registered(ordinal: int, scope: Hashable = None) -> list[int]:
+    """The streams registered for device ``ordinal`` now that can touch ``scope``'s mappings
+    (every one with ``scope`` None), a snapshot."""
     with _lock:
-        return sorted(_streams.get(ordinal, ()))
+        return sorted({h for h, sc in _streams.get(ordinal, ()) if scope is None or sc is None or sc == scope})
 
 
-def quiesce(ordinal: int, timeout_s: float = 10.0) -> bool:
-    """True once every stream registered for ``ordinal`` finished the work queued on it before
-    this call; False if one did not within ``timeout_s`` (or its state could not be read)."""
+def quiesce(ordinal: int, timeout_s: float = 10.0, scope: Hashable = None) -> bool:
+    """True once every stream registered for ``ordinal`` that can touch ``scope``'s mappings
+    (all of them with ``scope`` None) finished the work queued on it before this call; False if
+    one did not within ``timeout_s`` (or its state could not be read). Scoped, one tenant's
+    hung stream never delays another tenant's unmap."""
     drv = get_driver()
     events: list[int] = []
     try:
         with _lock:
-            streams = sorted(_streams.get(ordinal, ()))
+            streams = registered(ordinal, scope)
             if not streams:
                 return True
             for stream in streams:

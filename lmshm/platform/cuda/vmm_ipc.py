@@ -252,12 +252,12 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
                 quietly("freeing a reserved VMM range", drv.free_address, va, size, ordinal)
             quietly("releasing an imported VMM handle", drv.release_allocation, alloc, ordinal)
             raise
-        return DeviceMapping(base=va, size=size, ordinal=ordinal, handle=alloc)
+        return DeviceMapping(base=va, size=size, ordinal=ordinal, handle=alloc, scope=self._scope())
 
     @staticmethod
     def _close_mapping(mapping: DeviceMapping) -> None:
         what = f"a VMM import at {hexptr(mapping.base)} ({mapping.size} bytes, cuda:{mapping.ordinal})"
-        if not streams.quiesce(mapping.ordinal):
+        if not streams.quiesce(mapping.ordinal, scope=mapping.scope):
             streams.leak_mapping(what)
             return
         drv = get_driver()

@@ -674,6 +674,27 @@ def test_quiesce_is_false_when_a_stream_never_drains(fake_driver, copy_stream):
     assert streams.quiesce(0, timeout_s=0.05)
 
 
+def test_one_sessions_hung_stream_never_delays_another_sessions_unmap(fake_driver):
+    from lmshm.platform.cuda import streams
+
+    hung, idle = fake_driver.stream_create(0), fake_driver.stream_create(0)
+    streams.register(hung, 0, "session-a")
+    streams.register(idle, 0, "session-b")
+    try:
+        fake_driver.hold_stream(hung)
+        assert streams.quiesce(0, timeout_s=0.05, scope="session-b")        # b's mappings: only b's streams
+        assert not streams.quiesce(0, timeout_s=0.05, scope="session-a")
+        assert not streams.quiesce(0, timeout_s=0.05)                        # unscoped: every stream
+        assert streams.registered(0, "session-b") == [idle]
+    finally:
+        fake_driver.finish_stream(hung)
+        streams.unregister(hung, 0, "session-a")
+        streams.unregister(idle, 0, "session-b")
+        fake_driver.stream_destroy(hung, 0)
+        fake_driver.stream_destroy(idle, 0)
+    assert streams.registered(0) == []
+
+
 def test_a_stream_registered_twice_stays_until_unregistered_twice(fake_driver):
     from lmshm.platform.cuda import streams
 
