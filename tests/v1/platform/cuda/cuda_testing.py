@@ -46,6 +46,25 @@ class PeerError(RuntimeError):
     """An operation failed in the producer process; the message carries its traceback."""
 
 
+def server_gpu_missing() -> str:
+    """Why a test that runs lmshm-server and CUDA workers cannot run here ("" if it can)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("lmshm.server") is None:
+        return "lmshm.server is not available"
+    if not torch.cuda.is_available():
+        return "no CUDA device visible"
+    for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):
+        try:
+            if importlib.util.find_spec(mod) is None:
+                return f"{mod} is not installed"
+        except ModuleNotFoundError:
+            return f"{mod} is not installed"
+    return ""
+
+
 def wrapper_class(kind: str) -> type:
     from lmshm.platform import cuda
 

@@ -14,7 +14,6 @@ isolated test also needs root and ``unshare`` (a mount namespace per worker).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -39,21 +38,9 @@ if _MULTIPROCESS not in sys.path:
 from harness import ServerProcess, scratch_dir, server_rss_kb, wait_for  # noqa: E402
 
 
-def _missing() -> str:
-    if importlib.util.find_spec("lmshm.server") is None:
-        return "lmshm.server is not available"
-    if not torch.cuda.is_available():
-        return "no CUDA device visible"
-    for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{mod} is not installed"
-        except ModuleNotFoundError:
-            return f"{mod} is not installed"
-    return ""
+from cuda_testing import server_gpu_missing  # noqa: E402
 
-
-_REASON = _missing()
+_REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
 #: What a server log must never say: a copy ran into memory that was unmapped (or the context is

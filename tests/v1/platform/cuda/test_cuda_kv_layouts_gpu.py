@@ -24,7 +24,6 @@ function lives at module level so the spawned child can import it. Skipped witho
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import multiprocessing as mp
 import os
@@ -42,27 +41,13 @@ _MULTIPROCESS = str(Path(__file__).resolve().parents[2] / "multiprocess")
 if _MULTIPROCESS not in sys.path:
     sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
 
-from cuda_testing import cycles_per_ms, gpu_delay  # noqa: E402
+from cuda_testing import cycles_per_ms, gpu_delay, server_gpu_missing  # noqa: E402
 from harness import ServerProcess, scratch_dir, wait_for  # noqa: E402
 from test_kv_layouts import LAYOUTS  # noqa: E402
 from worker import vllm_layout_strides  # noqa: E402
 
 
-def _missing() -> str:
-    if importlib.util.find_spec("lmshm.server") is None:
-        return "lmshm.server is not available"
-    if not torch.cuda.is_available():
-        return "no CUDA device visible"
-    for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{mod} is not installed"
-        except ModuleNotFoundError:
-            return f"{mod} is not installed"
-    return ""
-
-
-_REASON = _missing()
+_REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
 # FlashAttention's shape (it reads all six layouts): K and V of 64 halves each per token.

@@ -5,7 +5,6 @@ comes back (free memory measured) within 2 s of the kill. Skipped without CUDA o
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -25,21 +24,9 @@ HERE = Path(__file__).parent
 READY = re.compile(r"listening on (\S+) \(fd socket (\S+),")
 
 
-def _missing() -> str:
-    if importlib.util.find_spec("lmshm.server") is None:
-        return "lmshm.server is not available"
-    if not torch.cuda.is_available():
-        return "no CUDA device visible"
-    for mod in ("cupy", "cuda.bindings", "zmq", "msgspec"):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"{mod} is not installed"
-        except ModuleNotFoundError:
-            return f"{mod} is not installed"
-    return ""
+from cuda_testing import server_gpu_missing  # noqa: E402
 
-
-_REASON = _missing()
+_REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
 
