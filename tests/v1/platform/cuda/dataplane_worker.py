@@ -192,6 +192,24 @@ class Worker:
         del keep
         return {"results": [int(r) for r in reply.results]}
 
+    def op_store_never_signalled(self, instance_id: str, keys: list, blocks: list) -> dict:
+        """Isolated mode: a STORE whose flag token names a number this worker's stream never
+        writes. Its error (and how long it took) is returned."""
+        from lmshm.core.cuda_sync import SLOTS, flag_token
+        from lmshm.multiprocess.client import ServerError
+
+        keep, _ = self.sync.ready()                     # the flag page is registered by now
+        seq = self.sync._seq + 10 * SLOTS               # far ahead: never written
+        token = flag_token(seq % SLOTS, seq, self.sync._page_id)
+        t0 = time.monotonic()
+        try:
+            reply = self.client.store(instance_id, [bytes.fromhex(k) for k in keys], blocks, 1, event=token,
+                                      timeout_s=60)
+        except ServerError as exc:
+            return {"error": {"code": int(exc.code), "message": exc.message}, "s": time.monotonic() - t0}
+        del keep
+        return {"results": [int(r) for r in reply.results], "s": time.monotonic() - t0}
+
     def op_put_and_die(self, instance_id: str, keys: list, blocks: list, delay_ms: float = 500.0,
                        seed: int = 7) -> None:
         """Queue fills ``delay_ms`` late, send one STORE per block (``wait=False``), let the first

@@ -329,6 +329,41 @@ def test_gpu_isolated_mode_works_with_a_private_dev_shm_per_worker():
         assert not marker or not os.path.exists(f"/dev/shm/{marker}"), "a worker's private /dev/shm leaked out"
 
 
+def test_gpu_isolated_mode_a_flag_word_never_written_fails_the_store_at_its_deadline_and_the_server_recovers():
+    """Proves the isolated mode's bounded wait on the GPU: a STORE whose flag token names a
+    number the worker never writes blocks the server's stream on cuStreamWaitValue64; at
+    --cuda-timeout (2 s) the server writes the word itself, the request fails UNAVAILABLE,
+    nothing is committed, the reserved bytes come back once the GPU is done, and a later round
+    trip on the same server is byte for byte right."""
+    from lmshm.multiprocess.client import query_status
+    from lmshm.multiprocess.protocol import ErrorCode
+
+    with scratch_dir() as tmp:
+        server = ServerProcess(tmp, "--isolated-ipc", "--capacity", "1GiB", "--cuda-timeout", "2",
+                               "--reap-timeout", "5")
+        workers: list[Worker] = []
+        try:
+            workers = start_workers(server, ("stuck-a", {"isolated": True}), ("stuck-b", {"isolated": True}))
+            a, b = workers
+            for w, iid in ((a, "stuck-a"), (b, "stuck-b")):
+                w.call("register", instance_id=iid, layers=2, blocks=16, block_bytes=64 << 10)
+            got = a.call("store_never_signalled", instance_id="stuck-a", keys=keys(1, "stuck"), blocks=[2])
+            assert got.get("error", {}).get("code") == ErrorCode.UNAVAILABLE, got
+            assert 1.5 <= got["s"] < 15, f"the STORE was answered after {got['s']:.2f} s, not at its 2 s deadline"
+            wait_for(lambda: query_status(server.url).pool.in_flight == 0, 15, 0.05,
+                     "the failed STORE's reserved bytes to come back")
+            pool = query_status(server.url).pool
+            assert pool.objects == 0 and pool.failed >= 1, pool
+            round_trip(server.url, a, b, "stuck-a", "stuck-b", "after", [3, 4], [8, 9], delay_ms=50)
+        finally:
+            for w in workers:
+                w.close()
+            log = server.log()
+            rc = server.stop()
+        assert rc == 0, f"lmshm-server exited {rc}:\n{log[-4000:]}"
+        assert not FATAL.search(log), log[-4000:]
+
+
 # ---- error paths: nothing may copy into memory that is gone -----------------------------------
 
 
