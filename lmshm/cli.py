@@ -104,7 +104,8 @@ def format_status_table(status) -> str:
             + f"; {p.hits} hit(s), {p.misses} miss(es), {p.stored} stored, "
             f"{p.retrieved} retrieved, {p.store_skipped} store(s) skipped, {p.evictions} eviction(s)"
             + (f", {p.pins_capped} chunk(s) found but not pinned (per-uid caps)" if p.pins_capped else "")
-            + (f", {p.failed} failed" if p.failed else ""))
+            + (f", {p.failed} failed" if p.failed else "")
+            + (f", {p.late} too late for their sender (not copied or not committed)" if getattr(p, "late", 0) else ""))
         if p.cuda_pinned_bytes or p.cuda_quarantined or p.cuda_events_dropped:
             lines.append(f"cuda: {_human_bytes(p.cuda_pinned_bytes)} of the pool page-locked"
                          + (f", {p.cuda_quarantined} request(s) past --cuda-timeout (their bytes held until the "

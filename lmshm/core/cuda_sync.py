@@ -68,10 +68,15 @@ EVENT_CAP = 4096
 #: The pool is page-locked in extents of this many bytes, as copies first touch them.
 PIN_EXTENT = 256 << 20
 PIN_MODES = ("lazy", "start", "off")
+_U64 = (1 << 64) - 1
 
 
 class CudaSyncError(RuntimeError):
     """A worker's ordering token could not be used (bad event handle, bad flag token)."""
+
+
+class NotSignalled(RuntimeError):
+    """The worker's ordering token was not signalled by the time the server had to start."""
 
 
 class PinError(RuntimeError):
@@ -149,15 +154,31 @@ class TorchCudaSync:
                 logger.exception("lmshm: destroying a session's CUDA stream failed")
 
     # ---- the worker's ordering token -----------------------------------------------------
-    def wait_ipc_event(self, stream: Any, handle: bytes, device: int) -> None:
+    def open_ipc_event(self, handle: bytes, device: int) -> Any:
+        """The worker's interprocess event (``CudaSyncError`` if it cannot be opened)."""
         if len(handle) != IPC_EVENT_HANDLE_BYTES:
             raise CudaSyncError(f"cannot open the worker's CUDA event: a handle is {IPC_EVENT_HANDLE_BYTES} "
                                 f"bytes, got {len(handle)}")
         try:
-            ev = self._torch.cuda.Event.from_ipc_handle(device, handle)
+            return self._torch.cuda.Event.from_ipc_handle(device, handle)
         except Exception as exc:  # noqa: BLE001 - a peer's bytes
             raise CudaSyncError(f"cannot open the worker's CUDA event: {exc}") from None
-        stream.wait_event(ev)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` (on the GPU)."""
+        stream.wait_event(event)
+
+    def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
+        """Wait on the host, until ``deadline`` at most, for the worker's word to reach ``seq``
+        (the driver's cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
+        pause = 20e-6
+        while ((int(page[slot].item()) - seq) & _U64) >= 1 << 63:
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 1e-3)
+        return True
 
     def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
         """Make ``stream`` wait until the worker's word at ``ptr`` reaches ``seq``."""

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Optional, Sequence
 
 from lmshm.core.copier import (
     BlockLayout,
@@ -30,7 +30,16 @@ from lmshm.core.copier import (
     copy_chunks,
     cuda_copies,
 )
-from lmshm.core.cuda_sync import FLAG_LAYER, SLOTS, CudaSyncError, EventKeeper, PIN_MODES, PinError, parse_flag_token
+from lmshm.core.cuda_sync import (
+    FLAG_LAYER,
+    PIN_MODES,
+    SLOTS,
+    CudaSyncError,
+    EventKeeper,
+    NotSignalled,
+    PinError,
+    parse_flag_token,
+)
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
@@ -54,6 +63,11 @@ class Deferred:
     def __init__(self, session: Hashable, job: Callable[[bytes, bytes], None],
                  cancel: Callable[[bytes, bytes], None]) -> None:
         self.session, self.job, self.cancel = session, job, cancel
+
+
+#: A request's sender stops waiting ``wait_s`` after sending; the server takes 10 % of it and
+#: this much off, for the trips and a loop turn, when it decides whether a copy is too late.
+SENDER_MARGIN_S = 0.05
 
 
 def _error(code: ErrorCode, message: str) -> protocol.ErrorReply:
@@ -99,6 +113,7 @@ class DataPlane:
         self.cuda_pin = cuda_pin            # lazy | start | off (cuda_sync.PIN_MODES)
         self.cuda_timeout_s = cuda_timeout_s   # a CUDA request's copies must complete within this
         self.cuda_quarantined = 0           # requests whose copies outlived it (their bytes held)
+        self.late_requests = 0              # STORE/RETRIEVEs refused or not committed: past their sender's wait_s
         self._quarantine: list = []         # (event, release, held registrations)
         self._quarantine_lock = threading.Lock()
         self._isolated: bool | None = None
@@ -224,10 +239,11 @@ class DataPlane:
         reg = self.registry.acquire(req.instance_id)
         uid = session.peer.uid
         copy = on_cuda if layout.cuda_device >= 0 else on_cpu
+        deadline = self._sender_deadline(req)
 
         def job(identity: bytes, rid: bytes) -> None:
             try:
-                self._run(identity, rid, copy(session, reg, layout, uid, req))
+                self._run(identity, rid, copy(session, reg, layout, uid, req, deadline))
             finally:
                 self.registry.let_go(reg)
 
@@ -238,9 +254,26 @@ class DataPlane:
 
         return Deferred(session.id, job, cancel)
 
-    def _store(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
+    @staticmethod
+    def _sender_deadline(req: Any) -> float:
+        """When the sender stops waiting for this request's reply, on this server's clock,
+        from ``wait_s`` counted from now (the request was just decoded), less a margin for the
+        trip each way and a loop turn: 10 %, and 50 ms more (at most another 10 %). ``inf`` when
+        the sender did not say."""
+        wait = getattr(req, "wait_s", 0.0)
+        return time.monotonic() + wait * 0.9 - min(SENDER_MARGIN_S, wait * 0.1) if wait else float("inf")
+
+    def _late(self, what: str, outcome: str) -> protocol.ErrorReply:
+        self.late_requests += 1
+        return _error(ErrorCode.UNAVAILABLE, f"{what}: the request waited past its sender's timeout (wait_s) "
+                                             f"before its copy could run; {outcome}")
+
+    def _store(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store,
+               deadline: float = float("inf")) -> Any:
         if session.ended:
             return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
+        if time.monotonic() > deadline:   # the worker may be reusing these blocks by now
+            return self._late("STORE", "nothing was stored")
         cb = req.chunk_blocks
         size = layout.chunk_bytes(cb)
         results: list[int] = []
@@ -261,6 +294,11 @@ class DataPlane:
                                                  for i, obj in pending], cb, store=True, pool=self.pool.bytes)
             except Exception as failed:  # noqa: BLE001 - the chunks stay invisible, the request fails
                 exc = failed
+            if time.monotonic() > deadline:   # copied after the worker stopped waiting: maybe reused blocks
+                self.pool.abort([obj for _, obj in pending])
+                pending.clear()
+                return self._late("STORE", f"{copied // size if size else 0} earlier chunk(s) were stored, "
+                                           "this batch was not")
             for i, obj in pending[:done]:
                 self.pool.commit([obj])
                 if self.tiers is not None:
@@ -318,10 +356,14 @@ class DataPlane:
             return [], _error(ErrorCode.UNAVAILABLE, "RETRIEVE: the session ended before its copy ran")
         return objs, None
 
-    def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+    def _retrieve(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve,
+                  deadline: float = float("inf")) -> Any:
         objs, refused = self._pin_sources(session, reg, layout, uid, req)
         if refused is not None:
             return refused
+        if time.monotonic() > deadline:   # the worker computes these blocks itself by now
+            self.pool.unpin(objs, retrieved=False)
+            return self._late("RETRIEVE", "no block was written")
         cb = req.chunk_blocks
         try:
             for w in reg.wrappers:
@@ -340,15 +382,24 @@ class DataPlane:
         return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
 
     # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
-    def _cuda_order(self, session: Any, req: Any, sync: Any, stream: Any, dev: int, what: str) -> Any:
+    def _cuda_order(self, session: Any, req: Any, sync: Any, stream: Any, dev: int, what: str,
+                    until: Optional[float] = None) -> Any:
         """Queue the wait on the worker's ordering token; the flag registration held for it
-        (or None), and the word's address and number (for a rescue)."""
+        (or None), and the word's address and number (for a rescue).
+
+        With ``until`` (a RETRIEVE), first wait on the host, until then at most, for the token
+        to be signalled: a RETRIEVE's copies write the worker's blocks, so none is queued that
+        could run after the worker stopped waiting and computed the blocks itself
+        (``NotSignalled``: nothing was queued)."""
         token = req.event
         if not token:
             return None, None
         flag = parse_flag_token(token)
         if flag is None:
-            sync.wait_ipc_event(stream, token, dev)
+            ev = sync.open_ipc_event(token, dev)
+            if until is not None and not sync.wait(ev, until):
+                raise NotSignalled("the worker's CUDA event")
+            sync.wait_event(stream, ev)
             return None, None
         slot, seq, iid = flag
         try:
@@ -364,6 +415,8 @@ class DataPlane:
                 raise CudaSyncError(f"instance {quote(iid, 60)} is not a flag page on cuda:{dev} "
                                     f"(one layer {FLAG_LAYER!r} of {SLOTS} 64-bit words)")
             ptr = page.data_ptr() + 8 * slot
+            if until is not None and not sync.wait_word(page, slot, seq, until):
+                raise NotSignalled("the worker's flag word")
             sync.wait_flag(stream, ptr, seq, dev)
         except BaseException:
             self.registry.let_go(freg)
@@ -387,22 +440,19 @@ class DataPlane:
         return self._isolated
 
     def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float, rescue: Any,
-                     hold: list, release: Callable[[bool], None], session: Any = None,
-                     writes_worker: bool = False) -> bool:
+                     hold: list, release: Callable[[bool], None]) -> bool:
         """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline, rescue a flag
-        wait (the worker's signal never came), and if the GPU is still not done, quarantine:
-        ``release(False)`` runs once it is, with the registrations in ``hold`` still held.
-
-        A RETRIEVE (``writes_worker``) is rescued only once its session has ended: its copies
-        write the worker's blocks, which a live worker may still be using."""
+        wait (the worker's signal never came: only a STORE queues copies behind one), and if the
+        GPU is still not done, quarantine: ``release(False)`` runs once it is, with the
+        registrations in ``hold`` still held."""
         if done is not None and sync.wait(done, deadline):
             release(True)
             return True
-        later = None
-        if rescue is not None and writes_worker and not getattr(session, "ended", True):
-            later = rescue
-        elif rescue is not None:
-            self._rescue(sync, rescue, dev)
+        if rescue is not None:
+            try:
+                sync.rescue(rescue[0], rescue[1], dev)
+            except Exception:  # noqa: BLE001
+                logger.exception("lmshm: writing a worker's flag word from the server failed")
         if done is None:
             try:
                 done, _ = sync.record(stream, dev, False)
@@ -417,41 +467,33 @@ class DataPlane:
         for reg in hold:
             self.registry.hold_more(reg)
         with self._quarantine_lock:
-            self._quarantine.append([done, release, hold, later, session, dev])
+            self._quarantine.append((done, release, hold))
         self.cuda_quarantined += 1
         logger.warning("lmshm: CUDA copies did not complete within %.0f s; their pool bytes and registration "
                        "are held until the GPU is done with them", self.cuda_timeout_s)
         return False
 
-    def _rescue(self, sync: Any, rescue: tuple[int, int], dev: int) -> None:
-        try:
-            sync.rescue(rescue[0], rescue[1], dev)
-        except Exception:  # noqa: BLE001
-            logger.exception("lmshm: writing a worker's flag word from the server failed")
-
     def _drain_quarantine(self, sync: Any = None) -> None:
-        """Hand back what timed-out copies held, once the GPU is done with it; rescue the flag
-        waits of RETRIEVEs whose session has ended (the loop's tick)."""
+        """Hand back what timed-out copies held, once the GPU is done with it (the loop's tick)."""
         if not self._quarantine:
             return
         sync = sync or self._sync()
         with self._quarantine_lock:
             ready = [q for q in self._quarantine if sync.done(q[0])]
             self._quarantine = [q for q in self._quarantine if q not in ready]
-            ended = [q for q in self._quarantine if q[3] is not None and getattr(q[4], "ended", True)]
-            for q in ended:
-                rescue, q[3] = q[3], None
-                self._rescue(sync, rescue, q[5])
-        for _, release, hold, *_ in ready:
+        for _, release, hold in ready:
             try:
                 release(False)
             finally:
                 for reg in hold:
                     self.registry.let_go(reg)
 
-    def _store_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store) -> Any:
+    def _store_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Store,
+                    sender: float = float("inf")) -> Any:
         if session.ended:
             return _error(ErrorCode.UNAVAILABLE, "STORE: the session ended before its copy ran")
+        if time.monotonic() > sender:
+            return self._late("STORE", "nothing was stored")
         sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
         isolated = self._cuda_mode()
         size = layout.chunk_bytes(cb)
@@ -501,6 +543,9 @@ class DataPlane:
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # visible only once the copies have completed
+            if ok and time.monotonic() > sender:   # done after the worker stopped waiting: maybe reused blocks
+                ok = False
+                self.late_requests += 1
             outcome.append(ok)
             if not ok:
                 self.pool.abort(objs)
@@ -527,10 +572,14 @@ class DataPlane:
                           "ordering signal never came, or the GPU is stuck); nothing was stored")
         return protocol.StoreReply(results, size * len(objs), b"")
 
-    def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve) -> Any:
+    def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve,
+                       sender: float = float("inf")) -> Any:
         objs, refused = self._pin_sources(session, reg, layout, uid, req)
         if refused is not None:
             return refused
+        if time.monotonic() > sender:
+            self.pool.unpin(objs, retrieved=False)
+            return self._late("RETRIEVE", "no block was written")
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
         isolated = self._cuda_mode()
@@ -539,7 +588,7 @@ class DataPlane:
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE")
+            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE", min(sender, deadline))
             queued = freg is not None or bool(req.event)
             base = self.pool.tensor.data_ptr()
             for i, obj in enumerate(objs):
@@ -555,11 +604,16 @@ class DataPlane:
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
-                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed, session, True)
+                self._settle_cuda(sync, None, stream, dev, deadline, None, hold, failed)
             else:
                 failed(False)
             if freg is not None:
                 self.registry.let_go(freg)
+            if isinstance(exc, NotSignalled):     # nothing was queued
+                self.late_requests += 1
+                return _error(ErrorCode.UNAVAILABLE,
+                              f"RETRIEVE: {exc} was not signalled in time (by the sender's wait_s, or within "
+                              f"--cuda-timeout {self.cuda_timeout_s:g} s); no block was written")
             self.pool.count_failure()
             if isinstance(exc, PinError):
                 logger.error("lmshm: %s", str(exc))   # str: a record keeping exc keeps its frames' tensors
@@ -578,7 +632,7 @@ class DataPlane:
 
         def after() -> None:
             try:
-                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release, session, True)
+                self._settle_cuda(sync, done, stream, dev, deadline, None, hold, release)
             finally:
                 if freg is not None:
                     self.registry.let_go(freg)
@@ -673,7 +727,7 @@ class DataPlane:
         sync = self._cuda_sync
         pinned = sync.pinned_bytes(self.pool.tensor) if sync is not None and hasattr(sync, "pinned_bytes") else 0
         return protocol.PoolInfo(**self.pool.info(), cuda_pinned_bytes=pinned, cuda_quarantined=self.cuda_quarantined,
-                                 cuda_events_dropped=self.events.dropped_early, tiers=tiers)
+                                 cuda_events_dropped=self.events.dropped_early, late=self.late_requests, tiers=tiers)
 
     def shutdown(self) -> None:
         """Cancel queued copies, wait for running ones, drop the pool."""

@@ -118,8 +118,10 @@ Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=1 << 48)]], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
 ChunkBlocks = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
 Lease = Annotated[bytes, msgspec.Meta(max_length=LEASE_BYTES)]
-#: A cudaIpcEventHandle (64 bytes), or empty: orders a copy on a CUDA registration (dataplane.md).
+#: The worker's ordering token for a copy on a CUDA registration (dataplane.md): a
+#: cudaIpcEventHandle (64 bytes), an isolated-mode flag token (``cuda_sync.flag_token``), or empty.
 Event = Annotated[bytes, msgspec.Meta(max_length=64)]
+WaitS = Annotated[float, msgspec.Meta(ge=0, le=3600)]
 
 
 class Store(Message, tag=int(MsgType.STORE)):
@@ -135,6 +137,9 @@ class Store(Message, tag=int(MsgType.STORE)):
     block_ids: BlockIds
     chunk_blocks: ChunkBlocks
     event: Event = b""       # CUDA: the worker's event recorded after the blocks were written
+    # 3.6: how long the sender waits for the reply, in seconds (0: unknown). Past it the
+    # sender may reuse the blocks, so the server commits nothing it copied later than that.
+    wait_s: WaitS = 0.0
 
 
 class Lookup(Message, tag=int(MsgType.LOOKUP)):
@@ -161,6 +166,9 @@ class Retrieve(Message, tag=int(MsgType.RETRIEVE)):
     chunk_blocks: ChunkBlocks
     lease: Lease = b""
     event: Event = b""       # CUDA: the worker's event recorded after it last used the blocks
+    # 3.6: how long the sender waits for the reply (0: unknown). Past it the sender computes
+    # the blocks itself, so the server starts no copy into them that late.
+    wait_s: WaitS = 0.0
 
 
 class Release(Message, tag=int(MsgType.RELEASE)):
@@ -259,6 +267,9 @@ class PoolInfo(msgspec.Struct, frozen=True):
     cuda_pinned_bytes: int = 0
     cuda_quarantined: int = 0
     cuda_events_dropped: int = 0
+    # 3.6: STOREs and RETRIEVEs whose copy would have run (or completed) after their sender
+    # stopped waiting (wait_s): refused, or not committed
+    late: int = 0
     tiers: list[TierInfo] = []   # 3.5: the tiers below the pool, top first (none without --disk)
 
 

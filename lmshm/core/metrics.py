@@ -25,7 +25,7 @@ _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25
                     2.5, 5.0)
 # PoolInfo fields: which are running totals (counters) and which are levels (gauges).
 _POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evicted_bytes", "retrieved", "failed",
-                  "pins_capped", "cuda_quarantined", "cuda_events_dropped")
+                  "pins_capped", "cuda_quarantined", "cuda_events_dropped", "late")
 _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", "max_objects", "metadata_bytes",
                 "pinned_bytes", "lease_pins", "uids", "cuda_pinned_bytes")
 

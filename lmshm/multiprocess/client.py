@@ -484,7 +484,8 @@ class MPClient:
         """Copy chunks of blocks into the server's pool (``protocol.Store``). Returns the
         ``StoreReply``, or with ``wait=False`` a ``Pending`` for it. ``event``: for a CUDA
         registration, the IPC handle of an event recorded after the blocks were written."""
-        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event), timeout_s)
+        wait_s = _wait_s(self.timeout_s if timeout_s is None else timeout_s)
+        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event, wait_s=wait_s), timeout_s)
         return p.result() if wait else p
 
     def retrieve(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
@@ -492,7 +493,9 @@ class MPClient:
                  event: bytes = b"") -> Any:
         """Copy stored chunks into blocks (``protocol.Retrieve``); all or nothing. ``event``: for
         a CUDA registration, an event recorded after the worker last used the blocks."""
-        p = self.submit(protocol.Retrieve(instance_id, keys, block_ids, chunk_blocks, lease, event), timeout_s)
+        wait_s = _wait_s(self.timeout_s if timeout_s is None else timeout_s)
+        p = self.submit(protocol.Retrieve(instance_id, keys, block_ids, chunk_blocks, lease, event, wait_s=wait_s),
+                        timeout_s)
         return p.result() if wait else p
 
     def lookup(self, keys: list[list[bytes]], ttl_s: float = 0.0,
@@ -583,3 +586,12 @@ def query_status(url: Optional[str] = None, timeout_s: float = 5.0, *, offset: i
 
 def status_as_dict(status: protocol.StatusReply) -> dict[str, Any]:
     return msgspec.to_builtins(status)
+
+
+def _wait_s(timeout_s: Any) -> float:
+    """The ``wait_s`` a STORE/RETRIEVE carries: how long this client waits for its reply."""
+    try:
+        t = float(timeout_s)
+    except (TypeError, ValueError):
+        return 0.0
+    return min(t, 3600.0) if t > 0 else 0.0

@@ -349,3 +349,34 @@ def test_by_default_a_registration_makes_the_server_populate_its_pool_ahead_and_
              "the pool's first 256 MiB to be populated")
     time.sleep(0.5)
     assert server_rss_kb(server.proc.pid) - idle_kb < 300 * 1024      # the window, not the capacity
+
+
+BIG = dict(layers=2, blocks=80, shape=[1024, 1024])    # a block of a layer is 4 MiB: 80 chunks, 640 MiB
+
+
+@pytest.mark.parametrize("what", ["store", "retrieve"])
+def test_a_copy_queued_past_its_senders_timeout_never_runs(start_worker, start_server, what):
+    """A worker stops waiting for a reply after its timeout; then it may reuse the blocks (a
+    STORE) or compute them itself (a RETRIEVE). A copy that reaches the front of the server's
+    queue later must not run: a STORE would store whatever the blocks hold by then under the old
+    key, and a RETRIEVE would overwrite what the worker computed. Here one STORE of 640 MiB is
+    queued ahead, and the second request's 20 ms timeout passes while it waits."""
+    server = start_server("--capacity", "1GiB")
+    a, ia = kv_worker(start_worker, server, **BIG)
+    a.ok("fill_blocks", instance_id=ia, blocks=[0, 1], seed=3)
+    if what == "retrieve":
+        assert a.ok("store", instance_id=ia, keys=[key(200)], blocks=[0], chunk_blocks=1)["results"] == [0]
+        a.ok("fill_blocks", instance_id=ia, blocks=[5], seed=4)
+    before = a.ok("digest_blocks", instance_id=ia, blocks=[5])["digests"]
+    out = a.ok("late_behind_big", instance_id=ia, what=what, big_keys=[key(i) for i in range(64)],
+               big_blocks=list(range(10, 74)), keys=[key(200 if what == "retrieve" else 201)],
+               blocks=[5] if what == "retrieve" else [1], give_up_s=0.02)
+    assert out["big"] == [StoreResult.STORED] * 64, out
+    assert not out["second"].startswith("answered"), out          # the worker gave up first
+    wait_for(lambda: query_status(server.url).pool.late >= 1, 10, what="the late request to be refused")
+    if what == "store":
+        assert a.ok("lookup", keys=[[key(201)]])["hits"] == 0     # not stored from blocks it may reuse
+    else:
+        assert a.ok("digest_blocks", instance_id=ia, blocks=[5])["digests"] == before   # not overwritten
+        p = pool(a)
+        assert (p["pinned"], p["leases"]) == (0, 0)

@@ -220,6 +220,19 @@ def main() -> int:
                 return {"results": [p.result().results[0] for p in pend]}
             r = client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"])
             return {"results": list(r.results), "nbytes": r.nbytes}
+        if op == "late_behind_big":  # a big STORE, then at once a STORE or RETRIEVE with a short timeout
+            big = [bytes.fromhex(k) for k in cmd["big_keys"]]
+            p1 = client.store(cmd["instance_id"], big, cmd["big_blocks"], 1, wait=False, timeout_s=60)
+            keys = [bytes.fromhex(k) for k in cmd["keys"]]
+            if cmd["what"] == "store":
+                p2 = client.store(cmd["instance_id"], keys, cmd["blocks"], 1, wait=False, timeout_s=cmd["give_up_s"])
+            else:
+                p2 = client.retrieve(cmd["instance_id"], keys, cmd["blocks"], 1, wait=False, timeout_s=cmd["give_up_s"])
+            try:
+                second = f"answered: {p2.result()!r}"
+            except Exception as exc:  # noqa: BLE001 - the timeout the test expects
+                second = f"{type(exc).__name__}: {exc}"
+            return {"big": list(p1.result().results), "second": second}
         if op == "store_then_retrieve":  # sent back to back, never waiting in between
             keys = [bytes.fromhex(k) for k in cmd["keys"]]
             p1 = client.store(cmd["instance_id"], keys, cmd["blocks"], cmd["chunk_blocks"], wait=False)

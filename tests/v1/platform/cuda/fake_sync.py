@@ -19,6 +19,7 @@ from lmshm.core.cuda_sync import CudaSyncError
 class FakeEvent:
     def __init__(self, n: int, done: bool) -> None:
         self.n, self.complete = n, done
+        self.tag: Optional[str] = None      # a worker's event: the handle's first byte
 
     def __repr__(self) -> str:
         return f"event{self.n}"
@@ -36,6 +37,7 @@ class FakeCudaSync:
         self.rescued: list[tuple[int, int]] = []
         self.pins: list[tuple[int, int]] = []
         self.dropped: list[Any] = []
+        self.worker_pending = False         # the worker's events are not signalled (yet)
 
     def stream(self, device: int, session: Any = None) -> str:
         self.log.append(f"stream:{device}")
@@ -44,10 +46,19 @@ class FakeCudaSync:
     def drop_session(self, session: Any) -> None:
         self.dropped.append(session)
 
-    def wait_ipc_event(self, stream: Any, handle: bytes, device: int) -> None:
+    def open_ipc_event(self, handle: bytes, device: int) -> Any:
         if len(handle) != 64:
             raise CudaSyncError(f"cannot open the worker's CUDA event: a handle is 64 bytes, got {len(handle)}")
-        self.log.append(f"wait:{handle[:1].decode()}")
+        ev = FakeEvent(0, not self.worker_pending)
+        ev.tag = handle[:1].decode()
+        return ev
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self.log.append(f"wait:{event.tag}")
+
+    def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
+        self.log.append(f"host-wait-flag:{seq}")
+        return self.read_word is None or self.read_word(page.data_ptr() + 8 * slot) >= seq
 
     def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
         self.flag_waits.append((ptr, seq))
@@ -79,6 +90,9 @@ class FakeCudaSync:
         return event.complete
 
     def wait(self, event: Any, deadline: float) -> bool:
+        if getattr(event, "tag", None) is not None:     # the worker's event, waited on from the host
+            self.log.append(f"host-wait:{event.tag}")
+            return event.complete
         if self.on_synchronize is not None:
             self.on_synchronize()
         self.log.append(f"sync:{event}" if event.complete else f"timeout:{event}")

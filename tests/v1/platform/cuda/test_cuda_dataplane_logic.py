@@ -84,7 +84,9 @@ def test_a_retrieve_writes_the_blocks_and_unpins_only_after_the_gpu_read_them(gp
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=b"X" * 64))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.RetrieveReply) and reply.chunks == 1 and reply.event == bytes([2]) * 64
-    assert g.sync.log == ["stream:0", "wait:X", "pin", "copy", "copy", "record:2", "sync:event2"]
+    # the worker's event is waited on from the host first: no copy into its blocks is queued
+    # that could run after it stopped waiting
+    assert g.sync.log == ["stream:0", "host-wait:X", "wait:X", "pin", "copy", "copy", "record:2", "sync:event2"]
     assert pinned_at_sync == [1] and g.dp.pool.info()["pinned"] == 0 and g.dp.pool.info()["leases"] == 0
     for layer in range(2):
         assert block(g.fake, g.base, layer, 5) == block(g.fake, g.base, layer, 1)
@@ -455,22 +457,33 @@ def test_shutdown_keeps_the_pool_while_quarantined_copies_may_still_reach_it(gpu
     assert g.dp.registry.get("gpu").holds == 0
 
 
-def test_a_retrieve_whose_word_never_comes_is_rescued_only_once_its_session_ended(isolated):
-    """Its copies write the worker's blocks: a live worker may still be using them."""
+def test_a_retrieve_whose_signal_never_comes_queues_nothing_and_writes_no_block(isolated):
+    """Its copies would write the worker's blocks: none is queued before the signal is seen."""
     g = isolated
     _set_word(g, 1, 1)
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
-    g.dp.cuda_timeout_s = 0.05
+    g.sync.log.clear()
+    before = [block(g.fake, g.base, 0, b) for b in (5, 6)]
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(2, 7, "flags-1")))
     reply = g.replies[-1]
-    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS, reply
-    assert g.sync.rescued == [] and g.dp.pool.info()["pinned"] == 1      # held, not rescued: the worker lives
-    g.dp.tick()
-    assert g.sync.rescued == []
-    g.session.ended = True
-    g.dp.tick()
-    assert g.sync.rescued == [(g.page.data_ptr() + 8 * 2, 7)]            # gone: its stream may go on
-    g.sync.complete_all()
-    g.dp.tick()
-    assert g.dp.pool.info()["pinned"] == 0 and g.dp.registry.get("gpu").holds == 0
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "flag word was not signalled in time" in reply.message and "no block was written" in reply.message
+    assert "copy" not in g.sync.log and "wait-flag:7" not in g.sync.log and g.sync.rescued == []
+    assert [block(g.fake, g.base, 0, b) for b in (5, 6)] == before
+    info = g.dp.pool.info()
+    assert info["pinned"] == 0 and info["leases"] == 0 and g.dp.late_requests == 1
+    assert g.dp.registry.get("flags-1").holds == 0
+
+
+def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gpu_registration):
+    g = gpu_registration
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
+    g.sync.log.clear()
+    g.sync.worker_pending = True
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=b"X" * 64))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "CUDA event was not signalled" in reply.message
+    assert g.sync.log == ["stream:0", "host-wait:X"] and g.dp.pool.info()["pinned"] == 0
