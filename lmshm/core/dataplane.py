@@ -543,7 +543,10 @@ class DataPlane:
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # visible only once the copies have completed
-            if ok and time.monotonic() > sender:   # done after the worker stopped waiting: maybe reused blocks
+            # Isolated mode replies after the copies: done after the worker stopped waiting, they
+            # may have read reused blocks. (Default mode replied at once, and the worker's stream
+            # waits for the server's event before reusing them.)
+            if ok and isolated and time.monotonic() > sender:
                 ok = False
                 self.late_requests += 1
             outcome.append(ok)
