@@ -487,3 +487,24 @@ def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gp
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "CUDA event was not signalled" in reply.message
     assert g.sync.log == ["stream:0", "host-wait:X"] and g.dp.pool.info()["pinned"] == 0
+
+
+def test_an_isolated_store_done_after_its_sender_stopped_waiting_is_not_committed(isolated):
+    """Isolated mode answers after the copies: done past wait_s, they may have read blocks the
+    worker had already reused."""
+    g = isolated
+    _set_word(g, 4, 4)
+    g.sync.on_synchronize = lambda: time.sleep(0.15)             # the copies take longer than wait_s
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(4, 4, "flags-1"), wait_s=0.1))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    info = g.dp.pool.info()
+    assert (info["objects"], info["in_flight"]) == (0, 0) and g.dp.late_requests == 1
+
+
+def test_a_default_mode_store_done_after_wait_s_is_committed_it_was_answered_in_time(gpu_registration):
+    g = gpu_registration
+    g.sync.on_synchronize = lambda: time.sleep(0.15)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64, wait_s=0.1))
+    assert isinstance(g.replies[0], protocol.StoreReply)
+    assert g.dp.pool.info()["objects"] == 1 and g.dp.late_requests == 0
