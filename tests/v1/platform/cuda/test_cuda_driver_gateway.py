@@ -345,3 +345,52 @@ def test_event_methods_pass_typed_handles_and_read_not_ready_as_false():
         gateway.event_query(0xBAD, 0)
     gateway.event_destroy(ev, 0)
     assert b.log[-1] == ("destroy", ("event", 0xE0))
+
+
+class StreamBindings(EventBindings):
+    """EventBindings plus streams and stream memory operations, recording each call's arguments."""
+
+    class CUdevice_attribute:  # noqa: N801 - cuda-python's name
+        CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 93
+
+    def cuStreamCreate(self, flags):  # noqa: N802
+        self.log.append(("stream-create", flags))
+        return (self.ok, 0x5100)
+
+    def cuStreamDestroy(self, stream):  # noqa: N802
+        self.log.append(("stream-destroy", stream))
+        return (self.ok,)
+
+    def cuStreamWriteValue64(self, stream, addr, value, flags):  # noqa: N802
+        self.log.append(("write", stream, addr, value, flags))
+        return (self.ok,)
+
+    def cuStreamWaitValue64(self, stream, addr, value, flags):  # noqa: N802
+        self.log.append(("wait", stream, addr, value, flags))
+        return (self.ok,)
+
+    def cuCtxSynchronize(self):  # noqa: N802
+        self.log.append(("ctx-sync",))
+        return (self.ok,)
+
+    def cuDeviceGetAttribute(self, attr, dev):  # noqa: N802
+        self.log.append(("attribute", attr))
+        return (self.ok, 1)
+
+
+def test_stream_memory_operations_pass_typed_streams_and_the_geq_and_default_flags():
+    """The isolated mode's flag words: cuda-bindings 13's signatures are (stream, addr, value,
+    flags); flags 0 is CU_STREAM_WRITE_VALUE_DEFAULT and CU_STREAM_WAIT_VALUE_GEQ."""
+    b = StreamBindings()
+    gateway = driver.CudaDriver(b)
+    s = gateway.stream_create(0)
+    assert s == 0x5100 and ("stream-create", 0x1) in b.log            # CU_STREAM_NON_BLOCKING
+    gateway.stream_write_value64(s, 0x7000_0008, 41, 0)
+    gateway.stream_wait_value64(s, 0x7000_0008, 41, 0)
+    assert ("write", ("stream", 0x5100), 0x7000_0008, 41, 0) in b.log
+    assert ("wait", ("stream", 0x5100), 0x7000_0008, 41, 0) in b.log
+    gateway.synchronize(0)
+    assert ("ctx-sync",) in b.log
+    assert gateway.can_use_64bit_stream_mem_ops(0) is True
+    gateway.stream_destroy(s, 0)
+    assert b.log[-1] == ("stream-destroy", ("stream", 0x5100))
