@@ -25,8 +25,9 @@ Rules on the server side (``lmshm.core.dataplane``):
 
 - one stream per session (``stream(device, session)``), dropped when the session ends, so a
   slow or hung worker's signal stalls only its own requests;
-- every host wait is bounded (``wait(event, deadline)`` polls a blocking-sync event, never
-  spinning a core); a copy that has not completed by its deadline fails its request, and the
+- every host wait is bounded (``poll_until``: a blocking-sync event or the worker's word polled
+  with sleeps, never spinning a core); a RETRIEVE waits on the host for the worker's token before
+  any copy into its blocks is queued, so its copies never wait on the GPU behind a signal; a copy that has not completed by its deadline fails its request, and the
   pool bytes and registration it touches are held until the GPU is done with them (the data
   plane's quarantine), never handed back under DMA;
 - the server's events for default-mode replies live until their copies completed *and* at
@@ -49,7 +50,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Hashable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,19 @@ def parse_flag_token(token: bytes) -> Optional[tuple[int, int, str]]:
     except UnicodeDecodeError:
         raise CudaSyncError("a flag token's instance id is not UTF-8") from None
     return slot, seq, iid
+
+
+def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
+    """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not. Sleeps between
+    polls, from 20 us doubling to 1 ms: a host wait never spins a core."""
+    pause = 20e-6
+    while not ready():
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 1e-3)
+    return True
 
 
 class TorchCudaSync:
@@ -171,14 +185,7 @@ class TorchCudaSync:
     def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
         """Wait on the host, until ``deadline`` at most, for the worker's word to reach ``seq``
         (the driver's cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
-        pause = 20e-6
-        while ((int(page[slot].item()) - seq) & _U64) >= 1 << 63:
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 1e-3)
-        return True
+        return poll_until(lambda: ((int(page[slot].item()) - seq) & _U64) < 1 << 63, deadline)
 
     def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
         """Make ``stream`` wait until the worker's word at ``ptr`` reaches ``seq``."""
@@ -210,14 +217,7 @@ class TorchCudaSync:
 
     def wait(self, event: Any, deadline: float) -> bool:
         """True once ``event`` has completed; False at ``deadline`` (monotonic) if it has not."""
-        pause = 20e-6
-        while not event.query():
-            now = time.monotonic()
-            if now >= deadline:
-                return False
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 1e-3)
-        return True
+        return poll_until(lambda: bool(event.query()), deadline)
 
     # ---- pinning the pool --------------------------------------------------------------------
     def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:

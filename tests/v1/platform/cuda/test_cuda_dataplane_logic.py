@@ -508,3 +508,12 @@ def test_a_default_mode_store_done_after_wait_s_is_committed_it_was_answered_in_
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64, wait_s=0.1))
     assert isinstance(g.replies[0], protocol.StoreReply)
     assert g.dp.pool.info()["objects"] == 1 and g.dp.late_requests == 0
+
+
+def test_host_waits_poll_until_ready_or_the_deadline_and_sleep_between_polls():
+    calls = []
+    assert cuda_sync.poll_until(lambda: calls.append(1) or len(calls) >= 3, time.monotonic() + 5)
+    assert len(calls) == 3
+    t0 = time.monotonic()
+    assert cuda_sync.poll_until(lambda: False, t0 + 0.05) is False
+    assert 0.05 <= time.monotonic() - t0 < 1
