@@ -41,6 +41,7 @@ from lmshm.core.cuda_sync import (
     parse_flag_token,
 )
 from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.core.kv_events import KvIndex, check_advert
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.core.tiers.stack import TierStack
@@ -92,7 +93,7 @@ class DataPlane:
                  max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
                  tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
                  prefault_pool: bool = False, pool_populate_ahead: int = 0, cuda_pin: str = "lazy",
-                 cuda_timeout_s: float = 30.0) -> None:
+                 cuda_timeout_s: float = 30.0, kv_index: Any = None) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool,
@@ -120,6 +121,15 @@ class DataPlane:
         self.through_files = through_files  # named shm: preadv/pwritev (SIGBUS-safe), else memmove
         # the tiers below the pool (core/tiers): written through after STORE, promoted by LOOKUP
         self.tiers = TierStack(self.pool, tiers, queue_limit=tier_queue, timeout_s=tier_timeout_s) if tiers else None
+        #: KV events (core/kv_events): which advertised chunks each tier can serve
+        self.kv = kv_index if kv_index is not None else KvIndex(max_chunks=0)
+        if self.kv.enabled:
+            kv = self.kv
+            self.pool.on_resident = lambda uid, key, present: kv.note(uid, key, "pool", present)
+            if self.tiers is not None:
+                self.tiers.on_resident = lambda tier, uid, key: kv.note(uid, key, tier, True)
+                for t in self.tiers.tiers:
+                    t.gone = lambda uid, key, name=t.name: kv.note(uid, key, name, False)
         if cuda_pin == "start" and self.pool.capacity:
             t0 = time.perf_counter()
             try:
@@ -225,7 +235,23 @@ class DataPlane:
 
     # ---- requests -----------------------------------------------------------------------
     def store(self, session: Any, req: protocol.Store) -> Deferred:
+        if req.adverts and len(req.adverts) != len(req.keys):
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"STORE: {len(req.adverts)} adverts for {len(req.keys)} keys "
+                                                        "(one per key, or none)")
         return self._copy_job(session, req, "STORE", self._store, self._store_cuda)
+
+    def _advertise(self, uid: int, reg: Any, req: protocol.Store) -> None:
+        """Index what a STORE's chunks are to their engine (KV events), before they commit."""
+        try:
+            adverts = [check_advert(a) for a in req.adverts]
+        except ValueError as exc:
+            self.kv.refused += 1
+            logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(reg.instance_id, 60), exc)
+            return
+        self.kv.describe(uid, req.space, reg.model_name, req.pod, reg.worker_rank, reg.world_size, req.keys, adverts)
+        for key in req.keys:    # stored before, without an advert: servable now that it has one
+            if self.pool.all_visible(uid, [[key]]):
+                self.kv.note(uid, key, "pool", True)
 
     def retrieve(self, session: Any, req: protocol.Retrieve) -> Deferred:
         return self._copy_job(session, req, "RETRIEVE", self._retrieve, self._retrieve_cuda)
@@ -243,6 +269,8 @@ class DataPlane:
 
         def job(identity: bytes, rid: bytes) -> None:
             try:
+                if what == "STORE" and req.adverts and self.kv.enabled:
+                    self._advertise(uid, reg, req)
                 self._run(identity, rid, copy(session, reg, layout, uid, req, deadline))
             finally:
                 self.registry.let_go(reg)
@@ -721,6 +749,8 @@ class DataPlane:
 
     def tick(self) -> None:
         self.pool.expire()
+        if self.kv.enabled:
+            self.kv.prune()
         if self._cuda_sync is not None:
             self.events.expire()
             self._drain_quarantine(self._cuda_sync)

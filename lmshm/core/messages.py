@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import sys
 from enum import IntEnum
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Optional, Union
 
 import msgspec
+
+from lmshm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
     from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper as WireWrapper
@@ -71,6 +73,7 @@ class MsgType(IntEnum):
     LOOKUP = 8
     RETRIEVE = 9
     RELEASE = 10
+    KV_EVENTS = 11               # 3.7
 
     HELLO_REPLY = 101
     REGISTER_REPLY = 102
@@ -83,6 +86,7 @@ class MsgType(IntEnum):
     RETRIEVE_REPLY = 109
     RELEASE_REPLY = 110
     STATUS_PAGE_REPLY = 111      # 3.4
+    KV_EVENTS_REPLY = 112        # 3.7
     ERROR = 199
 
 
@@ -123,6 +127,32 @@ Lease = Annotated[bytes, msgspec.Meta(max_length=LEASE_BYTES)]
 Event = Annotated[bytes, msgspec.Meta(max_length=64)]
 WaitS = Annotated[float, msgspec.Meta(ge=0, le=3600)]
 
+#: 3.7, KV events (docs/design/kv-events.md): what a stored chunk is to its engine.
+MAX_ADVERT_BLOCKS = 1024      # engine blocks of one chunk
+MAX_ADVERT_TOKENS = 1 << 16   # tokens of one chunk
+MAX_SPACES = 16               # namespaces one KV_EVENTS reads
+BlockHash = Union[int,   # msgpack bounds it: int64 or uint64
+                  Annotated[bytes, msgspec.Meta(max_length=64)]]
+#: an Advert's extra keys: vLLM's per-block list (LoRA name, (mm id, offset) pairs, cache salt,
+#: prompt-embeds digests), msgpack-encoded; the server checks it (kv_events.check_extra_keys)
+ExtraKeys = Optional[Annotated[bytes, msgspec.Meta(max_length=1 << 16)]]
+Space = Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)]
+
+
+class Advert(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """3.7: one STORE chunk as its engine knows it, for the server's KV events. The fields are
+    vLLM's ``BlockStored`` fields for the engine blocks the chunk is made of."""
+
+    chunk: Key               # the chunk's identity, the same on every rank (the connector: rank 0's key)
+    group: Annotated[int, msgspec.Meta(ge=0, le=MAX_GROUPS)]   # the engine's KV cache group (group_idx)
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    block_hashes: Annotated[list[BlockHash], msgspec.Meta(min_length=1, max_length=MAX_ADVERT_BLOCKS)]
+    parent_block_hash: Optional[BlockHash] = None
+    token_ids: Annotated[list[Annotated[int, msgspec.Meta(ge=-(1 << 31), le=(1 << 31) - 1)]],
+                         msgspec.Meta(max_length=MAX_ADVERT_TOKENS)] = []
+    lora_name: Optional[Text] = None
+    extra_keys: ExtraKeys = None
+
 
 class Store(Message, tag=int(MsgType.STORE)):
     """Copy whole chunks of blocks from a registration the caller owns into the server's pool.
@@ -140,6 +170,11 @@ class Store(Message, tag=int(MsgType.STORE)):
     # 3.6: how long the sender waits for the reply, in seconds (0: unknown). Past it the
     # sender may reuse the blocks, so the server commits nothing it copied later than that.
     wait_s: WaitS = 0.0
+    # 3.7, KV events: one Advert per key (or none: nothing is advertised), the engine's
+    # namespace (the same for every rank: KV_EVENTS reads by it) and its pod name for topics
+    adverts: Annotated[list[Advert], msgspec.Meta(max_length=MAX_KEYS)] = []
+    space: Space = b""
+    pod: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 class Lookup(Message, tag=int(MsgType.LOOKUP)):
@@ -177,6 +212,15 @@ class Release(Message, tag=int(MsgType.RELEASE)):
     lease: Lease
 
 
+class KvEvents(Message, tag=int(MsgType.KV_EVENTS)):
+    """3.7: the KV events of the caller's uid in ``spaces`` after position ``after`` of the
+    server's event log (-1: from the oldest it keeps). Needs a verified session."""
+
+    spaces: Annotated[list[Space], msgspec.Meta(min_length=1, max_length=MAX_SPACES)]
+    after: Annotated[int, msgspec.Meta(ge=-1, le=1 << 62)] = -1
+    limit: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1024
+
+
 # ---- the data plane's replies, the pool's status, errors -------------------------------------
 
 
@@ -208,6 +252,13 @@ class RetrieveReply(Message, tag=int(MsgType.RETRIEVE_REPLY)):
 
 class ReleaseReply(Message, tag=int(MsgType.RELEASE_REPLY)):
     released: bool           # False: the lease had already ended
+
+
+class KvEventsReply(Message, tag=int(MsgType.KV_EVENTS_REPLY)):
+    epoch: str               # the server's id: a new one means it restarted and holds nothing advertised before
+    cursor: int              # pass as ``after`` next time
+    lost: bool               # events after ``after`` were dropped from the log before this read
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]   # vLLM's KV events, oldest first
 
 
 class TierInfo(msgspec.Struct, frozen=True):

@@ -65,7 +65,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Hashable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional
 
 import torch
 
@@ -345,6 +345,9 @@ class Pool:
         self.hits = self.misses = self.stored = self.store_skipped = 0
         self.evictions = self.evicted_bytes = self.retrieved = self.failed = 0
         self.pins_capped = 0      # chunks LOOKUP found but did not pin: a per-uid cap
+        #: ``(uid, key, present)`` when an object becomes visible or is dropped (KV events:
+        #: core/kv_events.KvIndex.note); called under the pool's lock, so it must not call back
+        self.on_resident: Optional[Callable[[int, bytes, bool], None]] = None
         self._addr = 0
         self.huge_pages = False   # the kernel took MADV_HUGEPAGE for the pool
         self._buf: Any = None
@@ -459,6 +462,8 @@ class Pool:
         self._evictable_bytes -= cost
         self.objects -= 1
         self._uncharge(t, obj, cost)
+        if self.on_resident is not None:
+            self.on_resident(obj[UID], obj[KEY], False)
 
     def _uncharge(self, t: _Tenant, obj: tuple, cost: int) -> None:
         self._extents.give(obj[OFFSET] - self.head_room, cost - OBJECT_COST)
@@ -619,6 +624,8 @@ class Pool:
                 self.objects += 1
                 self.stored += 1
                 self._make_ready(t, obj)
+                if self.on_resident is not None:
+                    self.on_resident(obj[UID], obj[KEY], True)
 
     def abort(self, objs: Iterable[tuple]) -> None:
         with self._lock:

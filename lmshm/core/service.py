@@ -44,6 +44,7 @@ from lmshm.core.clock import Clock
 from lmshm.core.config import CoreConfig
 from lmshm.core.dataplane import DataPlane
 from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.core.kv_events import KvIndex
 from lmshm.core.messages import PoolInfo
 from lmshm.core.metrics import Metrics
 from lmshm.core.registry import Registration, Registry
@@ -100,6 +101,11 @@ class Core:
         self.server_id = secrets.token_hex(8)
         self.started = time.monotonic()
         self.registry = Registry()
+        # KV events (core/kv_events): the log starts with AllBlocksCleared, so a reader learns
+        # that what this server advertised before it (re)started is gone
+        self.kv_index = KvIndex(max_chunks=self.config.kv_events_index, records=self.config.kv_events_buffer)
+        self.kv_index.log.epoch = self.server_id
+        self.kv_index.cleared()
         self.metrics = Metrics(self.registry, self.pool_info)
         self.clock = Clock()
         self._lock = threading.Lock()
@@ -123,7 +129,8 @@ class Core:
             tiers=tiers, tier_queue=[c.disk_queue if t.name == "disk" else c.remote_queue for t in tiers],
             tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
             pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool,
-            pool_populate_ahead=c.pool_populate_ahead, cuda_pin=c.cuda_pin, cuda_timeout_s=c.cuda_timeout_s)
+            pool_populate_ahead=c.pool_populate_ahead, cuda_pin=c.cuda_pin, cuda_timeout_s=c.cuda_timeout_s,
+            kv_index=self.kv_index)
 
     @classmethod
     def _open_tiers(cls, c: CoreConfig) -> list:

@@ -480,12 +480,16 @@ class MPClient:
         return Pending(self, rid, type(msg).__name__.upper(), self.timeout_s if timeout_s is None else timeout_s)
 
     def store(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
-              *, wait: bool = True, timeout_s: Optional[float] = None, event: bytes = b"") -> Any:
+              *, wait: bool = True, timeout_s: Optional[float] = None, event: bytes = b"",
+              adverts: Optional[list] = None, space: bytes = b"", pod: str = "") -> Any:
         """Copy chunks of blocks into the server's pool (``protocol.Store``). Returns the
         ``StoreReply``, or with ``wait=False`` a ``Pending`` for it. ``event``: for a CUDA
-        registration, the IPC handle of an event recorded after the blocks were written."""
+        registration, the IPC handle of an event recorded after the blocks were written.
+        ``adverts`` (one ``protocol.Advert`` per key), ``space`` and ``pod``: what the chunks
+        are to the engine, for the server's KV events (docs/design/kv-events.md)."""
         wait_s = _wait_s(self.timeout_s if timeout_s is None else timeout_s)
-        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event, wait_s=wait_s), timeout_s)
+        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event, wait_s=wait_s,
+                                       adverts=adverts or [], space=space, pod=pod), timeout_s)
         return p.result() if wait else p
 
     def retrieve(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,
@@ -502,6 +506,11 @@ class MPClient:
                timeout_s: Optional[float] = None) -> protocol.LookupReply:
         """Leading chunks stored for every rank (``keys[rank]``), pinned under a lease."""
         return self._request(protocol.Lookup(keys, ttl_s), timeout_s)
+
+    def kv_events(self, spaces: list[bytes], after: int = -1, limit: int = 1024,
+                  timeout_s: Optional[float] = None) -> protocol.KvEventsReply:
+        """The server's KV events for this uid in ``spaces`` after log position ``after``."""
+        return self._request(protocol.KvEvents(spaces, after, limit), timeout_s)
 
     def release(self, lease: bytes, timeout_s: Optional[float] = None) -> bool:
         """End a LOOKUP lease early. False if it had already ended."""

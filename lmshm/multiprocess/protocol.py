@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 3.4: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.7: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -53,12 +53,15 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     MAX_LAYERS,
     MAX_TEXT,
     MAX_WORLD,
+    Advert,
     BlockIds,
     ChunkBlocks,
     ErrorReply,
     Event,
     Key,
     Keys,
+    KvEvents,
+    KvEventsReply,
     LayerGroup,
     Lease,
     Lookup,
@@ -82,7 +85,7 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 
 PEEK_MAX_BYTES = 4096
 STATUS_PAGE = 1000       # registrations one STATUS reply lists at most
@@ -166,7 +169,8 @@ class Peek(Message, tag=int(MsgType.PEEK)):
     length: Annotated[int, msgspec.Meta(ge=0, le=PEEK_MAX_BYTES)] = 64
 
 
-Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek, Store, Lookup, Retrieve, Release]
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek, Store, Lookup, Retrieve, Release,
+                KvEvents]
 
 #: Requests that are answered without a session.
 SESSIONLESS = (Status, Ping)
@@ -278,4 +282,4 @@ class PeekReply(Message, tag=int(MsgType.PEEK_REPLY)):
 
 
 Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, StatusPageReply, Pong, PeekReply, StoreReply,
-              LookupReply, RetrieveReply, ReleaseReply, ErrorReply]
+              LookupReply, RetrieveReply, ReleaseReply, KvEventsReply, ErrorReply]

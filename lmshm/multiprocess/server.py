@@ -83,6 +83,8 @@ IDLE_CONNECTION_S = 5.0
 #: Connections that have not authenticated yet (2 fds each) may hold at most half of it, so
 #: --max-pending-auth is lowered to LINK_ROOM / 4 where the room is smaller than it needs.
 LINK_ROOM = 256
+#: a KV_EVENTS reply holds about this many bytes of events at most (the rest: the next read)
+KV_EVENTS_REPLY_BYTES = 4 << 20
 #: When fewer than FD_RESERVE + LINK_ROOM + SHED_BELOW fds are free and a connection waits to be
 #: accepted, connections without a verified session are closed, oldest first, until
 #: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
@@ -179,6 +181,7 @@ class ZmqEndpoint:
             protocol.Lookup: self._lookup,
             protocol.Retrieve: self._retrieve,
             protocol.Release: self._release,
+            protocol.KvEvents: self._kv_events,
         }
         self._completions: collections.deque = collections.deque()
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
@@ -643,6 +646,14 @@ class ZmqEndpoint:
 
     def _release(self, identity: bytes, req: protocol.Release) -> Any:
         return self.dataplane.release(self._verified(identity, "RELEASE"), req)
+
+    def _kv_events(self, identity: bytes, req: protocol.KvEvents) -> Any:
+        """A connector reads the KV events of its own uid (the kernel's) and namespaces."""
+        session = self._verified(identity, "KV_EVENTS")
+        log = self.core.kv_index.log
+        records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
+                                         max_bytes=KV_EVENTS_REPLY_BYTES)
+        return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
 
     # ---- session ends -------------------------------------------------------------------
     def _session_ended(self, session: Session, reason: str, orphaned: bool) -> None:

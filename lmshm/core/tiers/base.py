@@ -27,7 +27,7 @@ import math
 import os
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from lmshm.core.messages import TierInfo
 
@@ -123,6 +123,13 @@ class Tier(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = TierStats()
+        #: ``(uid, key)`` when the tier stops holding a chunk (evicted, found damaged, gone from
+        #: a remote): KV events (core/kv_events). May be called under the tier's lock.
+        self.gone: Optional[Callable[[int, bytes], None]] = None
+
+    def _gone(self, uid: int, key: bytes) -> None:
+        if self.gone is not None:
+            self.gone(uid, key)
 
     @abc.abstractmethod
     def contains(self, uid: int, keys: Sequence[bytes]) -> int:

@@ -699,6 +699,7 @@ class DiskTier(Tier):
         self._uid_bytes[uid] -= entry.size
         if not od:
             del self._index[uid], self._uid_bytes[uid]
+        self._gone(uid, key)
         return entry
 
     def _make_room(self, size: int) -> list[tuple[int, bytes]]:

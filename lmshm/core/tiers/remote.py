@@ -538,11 +538,13 @@ class RemoteTier(Tier):
             return [None] * len(keys)
         if not isinstance(raws, list) or len(raws) != len(keys):
             return [None] * len(keys)
-        return [self._meta(rkey, raw if isinstance(raw, bytes) else b"", uid, key)
+        return [self._meta(rkey, raw if isinstance(raw, bytes) else (b"" if raw is None else None), uid, key)
                 for rkey, raw, key in zip(rkeys, raws, keys)]
 
     def _meta(self, rkey: bytes, raw: Optional[bytes], uid: int, key: bytes) -> Optional[ChunkMeta]:
         if not raw:
+            if raw is not None:
+                self._gone(uid, key)        # the remote answered: expired or evicted (KV events)
             return None
         try:
             return decode_header(raw, uid, key)[0]
@@ -570,6 +572,7 @@ class RemoteTier(Tier):
             else:
                 value = self._read_parts(rkey, framed if into_slot else self._read_buffer(size))
             if not value:                   # expired or evicted since head: a plain miss
+                self._gone(uid, key)
                 return False
             got, payload = check_value(value, uid, key, self.secret)
             if got != meta:
@@ -580,6 +583,7 @@ class RemoteTier(Tier):
             return False
         except BadValue as exc:
             self._refused(rkey, exc)
+            self._gone(uid, key)
             return False
         if not into_slot:
             dest[:] = payload
