@@ -301,15 +301,21 @@ class Link:
         return ids[group] if group < len(ids) else None
 
     def store(self, keys: list[bytes], block_ids: list[int], chunk_blocks: int, event: bytes = b"",
-              group: int = 0) -> Any:
-        """A ``Pending`` STORE, or None if it was dropped (no server, nothing registered)."""
+              group: int = 0, adverts: Sequence[tuple] = (), space: bytes = b"", pod: str = "") -> Any:
+        """A ``Pending`` STORE, or None if it was dropped (no server, nothing registered).
+        ``adverts``: one ``Advert``'s fields per key (KV events), or none."""
         client = self.client()
         iid = self._instance(group)
         if client is None or iid is None or not keys:
             return None
         try:
+            ads = None
+            if adverts:
+                from lmshm.multiprocess import protocol
+
+                ads = [protocol.Advert(*a) for a in adverts]
             return client.store(iid, keys, block_ids, chunk_blocks, wait=False,
-                                timeout_s=self.config.timeout_s, event=event)
+                                timeout_s=self.config.timeout_s, event=event, adverts=ads, space=space, pod=pod)
         except Exception as exc:  # noqa: BLE001
             self._failed("store", exc)
             return None
@@ -381,6 +387,7 @@ class StoreSpec:
     req_id: str
     keys: list[list[list[bytes]]]   # [rank][group]: the chunks to store
     block_ids: list[list[int]]      # [group]
+    adverts: list[list[tuple]] = field(default_factory=list)   # [group]: per chunk, an Advert's fields (KV events)
 
 
 @dataclass
@@ -392,6 +399,8 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     chunk_blocks: int = 1
     wait_stores: bool = False       # a window group: stores finish within the step
+    space: bytes = b""              # KV events: the engine's namespace and pod name (see EventFeed)
+    pod: str = ""
 
 
 @dataclass
@@ -407,6 +416,9 @@ class _Request:
     num_computed: int = 0     # locally computed tokens when lmshm was last asked
     do_load: bool = True
     do_store: bool = True
+    #: KV events: chunk index -> (block_size, block_hashes, parent, token_ids, lora_name,
+    #: extra_keys as msgpack): what the chunk is to the engine (``Advert``'s fields but two)
+    describe: Optional[Callable[[int], Optional[tuple]]] = None
 
     @property
     def chunks(self) -> int:
@@ -443,6 +455,9 @@ class SchedulerSide:
         self._loads: list[str] = []
         self._leases_after_step: list[bytes] = []
         self.stats = SchedulerStats()
+        #: KV events (``EventFeed``): the namespace every rank and group advertises under
+        self.space = namespace.for_rank(0, 0).digest
+        self.pod = ""
 
     def _request(self, req_id: str, tokens: Sequence[int], hashes: Optional[Sequence[bytes]] = None,
                  hashes_per_chunk: int = 1, salt: bytes = b"") -> _Request:
@@ -462,11 +477,15 @@ class SchedulerSide:
 
     def matched_tokens(self, req_id: str, tokens: Sequence[int], num_computed: int, *,
                        hashes: Optional[Sequence[bytes]] = None, hashes_per_chunk: int = 1, salt: bytes = b"",
-                       load: bool = True, store: bool = True) -> int:
+                       load: bool = True, store: bool = True,
+                       describe: Optional[Callable[[int], Optional[tuple]]] = None) -> int:
         """Tokens beyond ``num_computed`` that lmshm can supply (whole chunks; a full-prompt hit
-        leaves the last token to compute). ``load``/``store``: this request's own switches."""
+        leaves the last token to compute). ``load``/``store``: this request's own switches.
+        ``describe``: for KV events, what chunk ``c`` is to the engine (see ``_Request``)."""
         r = self._request(req_id, tokens, hashes, hashes_per_chunk, salt)
         r.do_load, r.do_store = load, store
+        if describe is not None:
+            r.describe = describe
         r.num_computed = num_computed
         if r.lease:
             self.link.release(r.lease)
@@ -524,7 +543,7 @@ class SchedulerSide:
         done = min(r.chunks, computed_after_step // self.chunk_tokens)
         if done <= r.stored or any(len(ids) < done * self.chunk_blocks for ids in r.block_ids):
             return
-        keys, ids = [[[] for _ in self.groups] for _ in r.keys], []
+        keys, ids, adverts = [[[] for _ in self.groups] for _ in r.keys], [], []
         for g, group in enumerate(self.groups):
             chosen = range(r.stored, done)
             if group.window:  # never read a null block: chunks that left the window are not stored
@@ -532,10 +551,29 @@ class SchedulerSide:
             for rank, rank_keys in zip(keys, r.keys):
                 rank[g] = [rank_keys[g][c] for c in chosen]
             ids.append([b for c in chosen for b in chunk_block_ids(r.block_ids[g], c, 1, self.chunk_blocks)])
-        plan.stores.append(StoreSpec(req_id, keys, ids))
+            adverts.append(self._adverts(r, g, chosen))
+        plan.stores.append(StoreSpec(req_id, keys, ids, adverts if any(adverts) else []))
+        plan.space, plan.pod = self.space, self.pod
         plan.wait_stores = plan.wait_stores or any(g.window for g in self.groups)
         r.stored = done
         r.has_stores = True
+
+    def _adverts(self, r: _Request, group: int, chunks: Iterable[int]) -> list[tuple]:
+        """``Advert`` fields for each chunk (KV events; its identity is rank 0's key), or none
+        at all when the engine gives no description (or fails to: the chunks are stored unadvertised)."""
+        if r.describe is None:
+            return []
+        out = []
+        try:
+            for c in chunks:
+                info = r.describe(c)
+                if info is None:
+                    return []
+                out.append((r.keys[0][group][c], group, *info))
+        except Exception as exc:  # noqa: BLE001 - events are best effort; the store goes on
+            logger.debug("lmshm: describing chunks for KV events failed: %s", exc)
+            return []
+        return out
 
     def _has_null(self, block_ids: Sequence[int], chunk: int) -> bool:
         return self.null_block in chunk_block_ids(block_ids, chunk, 1, self.chunk_blocks)
@@ -587,6 +625,112 @@ class SchedulerSide:
 
     def plan(self) -> StepPlan:
         return StepPlan(chunk_blocks=self.chunk_blocks)
+
+
+# ---- KV events: what the server can serve, for the engine's own event stream -----------
+
+
+class EventFeed:
+    """Reads the server's KV events for this engine's namespace (``KV_EVENTS``) without ever
+    blocking the engine: ``take()`` returns what arrived since the last call and sends the next
+    read, at most one in flight, at most every ``every_s``.
+
+    Every engine of the same uid and namespace gets every event, so a chunk one engine stored
+    is advertised on the stream of every engine that can load it, and its removal too. When the
+    server restarted (a new epoch) or its log dropped events this feed had not read, the feed
+    cannot know what is still there: it sends ``BlockRemoved`` for every block it advertised
+    (per medium, locality and group) and starts over. It never sends ``AllBlocksCleared``: on
+    an engine's stream that would clear the engine's own GPU blocks from a router's view."""
+
+    MAX_TRACKED = 1 << 20     # advertised hashes remembered for those removals
+
+    def __init__(self, link: Link, spaces: Sequence[bytes], *, every_s: float = 0.05, limit: int = 1024) -> None:
+        self.link = link
+        self.spaces = list(spaces)
+        self.every_s = every_s
+        self.limit = limit
+        self.cursor = -1
+        self.epoch = ""
+        self._pending: Any = None
+        self._next_at = 0.0
+        self._advertised: dict[tuple, set] = {}
+        self._tracked = 0
+        self.received = self.resets = 0
+
+    def take(self) -> list[Any]:
+        out: list[Any] = []
+        p = self._pending
+        if p is not None and p.done():
+            self._pending = None
+            try:
+                reply = p.result()
+            except Exception as exc:  # noqa: BLE001 - an old server, a timeout: try again later
+                logger.debug("lmshm: KV_EVENTS failed: %s", exc)
+                self._next_at = time.monotonic() + max(1.0, self.link.config.retry_s)
+                reply = None
+            if reply is not None:
+                out = self._apply(reply)
+        if self._pending is None and time.monotonic() >= self._next_at:
+            self._next_at = time.monotonic() + self.every_s
+            client = self.link.client()
+            if client is not None:
+                from lmshm.multiprocess import protocol
+
+                try:
+                    self._pending = client.submit(protocol.KvEvents(self.spaces, self.cursor, self.limit),
+                                                  self.link.config.lookup_timeout_s)
+                except Exception as exc:  # noqa: BLE001
+                    logger.debug("lmshm: sending KV_EVENTS failed: %s", exc)
+        return out
+
+    def _apply(self, reply: Any) -> list[Any]:
+        out: list[Any] = []
+        if not self.epoch and self.cursor == -1:
+            self.epoch = reply.epoch        # the first read: from the start of this server's log
+        if reply.epoch != self.epoch:
+            # a new server: what the old one advertised is gone; this reply read the new log
+            # from the old cursor, so read it again from its start
+            if self.epoch:
+                out.extend(self.forget_all())
+                self.resets += 1
+            self.epoch, self.cursor = reply.epoch, -1
+            self._next_at = 0.0
+            return out
+        if reply.lost:     # events this feed never saw were dropped: removals may be among them
+            out.extend(self.forget_all())
+            self.resets += 1
+        self.cursor = reply.cursor
+        for event in reply.events:
+            kind = type(event).__name__
+            where = (getattr(event, "medium", None), getattr(event, "locality", None),
+                     getattr(event, "group_idx", None))
+            if kind == "BlockStored":
+                seen = self._advertised.setdefault(where, set())
+                for h in event.block_hashes:
+                    if h not in seen and self._tracked < self.MAX_TRACKED:
+                        seen.add(h)
+                        self._tracked += 1
+            elif kind == "BlockRemoved":
+                seen = self._advertised.get(where, set())
+                for h in event.block_hashes:
+                    if h in seen:
+                        seen.discard(h)
+                        self._tracked -= 1
+            else:
+                continue      # AllBlocksCleared is never republished (see the class docstring)
+            out.append(event)
+        self.received += len(out)
+        return out
+
+    def forget_all(self) -> list[Any]:
+        """``BlockRemoved`` for every block advertised so far (and forget them)."""
+        from lmshm.core.kv_events import BlockRemoved
+
+        out = [BlockRemoved(block_hashes=sorted(hashes, key=repr), medium=medium, group_idx=group, locality=locality)
+               for (medium, locality, group), hashes in self._advertised.items() if hashes]
+        self._advertised.clear()
+        self._tracked = 0
+        return out
 
 
 # ---- statistics -------------------------------------------------------------------------
@@ -717,7 +861,9 @@ class WorkerSide:
             for g, (keys, ids) in enumerate(zip(spec.keys[self.rank], spec.block_ids)):
                 if not keys:
                     continue
-                p = self.link.store(keys, ids, plan.chunk_blocks, handle, group=g)
+                adverts = spec.adverts[g] if g < len(spec.adverts) else ()
+                p = self.link.store(keys, ids, plan.chunk_blocks, handle, group=g, adverts=adverts,
+                                    space=plan.space, pod=plan.pod)
                 if p is None:
                     self.dropped_stores += 1
                     self.stats.dropped_stores += len(keys)

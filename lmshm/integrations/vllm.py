@@ -25,6 +25,11 @@ this class translates vLLM's objects:
   at ``register_kv_caches`` with a logged error, and the engine runs on without lmshm.
 - **Hybrid models** (``SupportsHMA``): full-attention and sliding-window groups. Mamba/SSM
   groups are refused at start-up.
+- **KV events** (``take_events``; on with vLLM's ``--kv-events-config`` or ``lmshm.kv_events``):
+  every STORE carries what its chunks are to vLLM (block hashes, parent, token ids, LoRA name,
+  extra keys), and the scheduler side republishes on the engine's own stream what lmshm-server
+  says it can serve: ``BlockStored``/``BlockRemoved`` with medium ``CPU`` (pool) or ``STORAGE``
+  (disk, remote), for every engine of the same uid and namespace (docs/design/kv-events.md).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from lmshm.integrations.adapter import (
+    EventFeed,
     Group,
     Link,
     LinkConfig,
@@ -81,6 +87,7 @@ _KEYS = {
     "lmshm.timeout_s": float, "lmshm.lookup_timeout_s": float, "lmshm.retry_s": float,
     "lmshm.shutdown_timeout_s": float, "lmshm.load_failure_policy": str, "lmshm.test_corrupt_loads": bool,
     "lmshm.test_fail_loads": bool, "lmshm.test_fail_loads_rank": int,
+    "lmshm.kv_events": bool, "lmshm.kv_events_pod": str,
 }
 
 #: ``prefix_caching_hash_algo`` values whose block hashes agree across processes and resist
@@ -419,6 +426,10 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._refused = ""
         self._warn = _RateLimited()
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._events = s.get("lmshm.kv_events", bool(getattr(events_config, "enable_kv_cache_events", False)))
+        self._hash_block = hash_block
+        self._feed: Optional[EventFeed] = None
         if role == KVConnectorRole.SCHEDULER:
             ktc.kv_load_failure_policy = s.get("lmshm.load_failure_policy", "recompute")
             self._scheduler: Optional[SchedulerSide] = SchedulerSide(
@@ -426,6 +437,9 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
                 store=s.get("lmshm.store", True), load=s.get("lmshm.load", True), groups=self._groups,
                 null_block=_NULL_BLOCK)
             self._worker: Optional[WorkerSide] = None
+            if self._events:
+                self._scheduler.pod = s.get("lmshm.kv_events_pod", "") or _pod_name(events_config)
+                self._feed = EventFeed(self._link, [self._scheduler.space])
             # The engine's first requests are looked up as soon as it starts: connect now, so
             # they can hit (a slow start, with the machine busy, used to miss the first step).
             # A server that does not answer costs this wait once; the engine then goes on
@@ -586,8 +600,48 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         tokens = request.prompt_token_ids or []
         matched = self._scheduler.matched_tokens(
             request.request_id, tokens, num_computed_tokens, hashes=list(request.block_hashes),
-            hashes_per_chunk=self._hashes_per_chunk, load=load, store=store)
+            hashes_per_chunk=self._hashes_per_chunk, load=load, store=store,
+            describe=self._describer(request) if self._events else None)
         return matched, False
+
+    def _describer(self, request: Any) -> Any:
+        """What chunk ``c`` of ``request`` is to vLLM, as its own ``BlockStored`` says it
+        (block_pool.py): the hash-block size, block hashes, parent hash, token ids, LoRA name
+        and per-block extra keys (cache salt, multimodal ids, prompt-embeds digests)."""
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            to_event_extra_keys,
+        )
+        import msgspec
+
+        k, size = self._hashes_per_chunk, self._hash_block
+        lora = request.lora_request.name if getattr(request, "lora_request", None) else None
+
+        def describe(c: int) -> Optional[tuple]:
+            hashes = request.block_hashes
+            first = c * k
+            if len(hashes) < first + k:
+                return None
+            extra, mm = [], 0
+            for b in range(first, first + k):
+                keys, mm = generate_block_hash_extra_keys(request, b * size, (b + 1) * size, mm)
+                extra.append(keys)
+            extra_keys = to_event_extra_keys(extra)
+            return (size, [maybe_convert_block_hash(h) for h in hashes[first:first + k]],
+                    maybe_convert_block_hash(hashes[first - 1]) if first else None,
+                    list(request.all_token_ids[first * size:(first + k) * size]), lora,
+                    msgspec.msgpack.encode(extra_keys) if extra_keys else None)
+
+        return describe
+
+    def take_events(self) -> Any:
+        """What lmshm-server can now serve or no longer serve for this engine, as vLLM's own
+        KV events (republished on the engine's stream); never blocks the scheduler."""
+        if self._feed is None:
+            return ()
+        events = self._feed.take()
+        return [_to_vllm_event(e) for e in events] if events else ()
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids() if num_external_tokens else ()
@@ -624,6 +678,23 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished_all_groups(self, request: Any,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, Optional[dict[str, Any]]]:
         return self._scheduler.finished(request.request_id), None
+
+
+def _pod_name(events_config: Any) -> str:
+    """The name lmshm-server uses for this engine in per-engine topics (``kv@<pod>@<model>``):
+    ``lmshm.kv_events_pod``, else the host name (one engine per pod, as llm-d deploys them)."""
+    import socket
+
+    return socket.gethostname()
+
+
+def _to_vllm_event(event: Any) -> Any:
+    """lmshm's copy of a KV event as vLLM's own struct (the same fields and wire format)."""
+    import msgspec
+    from vllm.distributed import kv_events as vk
+
+    cls = getattr(vk, type(event).__name__)
+    return cls(**msgspec.structs.asdict(event))
 
 
 def _tp_rank() -> int:

@@ -5,6 +5,7 @@ and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``):
     python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
         [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--fail-loads-rank R] [--no-connector]
         [--block-size N] [--chunk-tokens N] [--tp N] [--metrics] [--extra KEY=JSON ...]
+        [--kv-events ENDPOINT [--kv-events-topic TOPIC]]
 
 ``build`` saves a random ``LlamaForCausalLM`` (2 layers, hidden 128, head size 64, float32,
 weights drawn with a wide spread so greedy decoding has clear winners) to DIR: no download.
@@ -14,7 +15,9 @@ one full-attention layer, which vLLM serves with its hybrid KV cache manager.
 A prompt in a batch file is a list of token ids, or ``{"tokens": [...], "cache_salt": "...",
 "kv_transfer_params": {...}, "prompt_logprobs": N}``. ``--metrics`` adds vLLM's own metrics
 (``llm.get_metrics()``, the ``vllm:lmshm_*`` and ``vllm:external_prefix_cache_*`` series) to OUT
-and makes vLLM log its stats (the "KV Transfer metrics" line) before it exits. ``--tp 2`` runs
+and makes vLLM log its stats (the "KV Transfer metrics" line) before it exits. ``--kv-events``
+turns on vLLM's KV-event stream (``--kv-events-config``: ZMQ PUB at ENDPOINT), which carries what
+lmshm's connector yields. ``--tp 2`` runs
 tensor parallel with vLLM's multiprocess executor.
 
 ``serve`` starts one ``LLM`` with ``LmshmConnector`` (greedy, vLLM's own prefix caching off, so
@@ -87,6 +90,11 @@ def serve(args: argparse.Namespace) -> None:
         ktc = KVTransferConfig(kv_connector="LmshmConnector", kv_connector_module_path="lmshm.integrations.vllm",
                                kv_role="kv_both", kv_connector_extra_config=extra)
     parallel = {"tensor_parallel_size": args.tp, "distributed_executor_backend": "mp"} if args.tp > 1 else {}
+    if args.kv_events:
+        from vllm.config import KVEventsConfig
+
+        parallel["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                                      endpoint=args.kv_events, topic=args.kv_events_topic)
     llm = LLM(model=args.model, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=args.block_size, max_model_len=8192, max_num_batched_tokens=8192,
               enable_prefix_caching=False, seed=0, kv_transfer_config=ktc, disable_log_stats=not args.metrics,
@@ -116,6 +124,11 @@ def serve(args: argparse.Namespace) -> None:
             results.append({"output": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens or 0,
                             "prompt": len(tokens), "seconds": time.perf_counter() - t0})
         batches.append(results)
+    if args.kv_events:   # a few idle steps: the connector's last KV_EVENTS replies reach the stream
+        for _ in range(args.event_steps):
+            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
+                         SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            time.sleep(0.05)
     out["batches"] = batches
     if args.metrics:
         llm.llm_engine.do_log_stats()   # the "KV Transfer metrics" line, in this process's log
@@ -166,6 +179,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--chunk-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--kv-events", default="", help="vLLM's KV-event PUB endpoint (enables --kv-events-config)")
+    ap.add_argument("--kv-events-topic", default="")
+    ap.add_argument("--event-steps", type=int, default=10, help="short requests run at the end to flush events")
     serve(ap.parse_args(argv))
     return 0
 

@@ -581,9 +581,10 @@ class DealerClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         end = deadline if slice_s is None else min(deadline, time.monotonic() + slice_s)
+        polled = False
         while True:
             remaining = end - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 and polled:   # a zero slice still reads what has arrived
                 if end < deadline:
                     return None
                 self._pending.discard(rid)
@@ -592,7 +593,8 @@ class DealerClient:
                 raise TransportTimeout(self.url, timeout, what)
             if self._sock is None:
                 raise TransportError("the client is closed")
-            if not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            polled = True
+            if not self._sock.poll(int(remaining * 1000) + 1 if remaining > 0 else 0, zmq.POLLIN):
                 continue
             frames = self._sock.recv_multipart()
             if len(frames) != 2:
