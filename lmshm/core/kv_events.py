@@ -244,6 +244,8 @@ class KvIndex:
         self._chain: dict[Any, bytes] = {}                               # block hash -> token-chain digest
         self._by_tokens: dict[bytes, Any] = {}                           # token-chain digest -> block hash
         self._pods: set[tuple[int, bytes, str]] = set()
+        self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
+        self._pruned_at = 0.0
         self.unindexed = 0        # adverts not indexed: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
         self.stored_events = self.removed_events = 0
@@ -273,6 +275,7 @@ class KvIndex:
                         self.unindexed += 1
                         continue
                     chunk = self._by_id[ident] = _Chunk(ident, uid, space, model, world, advert)
+                    self._unresident[ident] = chunk
                     self._index_hashes(chunk)
                 old = chunk.keys.get(rank)
                 if old is not None and old != key:
@@ -305,6 +308,8 @@ class KvIndex:
                 return
             ranks = chunk.where.setdefault(tier, set())
             (ranks.add if present else ranks.discard)(rank)
+            if present:
+                self._unresident.pop(chunk.ident, None)
             full = len(ranks) >= chunk.world
             if full and tier not in chunk.servable:
                 chunk.servable.add(tier)
@@ -318,6 +323,8 @@ class KvIndex:
     def _drop_chunk(self, chunk: _Chunk) -> None:
         if self._by_id.get(chunk.ident) is chunk:
             del self._by_id[chunk.ident]
+        if self._unresident.get(chunk.ident) is chunk:
+            del self._unresident[chunk.ident]
         for key in chunk.keys.values():
             if self._by_key.get((chunk.uid, key)) is chunk:
                 del self._by_key[(chunk.uid, key)]
@@ -344,9 +351,13 @@ class KvIndex:
     def prune(self, older_than_s: float = 60.0) -> int:
         """Forget adverts whose chunk never became resident anywhere (its STORE failed or found
         no room) once they are ``older_than_s`` old; returns how many."""
-        cutoff = time.monotonic() - older_than_s
+        now = time.monotonic()
+        if now - self._pruned_at < min(10.0, older_than_s) or not self._unresident:
+            return 0
+        self._pruned_at = now
+        cutoff = now - older_than_s
         with self._lock:
-            stale = [c for c in self._by_id.values() if c.born < cutoff and not any(c.where.values())]
+            stale = [c for c in self._unresident.values() if c.born < cutoff and not any(c.where.values())]
             for c in stale:
                 self._drop_chunk(c)
         return len(stale)
@@ -359,6 +370,7 @@ class KvIndex:
             self._by_hash.clear()
             self._chain.clear()
             self._by_tokens.clear()
+            self._unresident.clear()
             self.log.append(-1, b"", model, AllBlocksCleared())
 
     # ---- the pull endpoint's question ---------------------------------------------------
