@@ -449,3 +449,60 @@ def test_no_cuda_error_leaves_the_worker_side(server):
     finally:
         a.close()
         gc.collect()
+
+
+def _describe(tokens):
+    """KV events: what chunk ``c`` is to a pretend engine (its block hash is the chunk's tokens)."""
+    def describe(c):
+        return (BLOCK, [bytes(tokens[c * BLOCK:c * BLOCK + 8])], bytes(tokens[(c - 1) * BLOCK:(c - 1) * BLOCK + 8])
+                if c else None, tokens[c * BLOCK:(c + 1) * BLOCK], None, None)
+    return describe
+
+
+def _collect(feed, done, what):
+    got = []
+    wait_for(lambda: got.extend(feed.take()) or done(got), 10, what=what)
+    return got
+
+
+def test_an_event_feed_credits_every_engine_and_forgets_all_it_advertised_when_the_server_restarts():
+    from lmshm.integrations.adapter import EventFeed
+
+    with scratch_dir() as tmp:
+        first = ServerProcess(tmp, "--capacity", "64MiB")
+        a, b = Engine(first.url, "A"), Engine(first.url, "B")
+        try:
+            tokens = list(range(1, 65))
+            a.sched.matched_tokens("r", tokens, 0, describe=_describe(tokens))
+            a.prefill("r", tokens, [0, 1, 2, 3])
+            wait_for(lambda: a.worker.finished({"r"}) == {"r"}, 10, what="the stores")
+            hashes = [bytes(tokens[c * BLOCK:c * BLOCK + 8]) for c in range(4)]
+            feeds = [EventFeed(a.slink, [a.sched.space]), EventFeed(b.slink, [b.sched.space])]
+            for feed in feeds:     # B stored nothing: it is credited with what A stored, in order
+                got = _collect(feed, lambda g: len(g) >= 4, "the BlockStored events")
+                assert [type(e).__name__ for e in got] == ["BlockStored"] * 4
+                assert [e.block_hashes for e in got] == [[h] for h in hashes]
+                assert [e.parent_block_hash for e in got] == [None, *hashes[:3]]
+                assert all(e.medium == "CPU" and e.locality == "LOCAL" and e.token_ids == tokens[i * BLOCK:(i + 1) * BLOCK]
+                           for i, e in enumerate(got))
+            other = EventFeed(a.slink, [b"another namespace"])
+            time.sleep(0.2)
+            assert other.take() == [] and (time.sleep(0.2) or other.take()) == []
+            assert first.stop() == 0, first.log()
+            second = ServerProcess(tmp, "--capacity", "64MiB", url=first.url)
+            try:
+                for feed in feeds:   # the new server holds none of it: removed, never AllBlocksCleared
+                    got = _collect(feed, lambda g: g, "the removals after the restart")
+                    assert [type(e).__name__ for e in got] == ["BlockRemoved"]
+                    assert sorted(got[0].block_hashes) == sorted(hashes) and got[0].medium == "CPU"
+                    assert feed.resets == 1
+            finally:
+                a.close()
+                b.close()
+                assert second.stop() == 0, second.log()
+        finally:
+            a.close()
+            b.close()
+            if first.alive:
+                first.stop()
+            gc.collect()
