@@ -15,7 +15,7 @@ keyed by a name a peer chose.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -39,7 +39,8 @@ _TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit", "sc
 class Metrics:
     """``registry``: the core's ``Registry``; ``pool_info``: returns the data plane's ``PoolInfo``."""
 
-    def __init__(self, registry: Any, pool_info: Callable[[], Any]) -> None:
+    def __init__(self, registry: Any, pool_info: Callable[[], Any],
+                 tenants: Optional[Callable[[], list]] = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("lmshm_requests", "Requests answered, by endpoint, request type and result code",
                                 ("endpoint", "request", "code"), registry=self.registry)
@@ -49,7 +50,7 @@ class Metrics:
                                 ("reason",), registry=self.registry)
         self.reclaim_latency = Histogram("lmshm_reclaim_seconds", "Time to release what an ended session held",
                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self._state = _StateCollector(registry, pool_info)
+        self._state = _StateCollector(registry, pool_info, tenants)
         self.registry.register(self._state)
 
     def add_gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
@@ -68,8 +69,9 @@ class Metrics:
 class _StateCollector:
     """Gauges (and the data plane's running totals) read when Prometheus scrapes."""
 
-    def __init__(self, registry: Any, pool_info: Callable[[], Any]) -> None:
-        self._registry, self._pool_info = registry, pool_info
+    def __init__(self, registry: Any, pool_info: Callable[[], Any],
+                 tenants: Optional[Callable[[], list]] = None) -> None:
+        self._registry, self._pool_info, self._tenants = registry, pool_info, tenants
         self.gauges: list[tuple[str, str, Callable[[], float]]] = []
 
     def describe(self) -> list[Any]:
@@ -112,6 +114,17 @@ class _StateCollector:
         for name in _POOL_COUNTERS:
             yield CounterMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')} so far",
                                       value=getattr(pool, name))
+        if self._tenants is not None:
+            # uids are the kernel's, not names a peer chose; the 32 largest at most
+            used = GaugeMetricFamily("lmshm_pool_uid_used_bytes", "Pool bytes charged to a uid (the 32 largest)",
+                                     labels=("uid",))
+            objects = GaugeMetricFamily("lmshm_pool_uid_objects", "Pool objects of a uid (the 32 largest)",
+                                        labels=("uid",))
+            for uid, nbytes, n in self._tenants():
+                used.add_metric((str(uid),), nbytes)
+                objects.add_metric((str(uid),), n)
+            yield used
+            yield objects
         tiers = getattr(pool, "tiers", [])
         for name in _TIER_GAUGES:
             family = GaugeMetricFamily(f"lmshm_tier_{name}", f"Tier below the pool: {name.replace('_', ' ')}",

@@ -884,6 +884,13 @@ class Pool:
             return t is not None and all(t.visible(k) is not None for rank_keys in keys for k in rank_keys)
 
     # ---- introspection: counters only, whatever the pool holds ---------------------------
+    def tenant_usage(self, limit: int = 32) -> list[tuple[int, int, int]]:
+        """``(uid, bytes charged, visible objects)`` of the ``limit`` uids that hold the most."""
+        with self._lock:
+            rows = [(uid, t.used, len(t.lru) + len(t.aside)) for uid, t in self._tenants.items()]
+        rows.sort(key=lambda r: -r[1])
+        return rows[:limit]
+
     def info(self) -> dict[str, int]:
         with self._lock:
             return dict(capacity=self.capacity, used=self.used, objects=self.objects, in_flight=self.in_flight,

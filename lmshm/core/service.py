@@ -106,7 +106,7 @@ class Core:
         self.kv_index = KvIndex(max_chunks=self.config.kv_events_index, records=self.config.kv_events_buffer)
         self.kv_index.log.epoch = self.server_id
         self.kv_index.cleared()
-        self.metrics = Metrics(self.registry, self.pool_info)
+        self.metrics = Metrics(self.registry, self.pool_info, tenants=lambda: self.dataplane.pool.tenant_usage())
         self.clock = Clock()
         self._lock = threading.Lock()
         self._stopped = False
