@@ -7,8 +7,14 @@
 4. proves zero copy: each worker writes a marker into layer 3 *after* registering, and the
    server reads it back through its own mapping (the PEEK request). Then the worker writes a
    second marker and the server sees that one too -- a copy taken at registration could not;
-5. shuts down: the workers unregister and exit, the server gets SIGTERM and must exit 0, and
-   no ``lmshm-`` segment may be left in /dev/shm.
+5. two engine processes share a prompt prefix: engine A computes a prompt (a toy model whose
+   KV costs real arithmetic: a few matmuls per block and layer) and stores it; engine B gets
+   the same 3,072-token prefix with another question, loads the prefix from lmshm and computes
+   only the rest. It prints the hit rate and the time saved against computing it all, and
+   checks that the reused KV is bit-identical to what B computes itself;
+6. shuts down: the workers unregister and exit, the server gets SIGTERM and must exit 0, and
+   no ``lmshm-`` segment may be left in /dev/shm. While it runs the server's metrics (and its
+   status page) are on an HTTP port it prints.
 Exit status 0 when every step held.
 """
 
@@ -82,6 +88,110 @@ def worker_main(url: str, index: int) -> int:
     return 0
 
 
+# ---- engine side: a toy model whose KV takes real work to compute --------------------------
+
+BLOCK = 64                          # tokens per KV block
+ENGINE_LAYERS, HEADS, HEAD_DIM = 4, 4, 64
+HIDDEN = HEADS * HEAD_DIM
+PREFIX, QUESTION = 3072, 256        # a shared system prompt, then each engine's own question
+
+
+def _prompt(question_seed: int) -> list[int]:
+    import random
+
+    r = random.Random(0)
+    prefix = [r.randrange(1, 32000) for _ in range(PREFIX)]
+    q = random.Random(question_seed)
+    return prefix + [q.randrange(1, 32000) for _ in range(QUESTION)]
+
+
+class _ToyModel:
+    """KV of a block = a function of its tokens, its position and the block before it
+    (chained, as attention's KV depends on the prefix), through a few matmuls per layer."""
+
+    def __init__(self) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(1)
+        self.embed = torch.randn(32000, HIDDEN, generator=g) * 0.1
+        self.w = [torch.randn(HIDDEN, 2 * HIDDEN, generator=g) * 0.05 for _ in range(ENGINE_LAYERS)]
+        self.mix = [torch.randn(HIDDEN, HIDDEN, generator=g) * 0.05 for _ in range(ENGINE_LAYERS)]
+
+    def prefill(self, pool, tokens: list[int], block_ids: list[int], first_block: int = 0) -> None:
+        """Compute blocks ``first_block``.. of ``tokens`` into ``pool[block_ids[b]]``."""
+        import torch
+
+        carry = None
+        if first_block:
+            carry = pool[block_ids[first_block - 1], :, 1, -1].float().reshape(ENGINE_LAYERS, HIDDEN)
+        for b in range(first_block, len(tokens) // BLOCK):
+            x = self.embed[torch.tensor(tokens[b * BLOCK:(b + 1) * BLOCK])]
+            for layer in range(ENGINE_LAYERS):
+                h = x if carry is None else x + carry[layer]
+                for _ in range(6):           # the work a real layer does per block
+                    h = torch.tanh(h @ self.mix[layer])
+                kv = (h @ self.w[layer]).reshape(BLOCK, 2, HEADS, HEAD_DIM).transpose(0, 1)
+                pool[block_ids[b], layer] = kv.half()
+            carry = pool[block_ids[b], :, 1, -1].float().reshape(ENGINE_LAYERS, HIDDEN)
+
+
+def engine_main(url: str, name: str, question: int) -> int:
+    """One engine: prefill its prompt, reusing what lmshm holds; report as one JSON line."""
+    import torch
+
+    from lmshm.integrations.trtllm import TrtllmKVPool
+
+    tokens = _prompt(question)
+    nblocks = len(tokens) // BLOCK
+    pool = torch.zeros(nblocks * 2 + 1, ENGINE_LAYERS, 2, BLOCK, HEADS, HEAD_DIM, dtype=torch.float16)
+    kv = TrtllmKVPool(pool, model="demo-toy", tokens_per_block=BLOCK, url=url)
+    model = _ToyModel()
+    try:
+        kv.register(f"demo-engine-{name}")
+        if not kv.link.wait_connected(30):
+            raise RuntimeError("cannot reach lmshm-server")
+        mine, again = list(range(nblocks)), list(range(nblocks, 2 * nblocks))
+        t0 = time.perf_counter()
+        model.prefill(pool, tokens, again)                 # the baseline: everything computed
+        alone = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        matched, lease = kv.lookup(tokens)
+        loaded = matched // BLOCK if matched and kv.load(tokens, matched, mine, lease) else 0
+        model.prefill(pool, tokens, mine, first_block=loaded)
+        with_lmshm = time.perf_counter() - t0
+        stored = kv.store(tokens, mine)
+        same = bool(torch.equal(pool[mine], pool[again]))
+        print(json.dumps({"tokens": len(tokens), "loaded_tokens": loaded * BLOCK, "alone_s": alone,
+                          "with_lmshm_s": with_lmshm, "stored_chunks": stored, "identical": same}), flush=True)
+    finally:
+        kv.close()
+    return 0
+
+
+def _engines(py: str, url: str) -> None:
+    print(f"== two engines share a {PREFIX}-token prompt prefix (a toy model on the CPU, {ENGINE_LAYERS} layers)")
+    for name, question in (("A", 1), ("B", 2)):
+        proc = subprocess.Popen([py, "-m", "lmshm.demo", "engine", "--url", url, "--name", name,
+                                 "--question", str(question)], stdout=subprocess.PIPE, text=True)
+        try:
+            r = json.loads(_readline(proc, f"engine {name}", 180))
+        finally:
+            if proc.wait(60) != 0:
+                raise RuntimeError(f"engine {name} exited {proc.returncode}")
+        hit = r["loaded_tokens"] / r["tokens"]
+        print(f"   engine {name}: {r['loaded_tokens']} of {r['tokens']} prompt tokens from lmshm ({hit:.0%} hit rate), "
+              f"stored {r['stored_chunks']} new chunks")
+        if r["loaded_tokens"]:
+            saved = r["alone_s"] - r["with_lmshm_s"]
+            print(f"   engine {name}: prefill {r['alone_s']:.2f} s computing it all, {r['with_lmshm_s']:.2f} s with "
+                  f"lmshm: {saved:.2f} s saved ({r['alone_s'] / max(r['with_lmshm_s'], 1e-6):.0f}x faster)")
+        if not r["identical"]:
+            raise RuntimeError(f"engine {name}: the KV it loaded differs from the KV it computes")
+        if name == "B" and r["loaded_tokens"] < PREFIX:
+            raise RuntimeError(f"engine B reused only {r['loaded_tokens']} of the {PREFIX} shared tokens")
+    print("   the KV engine B loaded is bit-identical to what it computes itself")
+
+
 # ---- orchestrator -------------------------------------------------------------------------
 
 def main() -> int:
@@ -90,8 +200,10 @@ def main() -> int:
     print("== starting lmshm-server")
     # PEEK is owner-only; the checker below reads other sessions' layers, so the demo makes
     # its own uid an admin (--admin-uid), as an operator's diagnostic tool would be.
+    http_port = _free_port()
     server = subprocess.Popen([py, "-m", "lmshm.server", "--port", "0", "--log-level", "WARNING",
-                               "--admin-uid", str(os.geteuid())], stdout=subprocess.PIPE, text=True)
+                               "--admin-uid", str(os.geteuid()), "--http-port", str(http_port)],
+                              stdout=subprocess.PIPE, text=True)
     workers: list[subprocess.Popen] = []
     try:
         ready = _readline(server, "lmshm-server")
@@ -130,6 +242,9 @@ def main() -> int:
                     if got != want:
                         raise RuntimeError("the server does not see the worker's memory")
 
+        _engines(py, url)
+        print(f"== while it runs, the server's metrics are at http://127.0.0.1:{http_port}/metrics")
+
         print("== shutting down")
         for w in workers:
             w.stdin.write("exit\n")
@@ -167,11 +282,25 @@ def main() -> int:
                 server.kill()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m lmshm.demo")
     sub = ap.add_subparsers(dest="role")
     w = sub.add_parser("worker")
     w.add_argument("--url", required=True)
     w.add_argument("--index", type=int, required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("--url", required=True)
+    e.add_argument("--name", required=True)
+    e.add_argument("--question", type=int, required=True)
     ns = ap.parse_args()
-    sys.exit(worker_main(ns.url, ns.index) if ns.role == "worker" else main())
+    if ns.role == "worker":
+        sys.exit(worker_main(ns.url, ns.index))
+    sys.exit(engine_main(ns.url, ns.name, ns.question) if ns.role == "engine" else main())
