@@ -13,8 +13,8 @@
    only the rest. It prints the hit rate and the time saved against computing it all, and
    checks that the reused KV is bit-identical to what B computes itself;
 6. shuts down: the workers unregister and exit, the server gets SIGTERM and must exit 0, and
-   no ``lmshm-`` segment may be left in /dev/shm. While it runs the server's metrics (and its
-   status page) are on an HTTP port it prints.
+   no ``lmshm-`` segment may be left in /dev/shm. While it runs the server's status page and
+   metrics are on an HTTP port it prints.
 Exit status 0 when every step held.
 """
 
@@ -243,7 +243,8 @@ def main() -> int:
                         raise RuntimeError("the server does not see the worker's memory")
 
         _engines(py, url)
-        print(f"== while it runs, the server's metrics are at http://127.0.0.1:{http_port}/metrics")
+        print(f"== while it runs, the server's status page is http://127.0.0.1:{http_port}/status "
+              f"(metrics: /metrics)")
 
         print("== shutting down")
         for w in workers:
