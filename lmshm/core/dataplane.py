@@ -127,8 +127,8 @@ class DataPlane:
             kv = self.kv
             self.pool.on_resident = lambda uid, key, present: kv.note(uid, key, "pool", present)
             if self.tiers is not None:
-                self.tiers.on_resident = lambda tier, uid, key: kv.note(uid, key, tier, True)
                 for t in self.tiers.tiers:
+                    t.held = lambda uid, key, name=t.name: kv.note(uid, key, name, True)
                     t.gone = lambda uid, key, name=t.name: kv.note(uid, key, name, False)
         if cuda_pin == "start" and self.pool.capacity:
             t0 = time.perf_counter()
@@ -249,9 +249,12 @@ class DataPlane:
             logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(reg.instance_id, 60), exc)
             return
         self.kv.describe(uid, req.space, reg.model_name, req.pod, reg.worker_rank, reg.world_size, req.keys, adverts)
-        for key in req.keys:    # stored before, without an advert: servable now that it has one
-            if self.pool.all_visible(uid, [[key]]):
-                self.kv.note(uid, key, "pool", True)
+        # stored before, without an advert: servable now that it has one (told under the pool's
+        # and the disk's locks, so never after an eviction of the chunk)
+        self.pool.announce(uid, req.keys)
+        if self.tiers is not None:
+            for t in self.tiers.tiers:
+                t.announce(uid, req.keys)
 
     def retrieve(self, session: Any, req: protocol.Retrieve) -> Deferred:
         return self._copy_job(session, req, "RETRIEVE", self._retrieve, self._retrieve_cuda)

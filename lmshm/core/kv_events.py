@@ -18,19 +18,23 @@ server's ZMQ publisher reads every record, a connector reads its own uid's and s
 Medium and locality per tier (``TIER_MEDIA``): the pool is ``CPU``/``LOCAL``, the disk
 ``STORAGE``/``LOCAL``, the remote ``STORAGE``/``REMOTE``.
 
-The easy thing to get wrong: the pool calls ``note`` under its own lock, from any thread. So
-this module never calls back into the pool or a tier, holds its own lock only for dict work,
-and is bounded everywhere: ``max_chunks`` adverts (more are not indexed, counted), ``records``
-in the ring (the oldest go; a reader behind them is told it lost some).
+The easy thing to get wrong: the pool and the disk tier call ``note`` under their own locks
+(the same locks their removals are told under, so a chunk is never announced after its
+removal), from any thread. So this module never calls back into the pool or a tier, holds its
+own lock only for dict work, and is bounded everywhere: ``max_chunks`` adverts (a full index
+forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
+from, counted: the remote evicts without telling, so entries it alone held would otherwise
+stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
+reader behind them is told it lost some).
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
 import threading
 import time
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import msgspec
@@ -239,14 +243,15 @@ class KvIndex:
         self.log = EventLog(records)
         self._lock = threading.Lock()
         self._by_key: dict[tuple[int, bytes], _Chunk] = {}
-        self._by_id: dict[tuple[int, bytes, int, bytes], _Chunk] = {}    # (uid, space, group, chunk id)
+        # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
+        self._by_id: OrderedDict[tuple[int, bytes, int, bytes], _Chunk] = OrderedDict()
         self._by_hash: dict[Any, _Chunk] = {}                            # an engine block hash -> its chunk
         self._chain: dict[Any, bytes] = {}                               # block hash -> token-chain digest
         self._by_tokens: dict[bytes, Any] = {}                           # token-chain digest -> block hash
         self._pods: set[tuple[int, bytes, str]] = set()
         self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
         self._pruned_at = 0.0
-        self.unindexed = 0        # adverts not indexed: the index was full
+        self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
         self.stored_events = self.removed_events = 0
 
@@ -272,11 +277,12 @@ class KvIndex:
                 chunk = self._by_id.get(ident)
                 if chunk is None:
                     if len(self._by_id) >= self.max_chunks:
-                        self.unindexed += 1
-                        continue
+                        self._forget_oldest()
                     chunk = self._by_id[ident] = _Chunk(ident, uid, space, model, world, advert)
                     self._unresident[ident] = chunk
                     self._index_hashes(chunk)
+                else:
+                    self._by_id.move_to_end(ident)
                 old = chunk.keys.get(rank)
                 if old is not None and old != key:
                     self._by_key.pop((uid, old), None)
@@ -310,6 +316,8 @@ class KvIndex:
             (ranks.add if present else ranks.discard)(rank)
             if present:
                 self._unresident.pop(chunk.ident, None)
+                if self._by_id.get(chunk.ident) is chunk:
+                    self._by_id.move_to_end(chunk.ident)
             full = len(ranks) >= chunk.world
             if full and tier not in chunk.servable:
                 chunk.servable.add(tier)
@@ -319,6 +327,17 @@ class KvIndex:
                 self._emit(chunk, tier, False)
             if not present and not any(chunk.where.values()):
                 self._drop_chunk(chunk)
+
+    def _forget_oldest(self) -> None:
+        """Make room (the index is full): forget the least recently stored chunk, and tell
+        readers it is gone from every tier it was servable from. A router then misses a chunk
+        lmshm may still hold, which costs a recomputation, never a request sent for nothing."""
+        _, chunk = self._by_id.popitem(last=False)
+        for tier in sorted(chunk.servable):
+            self._emit(chunk, tier, False)
+        chunk.servable.clear()
+        self._drop_chunk(chunk)
+        self.unindexed += 1
 
     def _drop_chunk(self, chunk: _Chunk) -> None:
         if self._by_id.get(chunk.ident) is chunk:

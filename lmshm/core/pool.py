@@ -65,7 +65,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from typing import Any, Callable, Hashable, Iterable, Optional
+from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 
@@ -876,6 +876,21 @@ class Pool:
             if obj is not None:
                 self._pin(t, obj)
             return obj
+
+    def announce(self, uid: int, keys: Sequence[bytes]) -> None:
+        """Call ``on_resident(uid, key, True)`` again for each of ``keys`` visible now (KV
+        events: the advert of a STORE that finds its chunks stored before without one). Under
+        the lock drops are told under, so a chunk evicted meanwhile is never announced after
+        its removal."""
+        if self.on_resident is None:
+            return
+        with self._lock:
+            t = self._tenants.get(uid)
+            if t is None:
+                return
+            for key in keys:
+                if t.visible(key) is not None:
+                    self.on_resident(uid, key, True)
 
     def all_visible(self, uid: int, keys: list[list[bytes]]) -> bool:
         """Whether every key of every rank is visible: a LOOKUP the tiers need not see."""

@@ -126,10 +126,23 @@ class Tier(abc.ABC):
         #: ``(uid, key)`` when the tier stops holding a chunk (evicted, found damaged, gone from
         #: a remote): KV events (core/kv_events). May be called under the tier's lock.
         self.gone: Optional[Callable[[int, bytes], None]] = None
+        #: ``(uid, key)`` when the tier holds a chunk: written, or found held already by ``put``
+        #: or ``announce``. A tier that tells ``gone`` under a lock tells this under the same
+        #: one, so a chunk is never announced after its removal.
+        self.held: Optional[Callable[[int, bytes], None]] = None
 
     def _gone(self, uid: int, key: bytes) -> None:
         if self.gone is not None:
             self.gone(uid, key)
+
+    def _held(self, uid: int, key: bytes) -> None:
+        if self.held is not None:
+            self.held(uid, key)
+
+    def announce(self, uid: int, keys: Sequence[bytes]) -> None:
+        """Tell ``held`` of each of ``keys`` the tier holds, where it knows without a round trip
+        (the disk's index; KV events: chunks stored before their advert). A remote says nothing:
+        it learns again what it holds only when a chunk is written through."""
 
     @abc.abstractmethod
     def contains(self, uid: int, keys: Sequence[bytes]) -> int:

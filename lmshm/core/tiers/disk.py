@@ -732,6 +732,14 @@ class DiskTier(Tier):
                     return i
             return len(keys)
 
+    def announce(self, uid: int, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            od = self._index.get(uid)
+            if od is not None and self.held is not None:
+                for key in keys:
+                    if key in od:
+                        self._held(uid, key)
+
     def head(self, uid: int, key: bytes) -> Optional[ChunkMeta]:
         with self._lock:
             od = self._index.get(uid)
@@ -814,6 +822,8 @@ class DiskTier(Tier):
         with self._lock:
             od = self._index.get(uid)
             if self._closed or (od is not None and key in od) or k in self._writing:
+                if od is not None and key in od and not self._closed:
+                    self._held(uid, key)
                 return False                  # held already (or being written): not a drop
             victims = self._make_room(size) if self.used + size > self.capacity * HIGH_WATERMARK else []
             fits = self.used + size <= self.capacity
@@ -861,6 +871,7 @@ class DiskTier(Tier):
                 self.used -= size
                 self._index.setdefault(uid, OrderedDict())[key] = _Entry(size, meta)
                 self._count(uid, size)
+                self._held(uid, key)
         finally:
             if leaf is not None:
                 os.close(leaf)

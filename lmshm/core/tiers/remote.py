@@ -706,6 +706,7 @@ class RemoteTier(Tier):
             return False
         self.stats.timed_write(time.monotonic() - t0, len(data))
         self.stats.add(puts=1)
+        self._held(uid, key)
         self._refresh_usage()
         return True
 

@@ -92,8 +92,6 @@ class TierStack:
         self._busy = threading.Condition()     # reads submitted and not finished
         self._reading = 0
         self._closed = False
-        #: ``(tier name, uid, key)`` once a tier holds a written-through chunk (KV events)
-        self.on_resident: Optional[Callable[[str, int, bytes], None]] = None
         self._writers = [threading.Thread(target=self._write_loop, args=(t, q), name=f"lmshm-{t.name}-writer",
                                           daemon=True) for t, q in zip(self.tiers, self._queues) for _ in range(writers)]
         for w in self._writers:
@@ -148,9 +146,7 @@ class TierStack:
                 start, end = obj[OFFSET], obj[OFFSET] + obj[NBYTES]
                 data = self.pool.bytes.view[start:end]
                 framed = self._framed(tier, start, end)
-                put = tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data, framed)
-                if self.on_resident is not None and (put or tier.contains(obj[UID], [obj[KEY]])):
-                    self.on_resident(tier.name, obj[UID], obj[KEY])
+                tier.put(obj[UID], obj[KEY], ChunkMeta(obj[NBYTES], obj[LAYOUT], obj[BLOCKS]), data, framed)
             except Exception:  # noqa: BLE001 - a tier's bug drops one chunk, never the writer
                 tier.stats.add(drops=1, errors=1)
                 logger.exception("lmshm: the %s tier failed a write-through", tier.name)
