@@ -4,7 +4,8 @@ This module sits above every layer (docs/design/layers.md): it builds the core
 (``lmshm.core.service.Core``: registry, data plane, metrics, clock), the ZeroMQ endpoint over it
 (``lmshm.multiprocess.server.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
 config asks, Triton's HTTP (``--http-port``, with ``/metrics``) and gRPC (``--grpc-port``)
-endpoints (``lmshm.endpoints``), and wires the calls that go up: a copier job's reply goes to the
+endpoints (``lmshm.endpoints``) and the KV event stream (``--kv-events``:
+``lmshm.multiprocess.kv_publisher``), and wires the calls that go up: a copier job's reply goes to the
 ZeroMQ endpoint, and the ZeroMQ endpoint's shutdown first stops the other endpoints. It is the
 analogue of Triton's in-process C API.
 
@@ -17,8 +18,9 @@ Use it in a process of your own::
 
 Threads: the core's clock (lease expiry, the orphan sweep) runs on a thread of its own from
 construction on; ``start()`` runs the ZeroMQ loop on a thread of its own and the HTTP and gRPC
-endpoints on theirs; ``serve_forever()`` runs the loop on the calling thread (the command line,
-with SIGINT/SIGTERM handling). Every public method is safe from any thread.
+endpoints and the KV event publisher on theirs; ``serve_forever()`` runs the loop on the calling
+thread (the command line, with SIGINT/SIGTERM handling). Every public method is safe from any
+thread.
 
 Who releases what:
 - ``stop()`` (or leaving the ``with``) stops the endpoints, answers what is queued, shuts the
@@ -51,6 +53,7 @@ from lmshm.core.service import Core, View
 from lmshm.multiprocess import mq, protocol
 from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
 from lmshm.multiprocess.fdchannel import FdChannelError
+from lmshm.multiprocess.kv_publisher import KvEventPublisher
 from lmshm.multiprocess.server import ZmqEndpoint
 from lmshm.platform import ipc_policy
 from lmshm.quoting import quote
@@ -159,9 +162,15 @@ class Server:
     def grpc_port(self) -> Optional[int]:
         return next((e.port for e in self._side if e.protocol == "grpc"), None)
 
+    @property
+    def kv_events(self) -> Optional[KvEventPublisher]:
+        """The KV event publisher (``--kv-events``), once started: its ``endpoint``, counters."""
+        return next((e for e in self._side if e.protocol == KvEventPublisher.protocol), None)
+
     def start_side_endpoints(self) -> None:
-        """Bind and start the HTTP and gRPC endpoints the config asks for (``start()`` and
-        ``serve_forever()`` call this). A port that cannot be bound raises ``Unavailable``."""
+        """Bind and start the HTTP and gRPC endpoints and the KV event publisher the config asks
+        for (``start()`` and ``serve_forever()`` call this). A port that cannot be bound raises
+        ``Unavailable``."""
         with self._lock:
             if self._side or self._stopped:
                 return
@@ -174,6 +183,8 @@ class Server:
                     from lmshm.endpoints.grpc import GrpcEndpoint
 
                     self._side.append(GrpcEndpoint(self).start())
+                if self.config.kv_events:
+                    self._side.append(KvEventPublisher.from_config(self.core, self.config).start())
             except BaseException:
                 for endpoint in self._side:
                     endpoint.stop()
@@ -338,6 +349,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     extra = "".join(f", {name} on {host}:{port}" for name, host, port in (
         ("HTTP", config.http_host, server.http_port), ("gRPC", config.grpc_host, server.grpc_port)) if port is not None)
+    events = server.kv_events
+    if events is not None:
+        extra += f", KV events {'on' if events.binds else 'to'} {events.endpoint}" + (
+            f" (replay {events.replay_endpoint})" if events.replay_endpoint else "")
     print(f"lmshm-server listening on {server.url} (fd socket {server.fd_socket}{extra}, "
           f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
     server.serve_forever(restore_signals=False)

@@ -22,6 +22,7 @@ import msgspec
 
 from lmshm.core.config import Count, CoreConfig, Ids, Positive
 from lmshm.multiprocess import mq
+from lmshm.multiprocess.kv_publisher import TOPIC_MODES, check_endpoint
 from lmshm.platform import ipc_policy
 
 
@@ -66,6 +67,14 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     grpc_max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     grpc_idle_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 10.0
     grpc_request_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 5.0
+    # the KV event stream for routers (multiprocess/kv_publisher.py), in vLLM's format; "" = off
+    kv_events: str = ""
+    kv_events_replay: str = ""             # a ROUTER for replay requests; "" = no replay
+    kv_events_replay_batches: Count = 10000
+    kv_events_replay_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 << 20
+    kv_events_hwm: Count = 10000           # batches queued for one subscriber; more are dropped for it
+    kv_events_topic: str = "node"          # node: kv@node:<name>@<model>; engine: kv@<pod>@<model>
+    kv_events_node: Annotated[str, msgspec.Meta(max_length=255)] = ""   # "" = the host name
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -286,6 +295,44 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("grpc_request_timeout_s", "--grpc-request-timeout", "LMSHM_GRPC_REQUEST_TIMEOUT", "grpc_request_timeout",
             "seconds a new gRPC connection has to send the HTTP/2 preface and SETTINGS, and a call to send its "
             "request message, before the server closes or cancels it (default 5)", "SECONDS"),
+    Setting("kv_events_index", "--kv-events-index", "LMSHM_KV_EVENTS_INDEX", "kv_events_index",
+            "advertised chunks (STOREs that carry adverts: the engine's block hashes) the KV event index keeps, "
+            "to tell routers which tier can serve each one; more are not indexed, and counted (default 262144; "
+            "0 = no KV events at all: neither KV_EVENTS reads nor --kv-events)", "N"),
+    Setting("kv_events_buffer", "--kv-events-buffer", "LMSHM_KV_EVENTS_BUFFER", "kv_events_buffer",
+            "KV event records the event log keeps for its readers (the connectors' KV_EVENTS reads and "
+            "--kv-events); a reader further behind loses the oldest, and is told so (default 65536)", "N"),
+    Setting("kv_events", "--kv-events", "LMSHM_KV_EVENTS", "kv_events",
+            "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared: what the pool, the disk and the "
+            "remote can serve of the chunks engines advertised) on a ZMQ PUB socket, in vLLM's format: frames "
+            "[topic, seq as 8 bytes big-endian, msgpack KVEventBatch], seq from 0 and one counter over all "
+            "topics (a subscriber of one topic sees it jump). tcp://*:PORT (also ::, 0.0.0.0), ipc://PATH and "
+            "inproc://NAME bind; tcp://HOST:PORT connects to a subscriber that binds, as vLLM's publisher does "
+            "(a bound port accepts any number of connections: expose it only to routers). Medium and locality: "
+            "pool CPU/LOCAL, disk STORAGE/LOCAL, remote STORAGE/REMOTE (default off)", "URL"),
+    Setting("kv_events_replay", "--kv-events-replay", "LMSHM_KV_EVENTS_REPLAY", "kv_events_replay",
+            "bind a ROUTER socket here for replays, as vLLM's: a request [empty frame, start seq as 8 bytes "
+            "big-endian] is answered [empty frame, topic, seq, payload] per buffered batch from start on, then "
+            "the end marker [empty frame, empty topic, -1 as 8 bytes, empty payload]. A start not published yet, "
+            "or a malformed request, gets the end marker alone; a start older than the buffer, everything from "
+            "its oldest (default off; needs --kv-events)", "URL"),
+    Setting("kv_events_replay_batches", "--kv-events-replay-batches", "LMSHM_KV_EVENTS_REPLAY_BATCHES",
+            "kv_events_replay_batches", "batches kept for replay at most (default 10000)", "N"),
+    Setting("kv_events_replay_bytes", "--kv-events-replay-bytes", "LMSHM_KV_EVENTS_REPLAY_BYTES",
+            "kv_events_replay_bytes", "bytes of batches kept for replay at most (default 64MiB)", "SIZE", "size"),
+    Setting("kv_events_hwm", "--kv-events-hwm", "LMSHM_KV_EVENTS_HWM", "kv_events_hwm",
+            "batches queued for one subscriber that does not keep up (ZMQ SNDHWM); past it that subscriber "
+            "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000, "
+            "about 200 s of a busy stream: one batch per topic every 20 ms)", "N"),
+    Setting("kv_events_topic", "--kv-events-topic", "LMSHM_KV_EVENTS_TOPIC", "kv_events_topic",
+            "node (default): every event on kv@node:NAME@MODEL, one pseudo-pod for this server (llm-d's node: "
+            "pods); engine: on kv@POD@MODEL of every engine (STORE's pod) that advertised into the chunk's "
+            "uid and namespace, so routers credit engines they can route to (events of a namespace no engine "
+            "named go on the node topic). AllBlocksCleared goes only on node topics: the stream's first batch "
+            "is one on kv@node:NAME@ (no model is known at start), and in node mode each node topic's first "
+            "batch of a run starts with one, so a restart clears what the last run advertised", "MODE"),
+    Setting("kv_events_node", "--kv-events-node", "LMSHM_KV_EVENTS_NODE", "kv_events_node",
+            "NAME in the node topics kv@node:NAME@MODEL (default: the host name)", "NAME"),
     Setting("max_regions", "--max-regions", "LMSHM_MAX_REGIONS", "max_regions",
             "system and CUDA shared-memory regions registered at once, over HTTP, gRPC and in-process (default "
             "4096; each is one mapping)", "N"),
@@ -400,10 +447,33 @@ def resolve_config(args: argparse.Namespace, environ: Optional[Mapping[str, str]
                 parse_restriction(value)
             except ValueError as exc:
                 raise ConfigError(f"bad setting {_describe(s)}: {exc}") from None
+    _check_kv_events(config)
     if config.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
         raise ConfigError(f"--log-level {config.log_level!r}: use DEBUG, INFO, WARNING or ERROR")
     mq.check_url(config.url)
     return config
+
+
+def _check_kv_events(config: ServerConfig) -> None:
+    for field in ("kv_events", "kv_events_replay"):
+        value = getattr(config, field)
+        if value:
+            try:
+                check_endpoint(value)
+            except ValueError as exc:
+                raise ConfigError(f"bad setting {_describe(_BY_FIELD[field])}: {exc}") from None
+    if config.kv_events_replay and not config.kv_events:
+        raise ConfigError(f"{_describe(_BY_FIELD['kv_events_replay'])} replays the --kv-events stream: set "
+                          "--kv-events too")
+    if config.kv_events and not config.kv_events_index:
+        raise ConfigError("--kv-events publishes what the KV event index holds, and --kv-events-index 0 turns "
+                          "the index off: give it a size (default 262144) or leave --kv-events out")
+    if config.kv_events_topic not in TOPIC_MODES:
+        raise ConfigError(f"bad setting {_describe(_BY_FIELD['kv_events_topic'])}: {config.kv_events_topic!r}; "
+                          "use node or engine")
+    if "@" in config.kv_events_node or any(c.isspace() for c in config.kv_events_node):
+        raise ConfigError(f"bad setting {_describe(_BY_FIELD['kv_events_node'])}: {config.kv_events_node!r}; a "
+                          "topic is kv@node:NAME@MODEL, so NAME has no '@' and no spaces")
 
 
 def parse_restriction(value: str) -> tuple[str, str]:

@@ -228,6 +228,15 @@ class ZmqEndpoint:
                                lambda: listener.over_budget)
         self.metrics.add_gauge("lmshm_zmq_replies_dropped", "Replies dropped because the peer does not read "
                                "(its send queue was full)", lambda: self.router.unanswered)
+        kv = core.kv_index      # KV events (core/kv_events): read by KV_EVENTS here and by --kv-events
+        self.metrics.add_gauge("lmshm_kv_events_index_chunks", "Advertised chunks the KV event index holds "
+                               "(--kv-events-index)", lambda: len(kv))
+        self.metrics.add_gauge("lmshm_kv_events_unindexed", "Advertised chunks not indexed: the KV event index was "
+                               "full (--kv-events-index)", lambda: kv.unindexed)
+        self.metrics.add_gauge("lmshm_kv_events_refused", "STOREs whose adverts did not check (not advertised)",
+                               lambda: kv.refused)
+        self.metrics.add_gauge("lmshm_kv_events_log_trimmed", "KV event log records dropped from its old end "
+                               "(--kv-events-buffer)", lambda: kv.log.trimmed)
 
     def close_transport(self) -> None:
         """Close the fd channel, the wake-up pipe and the socket (the end of ``shutdown``; also

@@ -1,0 +1,504 @@
+"""The server's KV event stream: the event log (``core/kv_events``) on a ZMQ PUB socket, in vLLM's format.
+
+``KvEventPublisher`` owns one thread, a PUB socket and, with a replay endpoint, a ROUTER. Every
+``POLL_S`` the thread reads the core's ``EventLog`` with its own cursor (every record, of every
+uid), groups the new records by topic, and sends each group as ``KVEventBatch`` payloads, one
+multipart message ``[topic, seq, payload]`` each: ``seq`` an 8-byte big-endian counter from 0,
+one per publisher across all topics, so a subscriber of one topic sees it jump. The frames, the
+batch (``data_parallel_rank`` 0 included), the replay exchange and the bind-or-connect rule are
+vLLM's ``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one.
+
+Topics. ``node`` (default): ``kv@node:<name>@<model>``, one pseudo-pod for this server's
+tiers. ``engine``: ``kv@<pod>@<model>`` for every engine that attached to the record's uid
+and namespace (STORE's ``pod``), so a router credits the blocks to engines it can route to.
+``AllBlocksCleared`` only ever goes on node topics: on an engine's topic it would clear the
+engine's own GPU blocks from a router's view (the format has no per-medium clear). The log's
+first record, the clear of a (re)start, goes on ``kv@node:<name>@`` (no model is known yet),
+and in node mode every node topic's first batch of a run starts with one, so a subscriber of
+one model's topic learns that what an earlier run advertised is gone. Records the log dropped
+before this thread read them are counted (``lost``); node topics then start over the same way.
+
+Bounds: a subscriber that does not read costs at most ``hwm`` batches (PUB's SNDHWM); past
+that it misses batches and the others still get them. The replay buffer holds at most
+``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at most
+``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
+requester that does not read is left behind after ``REPLAY_STALL_S``. A malformed request, or
+one for a seq not published yet, is answered with the end marker alone.
+
+The easy things to get wrong: libzmq sockets belong to one thread -- only this thread touches
+them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0).
+And a bound endpoint is libzmq's listener, which accepts every connection in libzmq's own thread
+(mq.py says what that costs): bind only where routers alone reach; connect mode has no listener.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import socket as _socket
+import threading
+import time
+from typing import Any, Optional
+
+import msgspec
+import zmq
+
+from lmshm.core.errors import Unavailable
+from lmshm.core.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.logs import Throttle
+from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+from lmshm.platform.base.files import unlink_if_same
+
+logger = logging.getLogger("lmshm.kv_events")
+_replay_log = Throttle(logger)      # requesters cause these lines: at most one every 10 s
+_failure_log = Throttle(logger)
+
+POLL_S = 0.02                   # how often the log is read when nothing waits
+READ_RECORDS = 4096             # records read from the log at once
+READ_BYTES = 4 << 20            # ... and about this many bytes of events
+MAX_BATCH_EVENTS = 512          # events of one KVEventBatch at most
+MAX_BATCH_BYTES = 512 << 10     # ... and about this many bytes
+MAX_REPLAYS = 16                # replay requests served at once; more wait in the ROUTER's queue
+REPLAY_REQUESTS_PER_POLL = 16
+REPLAY_MESSAGES_PER_POLL = 256  # replay messages one poll sends, over all requesters
+REPLAY_BYTES_PER_POLL = 4 << 20
+REPLAY_HWM = 100                # replay messages queued for one requester; more wait (EAGAIN)
+REPLAY_RCVHWM = 256             # requests queued in the ROUTER
+REPLAY_STALL_S = 5.0            # a requester whose queue stays full this long is left behind
+MAX_REQUEST_BYTES = 256         # a bigger frame on the ROUTER closes that connection (libzmq)
+MAX_SUBSCRIPTION_BYTES = 4096   # a bigger subscription on the PUB closes that connection
+MAX_PODS = 4096                 # engines remembered for engine topics
+MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+TOPIC_MODES = ("node", "engine")
+_BIND_HOSTS = ("*", "::", "[::]", "0.0.0.0")
+
+__all__ = ["KvEventPublisher", "binds", "check_endpoint"]
+
+#: Every batch carries ``data_parallel_rank`` 0, as vLLM's publisher fills it in (its rank): the
+#: batch is then the 3-element array Go consumers decode into a fixed 3-field array struct
+#: (vmihailenco/msgpack refuses an array of another length). ``encode_batch`` leaves it out.
+DATA_PARALLEL_RANK = 0
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _encode(events: list[KvEvent], ts: float) -> bytes:
+    return _encoder.encode(KvEventBatch(ts, events, DATA_PARALLEL_RANK))
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``, else ``ValueError``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT with a port from 0 to 65535 "
+                             "(HOST * binds every interface)")
+    return endpoint
+
+
+def binds(endpoint: str) -> bool:
+    """vLLM's rule: bind a wildcard host (``*``, ``::``; here ``0.0.0.0`` too) and ipc/inproc
+    endpoints; connect to any other host (the subscriber binds)."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint[len("tcp://"):].rpartition(":")[0]
+    return host in _BIND_HOSTS
+
+
+class _Replay:
+    """One replay request in progress: batches ``next``..``last`` (seqs), then the end marker."""
+
+    __slots__ = ("identity", "next", "last", "since")
+
+    def __init__(self, identity: bytes, first: int, last: int) -> None:
+        self.identity, self.next, self.last = identity, first, last
+        self.since = time.monotonic()     # the last time it made progress
+
+
+class KvEventPublisher:
+    """Publishes ``kv_index.log`` on ``endpoint`` (see the module docstring). Sockets are set up
+    here (a malformed endpoint raises ``ValueError``, one that cannot be bound or connected
+    ``Unavailable``, naming the flag); ``start()`` runs the thread."""
+
+    protocol = "kv-events"
+
+    def __init__(self, kv_index: Any, endpoint: str, *, replay_endpoint: str = "", hwm: int = 10000,
+                 replay_batches: int = 10000, replay_bytes: int = 64 << 20, topic: str = "node",
+                 node: str = "", metrics: Any = None) -> None:
+        if topic not in TOPIC_MODES:
+            raise ValueError(f"KV event topic mode {topic!r}: use node or engine")
+        self.kv_index = kv_index
+        self.log = kv_index.log
+        self.mode = topic
+        self.node = node or _socket.gethostname()
+        self._node_prefix = f"kv@node:{self.node}@"
+        self.hwm, self.replay_batches, self.replay_bytes = hwm, replay_batches, replay_bytes
+        self._cursor = -1
+        self._seq = 0
+        self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        self._buffered_bytes = 0
+        self._replays: collections.deque[_Replay] = collections.deque()
+        self._pods: dict[tuple[int, bytes], list[str]] = {}
+        self._pod_count = 0
+        self._node_topics: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        # counters (read by /metrics from another thread: plain ints)
+        self.published = 0        # batches sent on the PUB socket
+        self.published_bytes = 0  # ... their payloads' bytes
+        self.dropped = 0          # batches some subscriber's full queue did not take (see _send)
+        self.lost = 0             # log records trimmed before this publisher read them
+        self.replay_requests = 0
+        self.replay_malformed = 0  # wrong frame count, delimiter or seq size: answered with the end marker
+        self.replay_future = 0    # a start past the newest batch: answered with the end marker
+        self.replay_truncated = 0  # a start older than the buffer: answered from its oldest batch
+        self.replay_sent = 0      # batches sent on the replay socket
+        self.replay_abandoned = 0  # requesters gone, or not reading for REPLAY_STALL_S
+        self.pods_unmapped = 0    # engines not remembered: MAX_PODS were
+        self.pods_refused = 0     # pod names no topic can carry ('@', spaces, "node:...")
+        # inproc:// only reaches sockets of the same context: the process's shared one, as vLLM
+        self._own_ctx = not endpoint.startswith("inproc://") and not replay_endpoint.startswith("inproc://")
+        self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
+        self._pub: Optional[zmq.Socket] = None
+        self._replay: Optional[zmq.Socket] = None
+        self._ipc_files: list[tuple[str, tuple[int, int]]] = []     # removed at close, if still ours
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)      # a full queue is EAGAIN: counted, see _send
+            self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
+            self.binds = binds(check_endpoint(endpoint))
+            self.endpoint = self._attach(self._pub, endpoint, self.binds, "--kv-events")
+            self.replay_endpoint = ""
+            if replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+                self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full or gone peer: an error, not silence
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+                self.replay_endpoint = self._attach(self._replay, check_endpoint(replay_endpoint), True,
+                                                    "--kv-events-replay")
+        except BaseException:
+            self._close_sockets()
+            raise
+        if metrics is not None:
+            self._add_gauges(metrics)
+
+    @classmethod
+    def from_config(cls, core: Any, config: Any) -> "KvEventPublisher":
+        """The publisher a ``ServerConfig`` asks for (``--kv-events`` and the flags after it)."""
+        return cls(core.kv_index, config.kv_events, replay_endpoint=config.kv_events_replay,
+                   hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
+                   replay_bytes=config.kv_events_replay_bytes, topic=config.kv_events_topic,
+                   node=config.kv_events_node, metrics=core.metrics)
+
+    def _attach(self, sock: zmq.Socket, endpoint: str, bind: bool, flag: str) -> str:
+        if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            if not bind:
+                sock.connect(endpoint)
+                return endpoint
+            path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+            if path and not path.startswith("@"):
+                self._bind_ipc(sock, path, flag)
+            else:
+                sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise Unavailable(f"cannot {'bind' if bind else 'connect'} the KV event endpoint {endpoint} "
+                              f"(lmshm-server {flag}): {exc.strerror}") from None
+        last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        return last or endpoint
+
+    def _bind_ipc(self, sock: zmq.Socket, path: str, flag: str) -> None:
+        """libzmq's own ipc bind first unlinks whatever is at ``path`` (a live endpoint too) and
+        leaves its file behind: bind here instead (mode 0600, a live socket refused, only a
+        stale one of ours replaced), and hand libzmq the listening fd (ZMQ_USE_FD; it closes it)."""
+        try:
+            listener, ident = bind_unix(path, _socket.SOCK_STREAM, "KV event endpoint")
+        except FdChannelError as exc:
+            raise Unavailable(f"{exc} (lmshm-server {flag})") from None
+        self._ipc_files.append((path, ident))
+        try:
+            listener.listen(64)
+            sock.setsockopt(zmq.USE_FD, listener.fileno())
+            sock.bind(f"ipc://{path}")
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()       # libzmq's now
+
+    @property
+    def port(self) -> Optional[int]:
+        """The PUB socket's TCP port, if it has one."""
+        if not self.endpoint.startswith("tcp://"):
+            return None
+        port = self.endpoint.rpartition(":")[2]
+        return int(port) if port.isdigit() else None
+
+    def _add_gauges(self, m: Any) -> None:
+        m.add_gauge("lmshm_kv_events_published", "KV event batches sent on the --kv-events stream",
+                    lambda: self.published)
+        m.add_gauge("lmshm_kv_events_published_bytes", "Bytes of the KV event batches sent (payloads)",
+                    lambda: self.published_bytes)
+        m.add_gauge("lmshm_kv_events_dropped", "KV event batches that found a subscriber's queue full "
+                    "(--kv-events-hwm): that subscriber misses it, and the batches after it until it catches up "
+                    "(those are not counted)", lambda: self.dropped)
+        m.add_gauge("lmshm_kv_events_lost", "KV event log records dropped before the publisher read them",
+                    lambda: self.lost)
+        m.add_gauge("lmshm_kv_events_replay_requests", "Replay requests received (--kv-events-replay)",
+                    lambda: self.replay_requests)
+        m.add_gauge("lmshm_kv_events_replay_refused", "Replay requests answered with the end marker alone: "
+                    "malformed, or for a sequence number not published yet",
+                    lambda: self.replay_malformed + self.replay_future)
+        m.add_gauge("lmshm_kv_events_replay_malformed", "Replay requests that were not [empty frame, 8-byte "
+                    "sequence number]", lambda: self.replay_malformed)
+        m.add_gauge("lmshm_kv_events_replay_truncated", "Replay requests for batches older than the replay "
+                    "buffer holds (answered from its oldest)", lambda: self.replay_truncated)
+        m.add_gauge("lmshm_kv_events_replay_batches", "Batches sent in answer to replay requests",
+                    lambda: self.replay_sent)
+        m.add_gauge("lmshm_kv_events_replay_abandoned", "Replays given up: the requester left, or did not read "
+                    f"for {REPLAY_STALL_S:g} s", lambda: self.replay_abandoned)
+        m.add_gauge("lmshm_kv_events_replay_buffered", "Batches held for replay", lambda: len(self._buffer))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> "KvEventPublisher":
+        if self._thread is None and not self._closed:
+            self._thread = threading.Thread(target=self._run, name="lmshm-kv-events", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread, close the sockets (linger 0), end the context. Idempotent."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout_s)
+            if thread.is_alive():   # never seen: the loop never blocks. Its sockets stay open.
+                logger.error("lmshm: the KV event publisher did not stop within %g s", timeout_s)
+                return
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+        if self._own_ctx:
+            self._ctx.term()
+        for path, ident in self._ipc_files:
+            unlink_if_same(path, ident)
+
+    # ---- the thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            more = False
+            try:
+                more = self._publish()
+                if self._replay is not None:
+                    self._take_requests()
+                    more = self._serve_replays() or more
+            except Exception:  # noqa: BLE001 - the stream goes on
+                _failure_log.exception("lmshm: the KV event publisher failed a round; it goes on")
+                self._stop.wait(0.1)
+            if not more:
+                if self._replay is not None and len(self._replays) < MAX_REPLAYS:
+                    self._replay.poll(int(POLL_S * 1000), zmq.POLLIN)     # a request wakes it early
+                else:
+                    self._stop.wait(POLL_S)
+
+    def _publish(self) -> bool:
+        """Send what the log holds past the cursor; True if it held more than one read."""
+        after = self._cursor
+        records, self._cursor, lost = self.log.read(after, READ_RECORDS, max_bytes=READ_BYTES)
+        groups: dict[str, list[KvEvent]] = {}
+        if lost and records:
+            missed = records[0].n - after - 1
+            self.lost += missed
+            logger.warning("lmshm: the KV event publisher fell %d records behind the event log (--kv-events-buffer) "
+                           "and lost them; %s", missed,
+                           "its node topics start over with AllBlocksCleared" if self.mode == "node" else
+                           "engine topics may advertise blocks that are gone")
+            if self.mode == "node":
+                for topic in sorted(self._node_topics):
+                    groups[topic] = [AllBlocksCleared()]
+        for r in records:
+            event = r.event
+            if event is None:
+                if r.pod:
+                    self._attach_pod(r.uid, r.space, r.pod)
+                continue
+            for topic in self._topics(r.uid, r.space, r.model, event):
+                group = groups.get(topic)
+                if group is None:
+                    group = groups[topic] = []
+                    if topic.startswith(self._node_prefix) and topic not in self._node_topics \
+                            and len(self._node_topics) < MAX_TOPICS:
+                        self._node_topics.add(topic)
+                        if not isinstance(event, AllBlocksCleared):
+                            group.append(AllBlocksCleared())   # this topic's first batch of the run
+                group.append(event)
+        now = time.time()
+        for topic, events in groups.items():
+            topic_b = topic.encode("utf-8", "replace")
+            start, size = 0, 0
+            for i, event in enumerate(events):
+                size += event_bytes(event)
+                if i > start and (i - start >= MAX_BATCH_EVENTS or size > MAX_BATCH_BYTES):
+                    self._send(topic_b, _encode(events[start:i], now))
+                    start, size = i, event_bytes(event)
+            self._send(topic_b, _encode(events[start:], now))
+        return self._cursor < self.log.last
+
+    def _attach_pod(self, uid: int, space: bytes, pod: str) -> None:
+        if "@" in pod or pod.startswith("node:") or any(c.isspace() for c in pod):
+            self.pods_refused += 1      # kv@POD@MODEL would not parse, or would pose as a node topic
+            return
+        pods = self._pods.setdefault((uid, space), [])
+        if pod in pods:
+            return
+        if self._pod_count >= MAX_PODS:
+            self.pods_unmapped += 1
+            if not pods:
+                del self._pods[(uid, space)]
+            return
+        pods.append(pod)
+        self._pod_count += 1
+
+    def _topics(self, uid: int, space: bytes, model: str, event: KvEvent) -> list[str]:
+        if isinstance(event, AllBlocksCleared):
+            if model:
+                return [self._node_prefix + model]
+            first = self._node_prefix
+            return [first] + sorted(t for t in self._node_topics if t != first)
+        if self.mode == "engine":
+            pods = self._pods.get((uid, space))
+            if pods:
+                return [f"kv@{pod}@{model}" for pod in pods]
+        return [self._node_prefix + model]      # node mode, or no engine attached to its namespace
+
+    def _send(self, topic: bytes, payload: bytes) -> None:
+        """One batch on the PUB socket (and into the replay buffer). With XPUB_NODROP a send
+        that finds any subscriber's queue full fails (EAGAIN): counted as dropped, then sent
+        again without it, so the subscribers with room still get it. libzmq then skips the full
+        subscriber until its queue drains, uncounted: the count is of times one fell behind."""
+        seq = self._seq
+        self._seq += 1
+        frames = (topic, seq.to_bytes(8, "big"), payload)
+        pub = self._pub
+        try:
+            pub.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped += 1
+            pub.setsockopt(zmq.XPUB_NODROP, 0)
+            try:
+                pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:  # lossy sends do not fail on a full queue; be safe anyway
+                pass
+            finally:
+                pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self.published += 1
+        self.published_bytes += len(payload)
+        if self._replay is not None:
+            self._buffer.append((seq, topic, payload))
+            self._buffered_bytes += len(topic) + len(payload) + 8
+            while self._buffer and (len(self._buffer) > self.replay_batches
+                                    or self._buffered_bytes > self.replay_bytes):
+                _, t, p = self._buffer.popleft()
+                self._buffered_bytes -= len(t) + len(p) + 8
+
+    # ---- replay -------------------------------------------------------------------------
+    def _take_requests(self) -> None:
+        sock = self._replay
+        for _ in range(REPLAY_REQUESTS_PER_POLL):
+            if len(self._replays) >= MAX_REPLAYS:
+                return          # the rest wait in the ROUTER's queue (REPLAY_RCVHWM)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.replay_requests += 1
+            identity = frames[0]
+            newest = self._seq - 1
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.replay_malformed += 1
+                _replay_log.warning("lmshm: a KV event replay request was not [empty frame, 8-byte sequence "
+                                    "number] (%d frames); answered with the end marker", len(frames))
+                self._replays.append(_Replay(identity, 1, 0))      # nothing, then the end marker
+                continue
+            start = int.from_bytes(frames[2], "big")
+            if start > newest:
+                self.replay_future += 1
+                self._replays.append(_Replay(identity, 1, 0))
+                continue
+            oldest = self._buffer[0][0] if self._buffer else self._seq
+            if start < oldest:
+                self.replay_truncated += 1
+            self._replays.append(_Replay(identity, max(start, oldest), newest))
+
+    def _serve_replays(self) -> bool:
+        """Send replay messages, within this poll's budget, requesters in turn (one replay per
+        requester at a time: its answers never interleave). True if the budget ran out."""
+        budget = [REPLAY_MESSAGES_PER_POLL, REPLAY_BYTES_PER_POLL]
+        serving: set[bytes] = set()
+        for rp in list(self._replays):
+            if rp.identity in serving:
+                continue
+            serving.add(rp.identity)
+            if self._advance(rp, budget):
+                self._replays.remove(rp)
+            if budget[0] <= 0 or budget[1] <= 0:
+                return True
+        return False
+
+    def _advance(self, rp: _Replay, budget: list[int]) -> bool:
+        """Send what ``rp`` has left that fits ``budget``; True when it is finished or given up."""
+        while rp.next <= rp.last:
+            if budget[0] <= 0 or budget[1] <= 0:
+                return False
+            first = self._buffer[0][0] if self._buffer else self._seq
+            if rp.next < first:
+                rp.next = first            # trimmed while this replay waited: a gap, as on the stream
+                if rp.next > rp.last:
+                    break
+            seq, topic, payload = self._buffer[rp.next - first]
+            sent = self._send_replay(rp, (rp.identity, b"", topic, seq.to_bytes(8, "big"), payload))
+            if sent is None:
+                return True
+            if not sent:
+                return False
+            rp.next += 1
+            self.replay_sent += 1
+            budget[0] -= 1
+            budget[1] -= len(payload)
+        sent = self._send_replay(rp, (rp.identity, b"", b"", END_SEQ, b""))
+        return sent is None or sent
+
+    def _send_replay(self, rp: _Replay, frames: tuple) -> Optional[bool]:
+        """True: sent; False: the requester's queue is full, try later; None: given up."""
+        try:
+            self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            if time.monotonic() - rp.since < REPLAY_STALL_S:
+                return False
+            self.replay_abandoned += 1
+            _replay_log.warning("lmshm: a KV event replay requester read nothing for %g s; its replay was "
+                                "given up", REPLAY_STALL_S)
+            return None
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EHOSTUNREACH:
+                raise
+            self.replay_abandoned += 1      # it disconnected
+            return None
+        rp.since = time.monotonic()
+        return True
