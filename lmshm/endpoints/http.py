@@ -16,6 +16,9 @@ Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 - ``GET /metrics``: Prometheus text.
 - ``GET /status``, ``GET /status.json``, ``GET /status/plotly.min.js``: the status page
   (``lmshm.endpoints.status_page``; open to all, as ``/metrics``).
+- ``POST /v1/kv/lookup``, ``GET /v1/kv/lookup``: how many leading blocks of a prompt (engine
+  block hashes, or token ids) each tier can serve, for KV-aware routers
+  (``lmshm.endpoints.kv_lookup``; open to all, as ``/metrics``).
 
 Connections (``_Connections``) are the endpoint's fd budget and have deadlines:
 - at most ``--http-max-connections`` are open. A new one past that makes the oldest connection
@@ -52,6 +55,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS, KvLookup
 from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS, StatusPage
 from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
 from lmshm.quoting import clip, quote
@@ -119,6 +123,7 @@ class HttpEndpoint:
         r.add_get("/v2", self._metadata)
         r.add_get("/metrics", self._metrics)
         StatusPage(self.server).add_routes(r)   # GET /status, /status.json (status_page.py)
+        KvLookup(self.server).add_routes(r)     # POST, GET /v1/kv/lookup (kv_lookup.py)
         for word in _KINDS:
             r.add_post(f"/v2/{word}/region/{{name}}/register", self._register)
             r.add_get(f"/v2/{word}/status", self._status)
@@ -642,6 +647,8 @@ def _operation(route: str, path: str) -> str:
         return "Metrics"
     if route in STATUS_PAGE_OPERATIONS:
         return STATUS_PAGE_OPERATIONS[route]
+    if route in KV_LOOKUP_OPERATIONS:
+        return KV_LOOKUP_OPERATIONS[route]
     for word, kind in _KINDS.items():
         if route.startswith(f"/v2/{word}/"):
             return _OP_NAMES[kind] + route.rsplit("/", 1)[1].capitalize()

@@ -1,0 +1,310 @@
+"""KV lookups for routers on the HTTP endpoint: ``POST /v1/kv/lookup``, ``GET /v1/kv/lookup``.
+
+A KV-aware router that would rather ask than subscribe to ``--kv-events`` sends a prompt's
+engine block hashes (``{"block_hashes": [...]}``), or its token ids and the engine's block size
+(``{"token_ids": [...], "block_size": N}``), and learns how many *leading* blocks of it this
+server can serve: per tier (``pool``, ``disk``, ``remote``, with vLLM's medium and locality) and
+from lmshm as a whole. Whole advertised chunks only, as ``KvIndex.leading`` counts them: a chunk
+of which the request has only some blocks does not count. ``GET`` answers the node's identity,
+its tiers and the limits below. The answer comes from the KV event index (``core.kv_index``),
+so only chunks STOREd with adverts are known; ``--kv-events-index 0`` turns it off (404).
+
+Block hashes come as JSON integers (signed or unsigned 64-bit, as vLLM's int hashes and
+routers' u64/i64 hold them) or hex strings of bytes (vLLM's sha256 bytes hashes, with
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). The index keeps each hash as its engine sent it, so
+a request is tried as given, with its integers as unsigned and as signed 64-bit, and with its
+bytes as vLLM turns them into integers (the low 64 bits, big-endian); the form that matches
+furthest is answered.
+
+"From lmshm as a whole" is not the best tier's count: a lower tier's chunk is served by
+promotion, so a block counts when *any* tier can serve its chunk. The walk goes chunk by chunk
+from the start and stops at the first chunk no tier can serve (``_walk``).
+
+Bounds (the trust boundary): the body is at most ``--http-max-body-bytes`` (the endpoint's
+limit); at most ``MAX_BLOCKS`` hashes or whole blocks and ``MAX_TOKENS`` tokens; every value is
+checked before the index is touched, and every refusal is a 400 naming the field. The work runs
+off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
+per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens hashes them under the
+lock, in ``KvIndex.hashes_of_tokens``, as far as the index knows the chain: ``MAX_TOKENS`` bounds
+it. Those lookups match tokens only, not the LoRA, cache salt or multimodal inputs.)
+
+Access is that of ``/metrics``: anyone who reaches the endpoint. The easy thing to get wrong:
+an answer says which prefixes are cached, so whoever can ask can probe for a prompt; bind
+``--http-host`` to an address only routers reach. The reference for routers: docs/kv-lookup.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+from typing import Any, Optional
+
+from aiohttp import web
+
+from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.core.kv_events import TIER_MEDIA
+from lmshm.core.messages import MAX_ADVERT_BLOCKS
+from lmshm.quoting import quote
+
+PATH = "/v1/kv/lookup"
+#: The request type the metrics count these routes under (``lmshm_requests{request=...}``).
+OPERATIONS = {PATH: "KvLookup"}
+#: The most block hashes, or whole blocks of tokens, one request may look up.
+MAX_BLOCKS = 65536
+#: The most token ids one request may carry.
+MAX_TOKENS = 1 << 20
+#: The largest engine block size (tokens), as an advert's (``messages.Advert.block_size``).
+MAX_BLOCK_SIZE = 1 << 16
+#: The longest bytes hash (``messages.BlockHash``).
+MAX_HASH_BYTES = 64
+#: Blocks looked up per hold of the index's lock; at least an advert's longest chunk.
+WINDOW = max(4096, MAX_ADVERT_BLOCKS)
+#: Lookups computed at once (on the loop's executor); more wait their turn.
+LOOKUPS_AT_ONCE = 2
+FIELDS = ("block_hashes", "token_ids", "block_size")
+
+_U64 = 1 << 64
+_HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
+def node_name(config: Any) -> str:
+    """The node's name: the ZMQ publisher's (``--kv-events-node``), else the host name."""
+    return getattr(config, "kv_events_node", "") or socket.gethostname()
+
+
+def tier_names(core: Any) -> list[str]:
+    """The tiers that can serve a chunk, top first: the pool, then those below it."""
+    stack = getattr(core.dataplane, "tiers", None)
+    return ["pool"] + ([t.name for t in stack.tiers] if stack is not None else [])
+
+
+def _media(tier: str) -> tuple[str, str]:
+    return TIER_MEDIA.get(tier, ("STORAGE", "LOCAL"))
+
+
+# ---- the request: checked completely before the index is touched ------------------------
+
+
+def _bad(message: str) -> ServerError:
+    return ServerError(ErrorCode.INVALID_ARG, message)
+
+
+def parse_body(raw: bytes) -> dict:
+    if not raw:
+        raise _bad('the request body is empty; send {"block_hashes": [...]} or {"token_ids": [...], "block_size": N}')
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:   # also an integer of more than 4300 digits
+        raise _bad(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    except RecursionError:
+        raise _bad("the request body nests arrays or objects too deeply; a lookup is one flat JSON object") from None
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {_kind(body)}")
+    return body
+
+
+def _kind(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _int(value: Any) -> bool:
+    return type(value) is int
+
+
+def _block_size(body: dict, required: bool) -> Optional[int]:
+    if "block_size" not in body:
+        if required:
+            raise _bad("'token_ids' needs 'block_size': the engine's block size in tokens (vLLM's --block-size)")
+        return None
+    value = body["block_size"]
+    if not _int(value):
+        raise _bad(f"'block_size' must be an integer, got {_kind(value)} {quote(value, 40)}")
+    if not 1 <= value <= MAX_BLOCK_SIZE:
+        raise _bad(f"'block_size' must be between 1 and {MAX_BLOCK_SIZE} tokens, got {quote(value, 40)}")
+    return value
+
+
+def _list(body: dict, name: str, limit: int, what: str) -> list:
+    value = body[name]
+    if not isinstance(value, list):
+        raise _bad(f"'{name}' must be an array, got {_kind(value)}")
+    if len(value) > limit:
+        raise _bad(f"'{name}' has {len(value)} {what}; a lookup takes at most {limit}: send the first {limit}")
+    return value
+
+
+def check_request(body: dict) -> tuple[str, list, Optional[int]]:
+    """``("hashes", [int | bytes], block_size or None)`` or ``("tokens", [int], block_size)``,
+    or a ``ServerError`` (400) that says what is wrong."""
+    unknown = sorted(k for k in body if k not in FIELDS)
+    if "model" in unknown:
+        raise _bad("'model' is not supported: block hashes (and token chains) are matched whatever model stored "
+                   "them; leave 'model' out")
+    if unknown:
+        raise _bad(f"unknown field {quote(unknown[0], 60)}; a lookup has 'block_hashes', or 'token_ids' and "
+                   "'block_size'")
+    if ("block_hashes" in body) == ("token_ids" in body):
+        raise _bad("send either 'block_hashes' or 'token_ids' (with 'block_size'), not "
+                   + ("both" if "token_ids" in body else "neither"))
+    if "block_hashes" in body:
+        size = _block_size(body, required=False)
+        values = _list(body, "block_hashes", MAX_BLOCKS, "hashes")
+        return "hashes", [_hash(i, v) for i, v in enumerate(values)], size
+    size = _block_size(body, required=True)
+    tokens = _list(body, "token_ids", MAX_TOKENS, "tokens")
+    for i, t in enumerate(tokens):
+        if not _int(t) or not -(1 << 31) <= t < 1 << 31:
+            what = f"{_kind(t)} {quote(t, 40)}" if not _int(t) else f"{quote(t, 40)}, out of range"
+            raise _bad(f"token_ids[{i}] must be a 32-bit integer token id, got {what}")
+    blocks = len(tokens) // size
+    if blocks > MAX_BLOCKS:
+        raise _bad(f"{len(tokens)} tokens are {blocks} blocks of {size}; a lookup takes at most {MAX_BLOCKS} "
+                   f"blocks: send the first {MAX_BLOCKS * size} tokens")
+    return "tokens", tokens, size
+
+
+def _hash(i: int, value: Any) -> Any:
+    if _int(value):
+        if not -(1 << 63) <= value < _U64:
+            raise _bad(f"block_hashes[{i}] = {quote(value, 40)} is not a 64-bit integer (signed or unsigned)")
+        return value
+    if isinstance(value, str):
+        if len(value) > 2 * MAX_HASH_BYTES or not _HEX.fullmatch(value):
+            raise _bad(f"block_hashes[{i}] = {quote(value, 40)} is not a hex string of 1 to {MAX_HASH_BYTES} "
+                       "bytes (an even number of 0-9a-f digits, no 0x)")
+        return bytes.fromhex(value)
+    raise _bad(f"block_hashes[{i}] must be an integer or a hex string, got {_kind(value)} {quote(value, 40)}")
+
+
+def hash_forms(hashes: list) -> list[list]:
+    """The forms the index may keep ``hashes`` in (see the module docstring): as given, then
+    with integers unsigned and bytes as vLLM's integers, then signed; no form twice."""
+    forms = [hashes]
+    if any(isinstance(h, bytes) or not 0 <= h < 1 << 63 for h in hashes):
+        unsigned = [_unsigned(h) for h in hashes]
+        for form in (unsigned, [_signed(h) for h in unsigned]):
+            if all(form != f for f in forms):
+                forms.append(form)
+    return forms
+
+
+def _unsigned(h: Any) -> int:
+    if isinstance(h, bytes):
+        return int.from_bytes(h, "big") & (_U64 - 1)     # vLLM's maybe_convert_block_hash
+    return h + _U64 if h < 0 else h
+
+
+def _signed(h: int) -> int:
+    return h - _U64 if h >= 1 << 63 else h
+
+
+# ---- the answer -----------------------------------------------------------------------------
+
+
+def _run(index: Any, hashes: list, p: int, tiers: list[str], size: int = WINDOW) -> dict[str, int]:
+    """``index.leading`` of ``hashes[p:p + size]``: one hold of its lock, for ``size`` blocks at most."""
+    return index.leading(hashes[p:p + size], tiers)
+
+
+def _walk(index: Any, hashes: list, tiers: list[str]) -> tuple[dict[str, int], int]:
+    """``({tier: leading blocks it serves}, leading blocks some tier serves)``, whole chunks.
+
+    A window is at least a chunk long, so it ends a tier's run only where a chunk would cross
+    its end: the run goes on from there until a window adds nothing. The whole: from a chunk
+    boundary, the tier that goes furthest takes it there, and the next chunk boundary is where
+    any tier goes on from (its windows grow from a chunk's length, so that tiers taking turns
+    chunk by chunk do not copy a full window per chunk)."""
+    per_tier = {}
+    for tier in tiers:
+        p = 0
+        while p < len(hashes):
+            n = _run(index, hashes, p, [tier])[tier]
+            if n == 0:
+                break
+            p += n
+        per_tier[tier] = p
+    whole = max(per_tier.values(), default=0)
+    size = MAX_ADVERT_BLOCKS
+    while whole < len(hashes):
+        n = max(_run(index, hashes, whole, tiers, size).values(), default=0)
+        if n == 0:
+            break
+        whole += n
+        size = min(WINDOW, max(MAX_ADVERT_BLOCKS, 2 * n))
+    return per_tier, whole
+
+
+def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Optional[int]) -> dict[str, Any]:
+    """The ``POST`` answer's counts for a checked request (``check_request``)."""
+    if kind == "tokens":
+        blocks = len(values) // block_size
+        forms = [index.hashes_of_tokens(values, block_size)]   # the index's own hashes, as far as it knows them
+    else:
+        blocks = len(values)
+        forms = hash_forms(values)
+    best: tuple[dict[str, int], int] = ({t: 0 for t in tiers}, 0)
+    for form in forms:
+        got = _walk(index, form, tiers)
+        if got[1] > best[1]:
+            best = got
+    per_tier, whole = best
+    out: dict[str, Any] = {
+        "blocks": blocks,
+        "leading_blocks": whole,
+        "tiers": {t: {"medium": _media(t)[0], "locality": _media(t)[1], "leading_blocks": per_tier[t]}
+                  for t in tiers},
+    }
+    if block_size is not None:
+        out["block_size"] = block_size
+        out["leading_tokens"] = whole * block_size
+    return out
+
+
+class KvLookup:
+    """The routes; ``add_routes`` puts them on the HTTP endpoint's router."""
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self._turns = asyncio.Semaphore(LOOKUPS_AT_ONCE)
+
+    def add_routes(self, router: web.UrlDispatcher) -> None:
+        router.add_post(PATH, self.post)
+        router.add_get(PATH, self.get)
+
+    def _index(self) -> Any:
+        index = self.server.core.kv_index
+        if not index.enabled:
+            raise ServerError(ErrorCode.NOT_FOUND,
+                              "KV lookups answer from the KV event index, which this server runs without "
+                              "(--kv-events-index 0): start lmshm-server with --kv-events-index N (default 262144 "
+                              "chunks), and connectors that send adverts with their STOREs")
+        return index
+
+    def _identity(self) -> dict[str, Any]:
+        return {"server_id": self.server.server_id, "node": node_name(self.server.config)}
+
+    async def get(self, request: web.Request) -> web.Response:
+        index = self._index()
+        tiers = tier_names(self.server.core)
+        body = {**self._identity(),
+                "tiers": {t: {"medium": _media(t)[0], "locality": _media(t)[1]} for t in tiers},
+                "chunks": len(index), "block_sizes": sorted(index.block_sizes()),
+                "limits": {"max_blocks": MAX_BLOCKS, "max_tokens": MAX_TOKENS, "max_block_size": MAX_BLOCK_SIZE,
+                           "max_body_bytes": self.server.config.http_max_body_bytes}}
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
+
+    async def post(self, request: web.Request) -> web.Response:
+        index = self._index()
+        tiers = tier_names(self.server.core)
+        raw = await request.read()          # already read by the endpoint, within its size limit
+
+        def answer() -> dict[str, Any]:
+            kind, values, size = check_request(parse_body(raw))
+            return lookup(index, tiers, kind, values, size)
+
+        async with self._turns:
+            counts = await asyncio.get_running_loop().run_in_executor(None, answer)
+        return web.json_response({**self._identity(), **counts}, headers={"Cache-Control": "no-store"})

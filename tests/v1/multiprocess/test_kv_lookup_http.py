@@ -1,0 +1,402 @@
+"""KV lookups for routers: ``POST /v1/kv/lookup`` and ``GET /v1/kv/lookup`` on lmshm-server's
+HTTP endpoint (``lmshm/endpoints/kv_lookup.py``).
+
+A real server with ``--http-port`` takes STOREs with adverts (the engine's block hashes and
+tokens) from an MPClient with a CPU KV cache; a real HTTP client asks how many leading blocks
+of a prompt each tier can serve, by block hashes (ints in either signedness, hex bytes) and by
+token ids. Whole chunks only; counts drop when the pool evicts; a chunk on disk only counts for
+the disk and for the whole. Every malformed request is a 400 that says what is wrong, and the
+server serves on. The walk itself (any tier, across lock windows) is checked in process too."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from attacks import free_port
+from harness import ServerProcess, wait_for
+from lmshm.core.kv_events import KvIndex
+from lmshm.endpoints import kv_lookup
+from lmshm.multiprocess import protocol
+from lmshm.multiprocess.client import MPClient
+
+SPACE = b"S"
+BLOCK = 2                      # the pretend engine's block size, in tokens
+PER_CHUNK = 2                  # engine blocks per lmshm chunk
+U64 = 1 << 64
+
+
+def hashes_of(c: int) -> list[int]:
+    """Chunk ``c``'s engine block hashes: unsigned 64-bit ints above 2**63, as vLLM's low 64 bits
+    of a sha256 often are (so their signed form differs)."""
+    return [(1 << 63) + 1000 * c + j for j in range(PER_CHUNK)]
+
+
+def tokens_of(c: int) -> list[int]:
+    return list(range(100 * c, 100 * c + PER_CHUNK * BLOCK))
+
+
+def chain(n: int) -> list[int]:
+    return [h for c in range(n) for h in hashes_of(c)]
+
+
+def chain_tokens(n: int) -> list[int]:
+    return [t for c in range(n) for t in tokens_of(c)]
+
+
+def advert(c: int, hashes: Optional[list] = None, parent: Any = "chain", tokens: Optional[list] = None
+           ) -> protocol.Advert:
+    hashes = hashes if hashes is not None else hashes_of(c)
+    if parent == "chain":
+        parent = hashes_of(c - 1)[-1] if c else None
+    return protocol.Advert(chunk=hashlib.sha256(repr(hashes).encode()).digest(), group=0, block_size=BLOCK,
+                           block_hashes=hashes, parent_block_hash=parent,
+                           token_ids=tokens if tokens is not None else tokens_of(c))
+
+
+class Engine:
+    """An MPClient with one CPU KV cache (16 blocks) that STOREs chunks with adverts."""
+
+    def __init__(self, url: str) -> None:
+        self.kv = torch.zeros(16, 4, 64)
+        self.client = MPClient(url, client_name="kv-lookup-test", timeout_s=10)
+        self.iid = self.client.register_kv_caches({"l0": self.kv}, "w0", model_name="m")
+        self.n = 0
+
+    def store(self, adverts: list[protocol.Advert]) -> None:
+        keys = [(self.n + i).to_bytes(4, "big") + bytes(28) for i in range(len(adverts))]
+        blocks = [(self.n + i) % 16 for i in range(len(adverts))]
+        self.n += len(adverts)
+        reply = self.client.store(self.iid, keys, blocks, 1, adverts=adverts, space=SPACE, pod="pod0")
+        assert all(r == protocol.StoreResult.STORED for r in reply.results), reply
+
+    def written_through(self, n: int) -> None:
+        """Wait until the disk took ``n`` chunks and the pool holds no write-through pin (a pinned
+        chunk is never evicted: the next STORE would find no room)."""
+        def done() -> bool:
+            pool = self.client.status().pool
+            disk = next(t for t in pool.tiers if t.name == "disk")
+            return disk.puts + disk.drops >= n and pool.pinned == 0
+        wait_for(done, 20, what=f"{n} write-through(s) to the disk")
+
+    def close(self) -> None:
+        self.client.close()
+        del self.kv
+        gc.collect()
+
+
+class Http:
+    def __init__(self, port: int) -> None:
+        self.base = f"http://127.0.0.1:{port}"
+
+    def call(self, method: str, path: str, body: Optional[bytes] = None) -> tuple[int, Any]:
+        req = urllib.request.Request(self.base + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        return status, (json.loads(raw) if raw else None)
+
+    def lookup(self, **body: Any) -> dict:
+        status, reply = self.call("POST", kv_lookup.PATH, json.dumps(body).encode())
+        assert status == 200, reply
+        return reply
+
+    def leading(self, **body: Any) -> tuple[int, dict[str, int]]:
+        """``(leading blocks from any tier, {tier: leading blocks})``."""
+        r = self.lookup(**body)
+        return r["leading_blocks"], {t: v["leading_blocks"] for t, v in r["tiers"].items()}
+
+    def refused(self, body: bytes, method: str = "POST") -> str:
+        status, reply = self.call(method, kv_lookup.PATH, body)
+        assert status == 400, (status, reply, body[:80])
+        return reply["error"]
+
+
+@contextlib.contextmanager
+def serving(tmp_path: Path, *args: str) -> Iterator[tuple[ServerProcess, Engine, Http]]:
+    port = free_port()
+    server = ServerProcess(tmp_path, "--capacity", "64MiB", "--http-port", str(port), *args)
+    engine = None
+    try:
+        engine = Engine(server.url)
+        yield server, engine, Http(port)
+    finally:
+        if engine is not None:
+            engine.close()
+        assert server.stop() == 0, server.log()
+
+
+# ---- what a lookup answers ----------------------------------------------------------------
+
+
+def test_leading_blocks_by_block_hashes_count_whole_chunks_and_stop_where_the_prompt_diverges(tmp_path):
+    with serving(tmp_path, "--max-objects", "4") as (server, engine, http):
+        engine.store([advert(c) for c in range(3)])                     # 3 chunks: 6 blocks
+        r = http.lookup(block_hashes=chain(3))
+        assert r["server_id"] == engine.client.server_id and r["node"] == socket.gethostname()
+        assert r["blocks"] == 6 and r["leading_blocks"] == 6
+        assert r["tiers"] == {"pool": {"medium": "CPU", "locality": "LOCAL", "leading_blocks": 6}}
+        assert "leading_tokens" not in r
+        assert http.leading(block_hashes=chain(3) + [12345, 678]) == (6, {"pool": 6})   # more than it holds
+        assert http.leading(block_hashes=chain(3)[:5]) == (4, {"pool": 4})    # chunk 2's first block only
+        assert http.leading(block_hashes=chain(2) + [7, 8]) == (4, {"pool": 4})       # diverges at chunk 2
+        assert http.leading(block_hashes=chain(1) + [hashes_of(1)[0], 9]) == (2, {"pool": 2})  # inside chunk 1
+        assert http.leading(block_hashes=[]) == (0, {"pool": 0})
+        # the same hashes as signed 64-bit ints, as some routers keep them
+        assert http.leading(block_hashes=[h - U64 for h in chain(3)]) == (6, {"pool": 6})
+        r = http.lookup(block_hashes=chain(2), block_size=BLOCK)
+        assert (r["leading_blocks"], r["block_size"], r["leading_tokens"]) == (4, BLOCK, 4 * BLOCK)
+
+
+def test_leading_blocks_by_token_ids_count_whole_blocks_of_whole_chunks(tmp_path):
+    with serving(tmp_path) as (server, engine, http):
+        engine.store([advert(c) for c in range(3)])
+        r = http.lookup(token_ids=chain_tokens(3), block_size=BLOCK)
+        assert (r["blocks"], r["leading_blocks"], r["leading_tokens"], r["block_size"]) == (6, 6, 12, BLOCK)
+        assert r["tiers"]["pool"]["leading_blocks"] == 6
+        assert http.leading(token_ids=chain_tokens(3) + [5], block_size=BLOCK)[0] == 6    # + half a block
+        assert http.leading(token_ids=chain_tokens(3)[:10], block_size=BLOCK)[0] == 4     # chunk 2 half there
+        diverged = chain_tokens(3)
+        diverged[5] = 99999                                             # block 2, chunk 1's first
+        assert http.leading(token_ids=diverged, block_size=BLOCK) == (2, {"pool": 2})
+        assert http.leading(token_ids=chain_tokens(3), block_size=4)[0] == 0    # not the engine's block size
+        assert http.leading(token_ids=[], block_size=BLOCK)[0] == 0
+
+
+def test_bytes_hashes_match_as_hex_and_int_hashes_match_the_hex_of_the_bytes_they_came_from(tmp_path):
+    digests = [hashlib.sha256(b"block %d" % j).digest() for j in range(4)]
+    others = [hashlib.sha256(b"other %d" % j).digest() for j in range(2)]
+    as_int = [int.from_bytes(d, "big") & (U64 - 1) for d in digests + others]   # vLLM's maybe_convert_block_hash
+    with serving(tmp_path) as (server, engine, http):
+        engine.store([advert(0, hashes=digests[:2], parent=None),       # an engine with bytes hashes
+                      advert(1, hashes=digests[2:], parent=digests[1]),
+                      advert(2, hashes=as_int[4:], parent=None, tokens=[7] * 4)])   # one with int hashes
+        assert http.leading(block_hashes=[d.hex() for d in digests]) == (4, {"pool": 4})
+        assert http.leading(block_hashes=[d.hex().upper() for d in digests]) == (4, {"pool": 4})
+        assert http.leading(block_hashes=as_int[:4]) == (0, {"pool": 0})          # those are kept as bytes
+        assert http.leading(block_hashes=as_int[4:]) == (2, {"pool": 2})
+        assert http.leading(block_hashes=[d.hex() for d in others]) == (2, {"pool": 2})   # hex of the int's bytes
+
+
+def test_counts_drop_when_the_pool_evicts_the_first_chunk(tmp_path):
+    with serving(tmp_path, "--max-objects", "4") as (server, engine, http):
+        engine.store([advert(c) for c in range(4)])
+        assert http.leading(block_hashes=chain(4)) == (8, {"pool": 8})
+        assert http.leading(token_ids=chain_tokens(4), block_size=BLOCK)[0] == 8
+        engine.store([advert(9, parent=None)])        # --max-objects 4: chunk 0, the oldest, goes
+        wait_for(lambda: http.leading(block_hashes=chain(4)) == (0, {"pool": 0}), 5, 0.05, "chunk 0 evicted")
+        assert http.leading(token_ids=chain_tokens(4), block_size=BLOCK)[0] == 0
+        assert http.leading(block_hashes=hashes_of(9)) == (2, {"pool": 2})
+
+
+def test_a_chunk_on_disk_only_counts_for_the_disk_and_for_lmshm_as_a_whole(tmp_path):
+    with serving(tmp_path, "--max-objects", "2", "--disk", str(tmp_path / "disk"), "--disk-capacity", "64MiB"
+                 ) as (server, engine, http):
+        for c in range(3):                   # the pool (2 objects) evicts chunk 0; the disk has all
+            engine.store([advert(c)])
+            engine.written_through(c + 1)
+        want = (6, {"pool": 0, "disk": 6})
+        wait_for(lambda: http.leading(block_hashes=chain(3)) == want, 10, 0.05, "all three on disk")
+        r = http.lookup(block_hashes=chain(3))
+        assert r["tiers"]["disk"] == {"medium": "STORAGE", "locality": "LOCAL", "leading_blocks": 6}
+        assert http.leading(block_hashes=chain(2) + [7]) == (4, {"pool": 0, "disk": 4})
+        status, info = http.call("GET", kv_lookup.PATH)
+        assert status == 200 and list(info["tiers"]) == ["pool", "disk"], info
+
+
+def test_get_answers_the_node_its_tiers_block_sizes_and_limits(tmp_path):
+    with serving(tmp_path, "--kv-events-node", "rack1-n3") as (server, engine, http):
+        engine.store([advert(0)])
+        status, info = http.call("GET", kv_lookup.PATH)
+        assert status == 200, info
+        assert info["server_id"] == engine.client.server_id and info["node"] == "rack1-n3"
+        assert info["tiers"] == {"pool": {"medium": "CPU", "locality": "LOCAL"}}
+        assert info["chunks"] == 1 and info["block_sizes"] == [BLOCK]
+        assert info["limits"] == {"max_blocks": kv_lookup.MAX_BLOCKS, "max_tokens": kv_lookup.MAX_TOKENS,
+                                  "max_block_size": kv_lookup.MAX_BLOCK_SIZE, "max_body_bytes": 64 << 10}
+        assert http.lookup(block_hashes=chain(1))["node"] == "rack1-n3"
+
+
+def test_without_the_kv_event_index_a_lookup_is_404_saying_how_to_turn_it_on(tmp_path):
+    with serving(tmp_path, "--kv-events-index", "0") as (server, engine, http):
+        engine.store([advert(0)])
+        for method, body in (("POST", json.dumps({"block_hashes": chain(1)}).encode()), ("GET", None)):
+            status, reply = http.call(method, kv_lookup.PATH, body)
+            assert status == 404 and "--kv-events-index" in reply["error"], (status, reply)
+        assert http.call("GET", "/v2/health/live")[0] == 200
+
+
+# ---- what it refuses ----------------------------------------------------------------------
+
+def _j(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+BAD = [
+    (b"{not json", "not valid JSON"),
+    (b"", "the request body is empty"),
+    (b"[1, 2]", "must be a JSON object, got array"),
+    (b'"block_hashes"', "must be a JSON object, got string"),
+    (b"[" * 200000 + b"]" * 200000, "nests arrays or objects too deeply"),
+    (b'{"block_hashes": [' + b"7" * 5000 + b"]}", "not valid JSON"),          # Python's int digit limit
+    (_j({}), "not neither"),
+    (_j({"block_hashes": [1], "token_ids": [1], "block_size": 2}), "not both"),
+    (_j({"block_hashes": [1], "model": "m"}), "'model' is not supported"),
+    (_j({"block_hash": [1]}), "unknown field 'block_hash'"),
+    (_j({"block_hashes": "00ff"}), "'block_hashes' must be an array, got string"),
+    (_j({"block_hashes": {"0": 1}}), "'block_hashes' must be an array, got object"),
+    (_j({"block_hashes": [1, 2.5]}), "block_hashes[1] must be an integer or a hex string, got number 2.5"),
+    (_j({"block_hashes": [True]}), "block_hashes[0] must be an integer or a hex string, got boolean"),
+    (_j({"block_hashes": [None]}), "got null"),
+    (_j({"block_hashes": [[1]]}), "got array"),
+    (_j({"block_hashes": [-(1 << 63) - 1]}), "is not a 64-bit integer"),
+    (_j({"block_hashes": [1 << 64]}), "<int of 65 bits> is not a 64-bit integer"),
+    (_j({"block_hashes": [10 ** 400]}), "is not a 64-bit integer"),
+    (_j({"block_hashes": ["xyz0"]}), "block_hashes[0] = 'xyz0' is not a hex string"),
+    (_j({"block_hashes": ["abc"]}), "is not a hex string"),                 # odd length
+    (_j({"block_hashes": ["0x12"]}), "is not a hex string"),
+    (_j({"block_hashes": ["ab cd"]}), "is not a hex string"),
+    (_j({"block_hashes": [""]}), "is not a hex string"),
+    (_j({"block_hashes": ["ab" * 65]}), "is not a hex string of 1 to 64 bytes"),
+    (_j({"block_hashes": ["\u0661\u0662"]}), "is not a hex string"),        # Arabic-Indic digits
+    (_j({"token_ids": [1, 2]}), "'token_ids' needs 'block_size'"),
+    (_j({"token_ids": [1, 2], "block_size": 0}), "'block_size' must be between 1 and 65536"),
+    (_j({"token_ids": [1, 2], "block_size": -16}), "'block_size' must be between 1 and 65536"),
+    (_j({"token_ids": [1, 2], "block_size": 1 << 20}), "'block_size' must be between 1 and 65536"),
+    (_j({"token_ids": [1, 2], "block_size": "16"}), "'block_size' must be an integer, got string"),
+    (_j({"token_ids": [1, 2], "block_size": 16.0}), "'block_size' must be an integer, got number"),
+    (_j({"token_ids": [1, 2], "block_size": True}), "'block_size' must be an integer, got boolean"),
+    (_j({"token_ids": [1, 2], "block_size": None}), "'block_size' must be an integer, got null"),
+    (_j({"block_hashes": [1], "block_size": 0}), "'block_size' must be between 1"),
+    (_j({"token_ids": "1 2 3", "block_size": 2}), "'token_ids' must be an array"),
+    (_j({"token_ids": [1, "2"], "block_size": 2}), "token_ids[1] must be a 32-bit integer token id, got string"),
+    (_j({"token_ids": [1, 2.0], "block_size": 2}), "token_ids[1] must be a 32-bit integer token id, got number"),
+    (_j({"token_ids": [1 << 31], "block_size": 2}), "token_ids[0] must be a 32-bit integer token id, got "
+                                                    "2147483648, out of range"),
+    (_j({"token_ids": [-(1 << 31) - 1], "block_size": 2}), "out of range"),
+    # over the caps (the body limit is raised for these: --http-max-body-bytes 16MiB)
+    (_j({"block_hashes": [0] * (kv_lookup.MAX_BLOCKS + 1)}), "'block_hashes' has 65537 hashes; a lookup takes "
+                                                              "at most 65536"),
+    (_j({"token_ids": [0] * (kv_lookup.MAX_TOKENS + 1), "block_size": 16}), "'token_ids' has 1048577 tokens"),
+    (_j({"token_ids": [0] * (kv_lookup.MAX_BLOCKS + 1), "block_size": 1}), "65537 tokens are 65537 blocks of 1; "
+                                                                           "a lookup takes at most 65536 blocks"),
+]
+
+
+def test_every_malformed_lookup_is_a_400_that_says_what_is_wrong_and_the_server_serves_on(tmp_path):
+    with serving(tmp_path, "--http-max-body-bytes", str(16 << 20)) as (server, engine, http):
+        engine.store([advert(c) for c in range(2)])
+        problems = []
+        for body, words in BAD:
+            error = http.refused(body)
+            if words not in error:
+                problems.append((body[:60], words, error))
+        assert not problems, "\n".join(map(repr, problems))
+        status, reply = http.call("PUT", kv_lookup.PATH, _j({"block_hashes": [1]}))
+        assert status == 405 and "use GET, HEAD, POST" in reply["error"], reply
+        assert http.leading(block_hashes=chain(2)) == (4, {"pool": 4})        # still serving, still right
+        assert http.call("GET", "/v2/health/live")[0] == 200
+        errors = [line for line in http_metrics(http) if line.startswith("lmshm_requests_total")
+                  and 'request="KvLookup"' in line and 'code="INVALID_ARG"' in line]
+        assert len(errors) == 1 and float(errors[0].split()[-1]) == len(BAD), errors    # counted as refused
+    assert "Traceback" not in server.log()
+
+
+def test_a_body_over_the_endpoints_limit_is_a_400_naming_the_setting(tmp_path):
+    with serving(tmp_path) as (server, engine, http):      # --http-max-body-bytes: 64 KiB by default
+        error = http.refused(_j({"block_hashes": [(1 << 63) + i for i in range(4000)]}))   # about 84 KB
+        assert "larger than 65536 bytes" in error and "--http-max-body-bytes" in error, error
+        assert http.leading(block_hashes=[(1 << 63) + i for i in range(2000)])[0] == 0     # about 42 KB: fine
+
+
+def http_metrics(http: Http) -> list[str]:
+    with urllib.request.urlopen(http.base + "/metrics", timeout=10) as r:
+        return r.read().decode().splitlines()
+
+
+# ---- the walk, in process -------------------------------------------------------------------
+
+
+class _Adv:
+    def __init__(self, c: int, hashes: list, parent: Any, tokens: list, block_size: int = 1) -> None:
+        self.chunk, self.group, self.block_size = b"c%d" % c, 0, block_size
+        self.block_hashes, self.parent_block_hash, self.token_ids = hashes, parent, tokens
+        self.lora_name = self.extra_keys = None
+
+
+def _index(chunks: list[tuple[list, set[str]]]) -> KvIndex:
+    """An index holding ``chunks`` (hashes, tiers holding it), chained in order."""
+    index = KvIndex()
+    parent = None
+    for c, (hashes, tiers) in enumerate(chunks):
+        key = b"k%d" % c
+        index.describe(1, SPACE, "m", "pod0", 0, 1, [key], [_Adv(c, hashes, parent, list(hashes))])
+        for tier in tiers:
+            index.note(1, key, tier, True)
+        parent = hashes[-1]
+    return index
+
+
+def test_a_block_counts_for_lmshm_as_a_whole_when_any_tier_serves_its_chunk_not_only_the_best_tier():
+    # chunk 0 in the pool only, 1 on disk only, 2 in both, 3 on the remote only, 4 nowhere
+    tiers = ["pool", "disk", "remote"]
+    chunks = [([1, 2], {"pool"}), ([3, 4], {"disk"}), ([5, 6], {"pool", "disk"}), ([7], {"remote"}),
+              ([8, 9], set())]
+    index = _index(chunks)
+    hashes = [h for hs, _ in chunks for h in hs]
+    r = kv_lookup.lookup(index, tiers, "hashes", hashes, None)
+    assert {t: v["leading_blocks"] for t, v in r["tiers"].items()} == {"pool": 2, "disk": 0, "remote": 0}
+    assert r["leading_blocks"] == 7 and r["blocks"] == 9
+    r = kv_lookup.lookup(index, tiers, "tokens", hashes, 1)      # the tokens are the hashes here
+    assert r["leading_blocks"] == 7 and r["leading_tokens"] == 7
+    assert kv_lookup.lookup(index, tiers, "hashes", hashes[:5], None)["leading_blocks"] == 4   # chunk 2 cut
+
+
+def test_a_long_prefix_is_walked_window_by_window_with_chunks_that_cross_the_windows():
+    # chunks of 1000 blocks: the first window (4096 blocks) ends inside chunk 4
+    hashes = list(range(1, 8 * 1000 + 1))
+    chunks = [(hashes[i:i + 1000], {"pool", "disk"} if i < 5000 else {"disk"}) for i in range(0, len(hashes), 1000)]
+    index = _index(chunks)
+    calls = []
+    leading = index.leading
+    index.leading = lambda h, t: calls.append(len(h)) or leading(h, t)   # type: ignore[method-assign]
+    r = kv_lookup.lookup(index, ["pool", "disk"], "hashes", hashes + [0], None)
+    assert {t: v["leading_blocks"] for t, v in r["tiers"].items()} == {"pool": 5000, "disk": 8000}
+    assert r["leading_blocks"] == 8000
+    assert max(calls) <= kv_lookup.WINDOW            # the lock is held for a window at most
+
+
+def test_a_lookup_of_the_most_blocks_is_quick():
+    hashes = list(range(1, kv_lookup.MAX_BLOCKS + 1))
+    index = _index([(hashes[i:i + 1024], {"pool", "disk", "remote"}) for i in range(0, len(hashes), 1024)])
+    started = time.monotonic()
+    body = json.dumps({"block_hashes": [(1 << 63) + h for h in hashes]}).encode()
+    kind, values, size = kv_lookup.check_request(kv_lookup.parse_body(body))
+    r = kv_lookup.lookup(index, ["pool", "disk", "remote"], kind, values, size)
+    assert r["leading_blocks"] == 0                  # stored as small ints: none of the forms matches
+    r = kv_lookup.lookup(index, ["pool", "disk", "remote"], "hashes", hashes, None)
+    assert r["leading_blocks"] == kv_lookup.MAX_BLOCKS
+    assert time.monotonic() - started < 2.0
+
+
+def test_hash_forms_try_ints_as_given_unsigned_and_signed_and_bytes_as_vllms_int():
+    assert kv_lookup.hash_forms([1, 2]) == [[1, 2]]
+    assert kv_lookup.hash_forms([-1]) == [[-1], [U64 - 1]]
+    assert kv_lookup.hash_forms([U64 - 1]) == [[U64 - 1], [-1]]
+    b = bytes(24) + (5).to_bytes(8, "big")
+    assert kv_lookup.hash_forms([b]) == [[b], [5]]
+    big = bytes(24) + (U64 - 2).to_bytes(8, "big")
+    assert kv_lookup.hash_forms([big, 7]) == [[big, 7], [U64 - 2, 7], [-2, 7]]
