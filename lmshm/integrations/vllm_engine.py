@@ -2,6 +2,7 @@
 and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``)::
 
     python -m lmshm.integrations.vllm_engine build DIR [--hybrid]
+    python -m lmshm.integrations.vllm_engine serve-stdin DIR URL [--pump-s S] [the options of serve]
     python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
         [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--fail-loads-rank R] [--no-connector]
         [--block-size N] [--chunk-tokens N] [--tp N] [--metrics] [--extra KEY=JSON ...]
@@ -20,6 +21,18 @@ turns on vLLM's KV-event stream (``--kv-events-config``: ZMQ PUB at ENDPOINT), w
 lmshm's connector yields. ``--tp 2`` runs
 tensor parallel with vLLM's multiprocess executor.
 
+``serve-stdin`` is the long-running form, for a router that sends requests one at a time, to
+each engine as it chooses (``bench/kv_routing.py``); it takes serve's options but ``--batch``
+and ``--sync``. It writes ``{"ready": true}`` once the engine is up, then reads one JSON line
+per request from stdin, ``{"tokens": [...], "cache_salt": "...", "max_tokens": N}`` (the last
+two optional), and answers each with one line, ``{"output": [...], "cached": N, "prompt": N,
+"seconds": S}`` (``seconds`` around the ``generate``: with ``max_tokens`` 1, the time to first
+token). After each request it keeps the engine stepping (tiny 3-token requests that store
+nothing) for up to ``--pump-s`` seconds, so that the connector's KV events reach the stream
+while no request runs; the next line ends that early. A line without ``"tokens"`` is answered
+``{"idle": true}`` (a caller's way to stop the pump). It exits at the end of stdin. Everything
+else the process prints (vLLM's logs) goes to stderr.
+
 ``serve`` starts one ``LLM`` with ``LmshmConnector`` (greedy, vLLM's own prefix caching off, so
 every cached token came from lmshm) and serves each batch's prompts one at a time. Before batch
 ``i > 0`` it writes ``SYNC/ready-i`` and waits for ``SYNC/go-i``, so a test can restart or stop
@@ -33,7 +46,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import sys
+import threading
 import time
 
 
@@ -68,10 +83,9 @@ def build(path: str, hybrid: bool = False) -> None:
     os.replace(tmp, path)
 
 
-def serve(args: argparse.Namespace) -> None:
-    from vllm import LLM, SamplingParams
+def _make_llm(args: argparse.Namespace):
+    from vllm import LLM
     from vllm.config import KVTransferConfig
-    from vllm.inputs import TokensPrompt
 
     extra = {"lmshm.url": args.url, "lmshm.chunk_tokens": args.chunk_tokens, "lmshm.salt": args.salt,
              "lmshm.retry_s": 2.0}
@@ -99,6 +113,43 @@ def serve(args: argparse.Namespace) -> None:
               block_size=args.block_size, max_model_len=8192, max_num_batched_tokens=8192,
               enable_prefix_caching=False, seed=0, kv_transfer_config=ktc, disable_log_stats=not args.metrics,
               **parallel)
+    return llm
+
+
+def _params(args: argparse.Namespace, prompt: dict):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = TokensPrompt(prompt_token_ids=prompt["tokens"])
+    if prompt.get("cache_salt"):
+        request["cache_salt"] = prompt["cache_salt"]
+    params = SamplingParams(temperature=0.0, max_tokens=prompt.get("max_tokens", args.max_tokens), ignore_eos=True,
+                            prompt_logprobs=prompt.get("prompt_logprobs"),
+                            extra_args={"kv_transfer_params": prompt["kv_transfer_params"]}
+                            if "kv_transfer_params" in prompt else None)
+    return request, params
+
+
+def _one(llm, args: argparse.Namespace, prompt: dict) -> dict:
+    request, params = _params(args, prompt)
+    t0 = time.perf_counter()
+    result = llm.generate([request], params, use_tqdm=False)[0]
+    return {"output": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens or 0,
+            "prompt": len(prompt["tokens"]), "seconds": time.perf_counter() - t0}
+
+
+def _tiny_step(llm) -> None:
+    """One short request (3 tokens, less than a block: nothing to store or load) so the engine
+    takes a step, and the connector hands its KV events to vLLM's stream."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(temperature=0.0, max_tokens=1),
+                 use_tqdm=False)
+
+
+def serve(args: argparse.Namespace) -> None:
+    llm = _make_llm(args)
     out: dict = {"hybrid_kv_cache_manager": _hybrid_manager_on(llm)}
     batches = []
     for i, batch_file in enumerate(args.batch):
@@ -111,23 +162,12 @@ def serve(args: argparse.Namespace) -> None:
         results = []
         for prompt in prompts:  # one at a time: each request sees what the ones before it stored
             prompt = prompt if isinstance(prompt, dict) else {"tokens": prompt}
-            tokens = prompt["tokens"]
-            request = TokensPrompt(prompt_token_ids=tokens)
-            if prompt.get("cache_salt"):
-                request["cache_salt"] = prompt["cache_salt"]
-            params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                                    prompt_logprobs=prompt.get("prompt_logprobs"),
-                                    extra_args={"kv_transfer_params": prompt["kv_transfer_params"]}
-                                    if "kv_transfer_params" in prompt else None)
-            t0 = time.perf_counter()
-            result = llm.generate([request], params, use_tqdm=False)[0]
-            results.append({"output": list(result.outputs[0].token_ids), "cached": result.num_cached_tokens or 0,
-                            "prompt": len(tokens), "seconds": time.perf_counter() - t0})
+            prompt.pop("max_tokens", None)   # serve: --max-tokens for every prompt
+            results.append(_one(llm, args, prompt))
         batches.append(results)
     if args.kv_events:   # a few idle steps: the connector's last KV_EVENTS replies reach the stream
         for _ in range(args.event_steps):
-            llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])],
-                         SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            _tiny_step(llm)
             time.sleep(0.05)
     out["batches"] = batches
     if args.metrics:
@@ -135,6 +175,48 @@ def serve(args: argparse.Namespace) -> None:
         out["metrics"] = _metrics(llm)
     with open(args.out, "w") as f:
         json.dump(out, f)
+    del llm
+
+
+def serve_stdin(args: argparse.Namespace) -> None:
+    """See the module docstring: one JSON line in, one out, until the end of stdin."""
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)                  # vLLM's logs (and anything else printed) go to stderr
+    sys.stdout = sys.stderr
+    llm = _make_llm(args)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in sys.stdin:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, name="stdin", daemon=True).start()
+
+    def answer(obj: dict) -> None:
+        answers.write(json.dumps(obj) + "\n")
+        answers.flush()
+
+    answer({"ready": True})
+    pump_until = 0.0
+    while True:
+        try:
+            line = lines.get(timeout=0.02 if time.monotonic() < pump_until else None)
+        except queue.Empty:
+            _tiny_step(llm)
+            continue
+        if line is None:
+            break
+        if not line.strip():
+            continue
+        prompt = json.loads(line)
+        if "tokens" not in prompt:
+            pump_until = 0.0
+            answer({"idle": True})
+            continue
+        answer(_one(llm, args, prompt))
+        pump_until = time.monotonic() + args.pump_s
+    answers.close()
     del llm
 
 
@@ -161,13 +243,18 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "build":
         build(argv[1], hybrid="--hybrid" in argv[2:])
         return 0
+    stdin = bool(argv) and argv[0] == "serve-stdin"
     ap = argparse.ArgumentParser()
-    ap.add_argument("cmd", choices=["serve"])
+    ap.add_argument("cmd", choices=["serve-stdin" if stdin else "serve"])
     ap.add_argument("model")
     ap.add_argument("url")
-    ap.add_argument("out")
-    ap.add_argument("--batch", action="append", required=True)
-    ap.add_argument("--sync", default="")
+    if stdin:
+        ap.add_argument("--pump-s", type=float, default=1.0,
+                        help="after each request, keep stepping for up to this long so its KV events are sent")
+    else:
+        ap.add_argument("out")
+        ap.add_argument("--batch", action="append", required=True)
+        ap.add_argument("--sync", default="")
     ap.add_argument("--salt", default="")
     ap.add_argument("--corrupt", action="store_true")
     ap.add_argument("--fail-loads", action="store_true")
@@ -182,7 +269,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kv-events", default="", help="vLLM's KV-event PUB endpoint (enables --kv-events-config)")
     ap.add_argument("--kv-events-topic", default="")
     ap.add_argument("--event-steps", type=int, default=10, help="short requests run at the end to flush events")
-    serve(ap.parse_args(argv))
+    args = ap.parse_args(argv)
+    if stdin:
+        serve_stdin(args)
+    else:
+        serve(args)
     return 0
 
 
