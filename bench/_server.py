@@ -25,11 +25,12 @@ READY = re.compile(r"listening on (\S+) \(fd socket (\S+),.* pid (\d+)\)")
 
 class BenchServer:
     def __init__(self, *args: str, python: str = sys.executable, log_level: str = "WARNING",
-                 quiet: bool = False, timeout_s: float = 60.0, env: Optional[dict] = None) -> None:
+                 quiet: bool = False, timeout_s: float = 60.0, env: Optional[dict] = None,
+                 cwd: Optional[str] = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="lmshm-bench-")
         cmd = [python, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0",
                "--fd-socket", os.path.join(self.dir, "fds.sock"), "--log-level", log_level, *args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd,
                                      stderr=subprocess.DEVNULL if quiet else None)
         self.returncode: Optional[int] = None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)

@@ -15,8 +15,13 @@ Prints medians of:
 3. end to end, a real lmshm-server with ``--disk`` in ``--dir``, this process as the worker
    (32 layers x 16-block chunks of 32 MiB): write-through (from the STORE's send until STATUS
    counts the chunks written; the pool holds two requests and is filled by two untimed ones
-   first, so the timed STOREs reuse warm pool pages), and LOOKUP (promotion from disk, cold,
-   into a fresh server's pool) + RETRIEVE after a restart of the server on the same directory;
+   first, so the timed STOREs reuse warm pool pages), then, after a restart of the server on
+   the same directory, LOOKUP (promotion from cold files) + RETRIEVE: the first request into
+   the fresh pool timed apart, the timed ones after two requests have warmed the pool; beside
+   them a cold sequential O_DIRECT read of other files of the same requests, one thread (the
+   ``dd`` of those bytes). ``--chunk-kib N``: chunks of one block of N KiB instead (256 KiB,
+   2-16 MiB...); ``--compare-tree DIR``: the promotion also through a server run from another
+   lmshm tree (a before/after in one run);
 4. ``ops``: small chunks (``--ops-kib``, default 64) through ``DiskTier`` itself, put (O_DIRECT
    from page-aligned memory) and read back (page cache): microseconds per operation, the cost
    of reaching each file from the tier's directory fds; ``--compare-with FILE`` runs another
@@ -45,6 +50,7 @@ import sys
 import tempfile
 import time
 import zlib
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -171,19 +177,47 @@ def tier_status(client: MPClient) -> dict:
     return {"puts": t.puts, "drops": t.drops, "promotions": t.promotions, "direct_writes": t.direct_writes}
 
 
-def end_to_end(where: str, request_bytes: int, reps: int) -> dict[str, float]:
-    chunk_bytes = LAYERS * CHUNK_BLOCKS * BLOCK_LAYER_BYTES
+def read_files_direct(paths: list[str], buf: memoryview) -> None:
+    """Read each whole file with O_DIRECT into ``buf`` (page-aligned, as long as the longest),
+    one after the other: a cold sequential read of those bytes, as ``dd iflag=direct`` does."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            size, done = os.fstat(fd).st_size, 0
+            while done < size:
+                n = os.preadv(fd, [buf[done:size]], done)
+                assert n > 0, path
+                done += n
+        finally:
+            os.close(fd)
+
+
+def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
+               trees: Optional[list[tuple[str, Optional[str]]]] = None) -> dict[str, float]:
+    """STORE and write-through, then LOOKUP with promotion from cold files and RETRIEVE, through
+    a real server. ``chunk_bytes``: one block of that many bytes (all layers) per chunk (default:
+    16 blocks of 2 MiB, 32 MiB). ``trees``: ``(label, directory of another lmshm tree or None
+    for this one)``; the promotion part runs a server of each, one after the other, each on its
+    own cold files."""
+    trees = trees or [("", None)]
+    tokens, chunk_blocks = (chunk_bytes // (LAYERS * HEADS * DIM * 2), 1) if chunk_bytes else (TOKENS, CHUNK_BLOCKS)
+    chunk_bytes = LAYERS * chunk_blocks * HEADS * tokens * DIM * 2
     chunks = request_bytes // chunk_bytes
-    blocks = chunks * CHUNK_BLOCKS
+    request_bytes = chunks * chunk_bytes
+    blocks = chunks * chunk_blocks
     disk = os.path.join(where, "disk")
     os.mkdir(disk, 0o700)
+    # the timed STOREs' keysets, then per tree two that warm a fresh pool and ``reps`` timed
+    # ones, then ``reps`` for the baseline read: every promotion and read meets files no one read
+    nsets = reps * (2 + len(trees)) + 2 * len(trees)
     args = ("--capacity", str(2 * request_bytes + (64 << 20)), "--disk", disk,
-            "--disk-capacity", str(8 * request_bytes * (reps + 2)), "--disk-timeout", "30", "--disk-queue", str(4 * chunks))
-    kv_all = empty_shared((LAYERS, 2 * blocks, HEADS, TOKENS, DIM), torch.float16)
+            "--disk-capacity", str(request_bytes * (nsets + 4) + chunks * 2 * HEADER_BYTES * (nsets + 4)),
+            "--disk-timeout", "30", "--disk-queue", str(4 * chunks))
+    kv_all = empty_shared((LAYERS, 2 * blocks, HEADS, tokens, DIM), torch.float16)
     kv_all.normal_()
     kv = {f"layer.{i}": kv_all[i] for i in range(LAYERS)}
     src, dst = list(range(blocks)), list(range(blocks, 2 * blocks))
-    keysets = [[os.urandom(32) for _ in range(chunks)] for _ in range(reps)]
+    keysets = [[os.urandom(32) for _ in range(chunks)] for _ in range(nsets)]
     out: dict[str, float] = {}
     write_through, store_only = [], []
     with BenchServer(*args, quiet=True) as server, MPClient(server.url, timeout_s=120) as client:
@@ -192,40 +226,63 @@ def end_to_end(where: str, request_bytes: int, reps: int) -> dict[str, float]:
         # (evicting chunks already written through), as a server that has run a while does
         for _ in range(2):
             before = tier_status(client)["puts"]
-            client.store(iid, [os.urandom(32) for _ in range(chunks)], src, CHUNK_BLOCKS)
+            client.store(iid, [os.urandom(32) for _ in range(chunks)], src, chunk_blocks)
             while tier_status(client)["puts"] < before + chunks:
                 time.sleep(0.01)
-        for keys in keysets:
+        for i, keys in enumerate(keysets):
             before = tier_status(client)["puts"]
             t0 = time.perf_counter()
-            client.store(iid, keys, src, CHUNK_BLOCKS)
-            store_only.append(time.perf_counter() - t0)
+            client.store(iid, keys, src, chunk_blocks)
+            if i < reps:
+                store_only.append(time.perf_counter() - t0)
             while tier_status(client)["puts"] < before + chunks:
                 time.sleep(0.002)
-            write_through.append(time.perf_counter() - t0)
+            if i < reps:
+                write_through.append(time.perf_counter() - t0)
         t = tier_status(client)
         assert t["drops"] == 0 and t["direct_writes"] == t["puts"], t
+    paths = {}
     for root, _, names in os.walk(disk):
         for name in names:
-            if name != ".lock":
-                drop_cache(os.path.join(root, name))
-    promote, retrieve = [], []
-    with BenchServer(*args, quiet=True) as server, MPClient(server.url, timeout_s=120) as client:
-        iid = client.register_kv_caches(kv, "bench")
-        for keys in keysets:
-            t0 = time.perf_counter()
-            found = client.lookup([keys])
-            t1 = time.perf_counter()
-            assert found.hits == chunks, (found.hits, chunks)
-            client.retrieve(iid, keys, dst, CHUNK_BLOCKS, found.lease)
-            t2 = time.perf_counter()
-            promote.append(t1 - t0)
-            retrieve.append(t2 - t0)
-    assert torch.equal(kv_all[:, :blocks], kv_all[:, blocks:])
+            if name != ".lock" and name != ".key":
+                paths[name] = os.path.join(root, name)
+                drop_cache(paths[name])
     out["STORE into the pool (reply)"] = gbps(request_bytes, store_only)
     out["STORE + write-through to disk done"] = gbps(request_bytes, write_through)
-    out["LOOKUP with promotion from disk, cold"] = gbps(request_bytes, promote)
-    out["LOOKUP (promotion, cold) + RETRIEVE"] = gbps(request_bytes, retrieve)
+    rest = iter(keysets[reps:])
+    baseline_sets = [next(rest) for _ in range(reps)]
+    buf = mmap.mmap(-1, HEADER_BYTES + chunk_bytes)
+    view = memoryview(buf)
+    out["cold sequential O_DIRECT read of the same files, 1 thread"] = gbps(request_bytes, [timed(
+        lambda: read_files_direct([paths[k.hex()] for k in keys], view), 1)[0] for keys in baseline_sets])
+    view.release()
+    buf.close()
+    for label, tree in trees:
+        warm_sets, timed_sets = [next(rest) for _ in range(2)], [next(rest) for _ in range(reps)]
+        fresh, promote, retrieve = [], [], []
+        with BenchServer(*args, quiet=True, cwd=tree) as server, MPClient(server.url, timeout_s=120) as client:
+            iid = client.register_kv_caches(kv, "bench")
+            # two requests promoted into a fresh pool first (the first one timed apart: it
+            # waits for the kernel to hand out the pool's pages), so that the timed ones reuse
+            # warm pool pages, as in a server that has run a while
+            for i, keys in enumerate(warm_sets + timed_sets):
+                t0 = time.perf_counter()
+                found = client.lookup([keys])
+                t1 = time.perf_counter()
+                assert found.hits == chunks, (found.hits, chunks)
+                client.retrieve(iid, keys, dst, chunk_blocks, found.lease)
+                t2 = time.perf_counter()
+                if i == 0:
+                    fresh.append(t1 - t0)
+                elif i >= 2:
+                    promote.append(t1 - t0)
+                    retrieve.append(t2 - t0)
+        assert torch.equal(kv_all[:, :blocks], kv_all[:, blocks:])
+        kv_all[:, blocks:].zero_()
+        tag = f"{label}: " if label else ""
+        out[f"{tag}first LOOKUP into a fresh pool, cold files"] = gbps(request_bytes, fresh)
+        out[f"{tag}LOOKUP with promotion from disk, cold files"] = gbps(request_bytes, promote)
+        out[f"{tag}LOOKUP (promotion, cold files) + RETRIEVE"] = gbps(request_bytes, retrieve)
     del kv, kv_all
     return out
 
@@ -344,6 +401,10 @@ def main() -> None:
     ap.add_argument("--ops-kib", type=int, default=64, help="chunk size of the ops part (default 64 KiB)")
     ap.add_argument("--ops-count", type=int, default=2000, help="operations per run of the ops part")
     ap.add_argument("--compare-with", default="", help="ops part: another disk.py to run alternately")
+    ap.add_argument("--chunk-kib", type=int, default=0,
+                    help="end-to-end part: chunks of this many KiB, a multiple of 64 (default 32 MiB)")
+    ap.add_argument("--compare-tree", default="",
+                    help="end-to-end part: also promote through a server of this other lmshm tree (after this one's)")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -363,8 +424,9 @@ def main() -> None:
             for name, v in files(where, data, args.reps).items():
                 print(f"  {name:<61} {v:6.2f}")
         if "end-to-end" in parts:
-            for name, v in end_to_end(where, n, args.reps).items():
-                print(f"  end to end: {name:<49} {v:6.2f}")
+            trees = [("this", None), ("compared", args.compare_tree)] if args.compare_tree else None
+            for name, v in end_to_end(where, n, args.reps, args.chunk_kib << 10, trees).items():
+                print(f"  end to end: {name:<61} {v:6.2f}")
         if "ops" in parts:
             for name, v in ops(where, args.ops_kib, args.ops_count, args.reps, args.compare_with).items():
                 print(f"  ops, {name:<56} {v:8.1f}")

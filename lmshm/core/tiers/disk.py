@@ -51,8 +51,12 @@ long, so the file is written from the pool object itself, past the page cache, a
 oflag=direct`` writes (a buffered write copies into the page cache first: 0.74x ``dd`` here,
 against 0.97-1.0x direct; docs/benchmarks.md). Any other chunk, or a file system that refuses
 ``O_DIRECT`` (``EINVAL``: the tier then stays buffered), is written through the page cache.
-Reads are buffered: the kernel's readahead made them as fast as ``O_DIRECT`` reads or faster,
-without a bounce buffer. ``bench/disk_tier.py`` measures all of them against ``dd``.
+Reads into such a pool object use ``O_DIRECT`` too (``direct_reads``): header and payload in
+one ``preadv``, the payload straight into the reserved object, its checksum taken there; the
+buffered read copied every byte once more out of the page cache, which made a promotion into
+a warm pool half as fast (docs/benchmarks.md, "Promotion speed"). Nothing read counts before
+the header and checksum are checked: the object is in flight until then, and aborted on a
+mismatch. ``bench/disk_tier.py`` measures all of them against ``dd``.
 """
 
 from __future__ import annotations
@@ -246,23 +250,48 @@ def _advance(pieces: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
+def _read_page() -> memoryview:
+    """This thread's page-aligned buffer for a header read with ``O_DIRECT``."""
+    page = getattr(_aligned, "read_page", None)
+    if page is None:
+        page = _aligned.read_page = mmap.mmap(-1, HEADER_BYTES)
+    return memoryview(page)
+
+
 def read_file(name: str, uid: int, key: bytes, meta: Optional[ChunkMeta], dest: memoryview, *,
-              mac_key: bytes, dir_fd: Optional[int] = None) -> None:
+              mac_key: bytes, dir_fd: Optional[int] = None, direct: bool = False) -> None:
     """Fill ``dest`` with the payload of the chunk file ``name`` (in the directory ``dir_fd``, or
     a path if None; never through a link) after checking that it is the chunk ``(uid, key)`` of
     ``meta`` (any, if None), of ``len(dest)`` bytes, with a header made under ``mac_key``;
-    ``BadFile`` if it is not, or is damaged; OSError if it cannot be read."""
-    fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
+    ``BadFile`` if it is not, or is damaged; OSError if it cannot be read. ``direct``: with
+    ``O_DIRECT``, straight into ``dest`` (``direct_ok`` must hold), the checksum then taken on
+    ``dest`` where it lies; an ``EINVAL`` from the file system (no direct I/O there) raises."""
+    fd = os.open(name, _READ_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise BadFile("not a regular file")
-        raw = os.pread(fd, HEADER_BYTES, 0)
+        done = 0
+        if direct:
+            # header and payload in one read, the payload straight into dest: one I/O per chunk
+            # (as readahead makes of a buffered read); nothing in dest counts until checked below
+            page = _read_page()
+            pieces = [page, dest] if st.st_size == HEADER_BYTES + len(dest) else [page]
+            total, got = sum(len(p) for p in pieces), 0
+            while got < total:
+                n = os.preadv(fd, _advance(pieces, got), got)
+                if n <= 0:
+                    break
+                got += n
+            raw = bytes(page[:min(got, HEADER_BYTES)])
+            done = max(0, got - HEADER_BYTES)
+        else:
+            raw = os.pread(fd, HEADER_BYTES, 0)
         fuid, fkey, fmeta, algo, digest = decode_header(raw, mac_key)
         if fuid != uid or fkey != key or (meta is not None and fmeta != meta) or fmeta.nbytes != len(dest):
             raise BadFile("the header names another chunk")
-        if os.fstat(fd).st_size != HEADER_BYTES + fmeta.nbytes:
+        if st.st_size != HEADER_BYTES + fmeta.nbytes:
             raise BadFile("the file's length does not match its header")
-        done = 0
         while done < len(dest):
             n = os.preadv(fd, [dest[done:]], HEADER_BYTES + done)
             if n <= 0:
@@ -463,6 +492,7 @@ class DiskTier(Tier):
         self._put_while_scanning: set[tuple[int, bytes]] = set()   # the scan leaves these keys to put
         self.used = 0
         self.direct = True          # O_DIRECT writes where the chunk allows (direct_ok); off if refused
+        self.direct_reads = True    # O_DIRECT reads into the pool object where it allows (direct_ok); off if refused
         self._dir_fds: dict[tuple, int] = {}    # DIR/<uid>, DIR/<uid>/<xx>: open until closed and idle
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._max_cached = MAX_CACHED_DIRS if soft == resource.RLIM_INFINITY else min(MAX_CACHED_DIRS, soft // 8)
@@ -784,7 +814,16 @@ class DiskTier(Tier):
         leaf = None
         try:
             leaf = self._leaf(uid, h, False)
-            read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf)
+            direct = self.direct_reads and direct_ok(dest)
+            try:
+                read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf, direct=direct)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                self.direct_reads = False       # this file system has no direct I/O: buffered from now on
+                logger.info("lmshm: disk tier: %s refuses O_DIRECT reads (%s); reading through the page cache",
+                            self.directory, exc)
+                read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf)
         except BadFile as exc:
             logger.warning("lmshm: disk tier: %s is damaged (%s); deleted it, a miss", self.path_of(uid, key), exc)
             self._forget(uid, key, entry)

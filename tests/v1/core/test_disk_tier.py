@@ -384,6 +384,44 @@ def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_ca
         tier.close()
 
 
+@pytest.mark.parametrize("damage", ["none", "flip-payload", "truncate", "other-key"])
+def test_a_read_into_whole_pages_is_direct_and_checked_there(disk_dir, monkeypatch, damage):
+    import mmap
+    tier = DiskTier(str(disk_dir), 1 << 22)
+    try:
+        meta3 = ChunkMeta(3 * 4096, META.layout, 1)
+        for k, seed in ((b"page", 1), (b"else", 2)):
+            assert tier.put(0, k, meta3, memoryview(payload(seed, meta3.nbytes)))
+        path = Path(tier.path_of(0, b"page"))
+        raw = bytearray(path.read_bytes())
+        if damage == "flip-payload":
+            raw[HEADER_BYTES + 5000] ^= 1
+        elif damage == "truncate":
+            raw = raw[:HEADER_BYTES + 4096]
+        elif damage == "other-key":
+            raw = bytearray(Path(tier.path_of(0, b"else")).read_bytes())
+        path.write_bytes(raw)
+        opened = []
+        real_open = os.open
+        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (p == path.name and opened.append(flags))
+                            or real_open(p, flags, *a, **kw))
+        dest = mmap.mmap(-1, meta3.nbytes)                 # page-aligned, as a pool object with a disk tier
+        assert tier.get_into(0, b"page", meta3, memoryview(dest)) == (damage == "none")
+        assert [bool(f & os.O_DIRECT) for f in opened] == [True]
+        if damage == "none":
+            assert dest[:] == payload(1, meta3.nbytes)
+        else:
+            assert not path.exists() and tier.stats.snapshot()["corrupt"] == 1
+        # a file system that refuses O_DIRECT: read through the page cache, never direct again
+        monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
+            OSError(errno.EINVAL, "Invalid argument")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+        dest[:] = bytes(meta3.nbytes)
+        assert tier.get_into(0, b"else", meta3, memoryview(dest)) and dest[:] == payload(2, meta3.nbytes)
+        assert not tier.direct_reads and tier.contains(0, [b"else"]) == 1
+    finally:
+        tier.close()
+
+
 def test_seen_once_remembers_the_last_items_in_bounded_memory_and_forgets_older_ones():
     from lmshm.core.tiers.base import SeenOnce
     seen = SeenOnce(1000)
