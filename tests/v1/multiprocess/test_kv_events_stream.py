@@ -169,13 +169,21 @@ def engines():
 
 
 def _events_server(start_server, *args: str, port: Optional[int] = None, replay: bool = True):
-    port = port or _free_port()
-    extra = ["--kv-events", f"tcp://*:{port}", "--kv-events-node", NODE]
-    replay_port = _free_port() if replay else None
-    if replay:
-        extra += ["--kv-events-replay", f"tcp://127.0.0.1:{replay_port}"]
-    server = start_server("--capacity", "64MiB", *extra, *args)
-    return server, f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}" if replay else None
+    # A free port can be taken by a test running beside this one before the server binds it:
+    # then the server refuses to start ("Address already in use"), and we try other ports.
+    for attempt in range(5):
+        pub_port = port or _free_port()
+        extra = ["--kv-events", f"tcp://*:{pub_port}", "--kv-events-node", NODE]
+        replay_port = _free_port() if replay else None
+        if replay:
+            extra += ["--kv-events-replay", f"tcp://127.0.0.1:{replay_port}"]
+        try:
+            server = start_server("--capacity", "64MiB", *extra, *args)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == 4:
+                raise
+            continue
+        return server, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}" if replay else None
 
 
 def _stored(events: list[dict]) -> list[tuple]:
