@@ -20,31 +20,24 @@ Medium and locality per tier (``TIER_MEDIA``): the pool is ``CPU``/``LOCAL``, th
 
 The easy thing to get wrong: the pool and the disk tier call ``note`` under their own locks
 (the same locks their removals are told under, so a chunk is never announced after its
-removal), from any thread, on the request path. So ``note`` and ``describe`` only append to a
-queue that the index's own thread applies in order (``KvIndex.drain``: the checks, the index,
-the events, about 10 µs a chunk in Python, off the request path); this module never calls back
-into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere:
-``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a
-``BlockRemoved`` for each tier it was servable from, counted: the remote evicts without
-telling, so entries it alone held would otherwise stay until the index refused every new
-chunk), ``MAX_PENDING`` queued entries (past it, they are applied on the spot), ``records`` in
-the ring (the oldest go; a reader behind them is told it lost some).
+removal), from any thread. So this module never calls back into the pool or a tier, holds its
+own lock only for dict work, and is bounded everywhere: ``max_chunks`` adverts (a full index
+forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
+from, counted: the remote evicts without telling, so entries it alone held would otherwise
+stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
+reader behind them is told it lost some).
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import threading
 import time
-import weakref
 from array import array
 from collections import OrderedDict, deque
 from typing import Any, Iterable, Optional, Sequence, Union
 
 import msgspec
-
-logger = logging.getLogger("lmshm.kv_events")
 
 TIER_MEDIA = {"pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"), "remote": ("STORAGE", "REMOTE")}
 
@@ -142,45 +135,24 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
 # ---- the index: which ranks hold an advertised chunk in which tier ----------------------
 
 
-#: a position per tier name, for ``_Chunk.where`` and ``servable`` (a stack's tiers, and any other)
-_TIER_POS: dict[str, int] = {"pool": 0, "disk": 1, "remote": 2}
+class _Chunk:
+    __slots__ = ("ident", "uid", "space", "model", "group", "world", "hashes", "parent", "tokens", "block_size",
+                 "lora", "extra", "keys", "where", "servable", "born")
 
-
-def _tier_pos(tier: str) -> int:
-    pos = _TIER_POS.get(tier)
-    if pos is None:
-        pos = _TIER_POS[tier] = len(_TIER_POS)
-    return pos
-
-
-class _Chunk(msgspec.Struct, gc=False):
-    """One advertised chunk. Kept lean: the index holds up to ``max_chunks`` of them, so no
-    container of its own (tuples, an array, bit masks) and never tracked by the GC (nothing
-    in it refers back to it)."""
-
-    ident: tuple
-    uid: int
-    space: bytes
-    model: str
-    group: int
-    world: int
-    full: int                # the rank mask of a chunk every rank holds
-    hashes: tuple
-    parent: Any
-    tokens: Any              # array("i")
-    block_size: int
-    lora: Any
-    extra: Any
-    keys: tuple              # rank -> that rank's key (None: not stored by that rank)
-    where: int = 0           # tier at position p: the mask of the ranks holding it, at bits p * world
-    servable: int = 0        # bit p: BlockStored was sent for the tier at position p (and not removed)
-    born: float = 0.0
-
-
-def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, advert: Any) -> _Chunk:
-    return _Chunk(ident, uid, space, model, advert.group, world, (1 << world) - 1, tuple(advert.block_hashes),
-                  advert.parent_block_hash, advert.token_ids, advert.block_size, advert.lora_name,
-                  advert.extra_keys, (None,) * world, 0, 0, time.monotonic())
+    def __init__(self, ident: tuple, uid: int, space: bytes, model: str, world: int, advert: Any) -> None:
+        self.ident = ident
+        self.uid, self.space, self.model, self.world = uid, space, model, world
+        self.group = advert.group
+        self.hashes = list(advert.block_hashes)
+        self.parent = advert.parent_block_hash
+        self.tokens = advert.token_ids
+        self.block_size = advert.block_size
+        self.lora = advert.lora_name
+        self.extra = advert.extra_keys
+        self.keys: dict[int, bytes] = {}            # rank -> that rank's key
+        self.where: dict[str, set[int]] = {}        # tier -> ranks holding it there
+        self.servable: set[str] = set()             # tiers BlockStored was sent for (and not removed)
+        self.born = time.monotonic()
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -263,45 +235,19 @@ def event_bytes(event: Optional[KvEvent]) -> int:
     return 32
 
 
-#: queued notes and descriptions past which the next one applies them all on the spot
-MAX_PENDING = 1 << 16
-#: entries ``drain`` applies under one hold of the index's lock (its thread then yields the GIL)
-DRAIN_BATCH = 16
-#: how often the index's thread applies what was queued (an event's delay, at most about this)
-DRAIN_EVERY_S = 0.005
-
-_DESCRIBE = object()      # the tag of a queued description (a note is a 4-tuple)
-
-
 class KvIndex:
-    """See the module docstring. ``max_chunks`` 0 turns events off (nothing is indexed).
+    """See the module docstring. ``max_chunks`` 0 turns events off (nothing is indexed)."""
 
-    ``describe`` and ``note`` only queue what they are told (a STORE's request path pays an
-    append per chunk, not the checks, the token chain and the events); ``drain`` applies the
-    queue in order, so the index sees exactly the order the pool and the tiers told it in. A
-    thread of its own (``lmshm-kv-index``, started by the first advert, ``close()`` stops it)
-    drains every ``DRAIN_EVERY_S``, yielding the GIL between batches; the pull endpoint's
-    questions (``leading``, ``hashes_of_tokens``, ``len``) drain first, so they see every STORE
-    answered before them. Log readers (KV_EVENTS, the publisher) see an event up to about
-    ``DRAIN_EVERY_S`` after the STORE's reply. ``deferred=False`` applies everything at once."""
-
-    def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536, deferred: bool = True) -> None:
+    def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536) -> None:
         self.max_chunks = max_chunks
-        self.deferred = deferred
         self.log = EventLog(records)
         self._lock = threading.Lock()
-        self._pending: deque = deque()
-        self._watching = False    # a STORE carried adverts: notes are worth queuing from now on
-        self._thread: Optional[threading.Thread] = None
-        self._thread_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._by_key: dict[tuple[int, bytes], tuple[_Chunk, int]] = {}  # (uid, key) -> (chunk, rank bit)
+        self._by_key: dict[tuple[int, bytes], _Chunk] = {}
         # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
         self._by_id: OrderedDict[tuple[int, bytes, int, bytes], _Chunk] = OrderedDict()
         self._by_hash: dict[Any, _Chunk] = {}                            # an engine block hash -> its chunk
         self._chain: dict[Any, bytes] = {}                               # block hash -> token-chain digest
         self._by_tokens: dict[bytes, Any] = {}                           # token-chain digest -> block hash
-        self._tokens_indexed = False      # the first lookup by tokens turns the chains on (for every chunk)
         self._pods: set[tuple[int, bytes, str]] = set()
         self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
         self._pruned_at = 0.0
@@ -314,191 +260,82 @@ class KvIndex:
         return self.max_chunks > 0
 
     def __len__(self) -> int:
-        self.drain()
         return len(self._by_id)
 
-    # ---- what the data plane tells it: queued ------------------------------------------
+    # ---- what a STORE says --------------------------------------------------------------
     def describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                 keys: Sequence[bytes], adverts: Sequence[Any], who: str = "") -> None:
-        """What each of a STORE's chunks is to its engine (queued before its copy commits).
-        ``adverts`` as they came (checked by ``check_advert`` when applied; a STORE whose
-        adverts fail is not advertised, ``refused``), or ``CheckedAdvert``s."""
+                 keys: Sequence[bytes], adverts: Sequence[Any]) -> None:
+        """Remember what each of a STORE's chunks is to its engine (before its copy commits)."""
         if not self.enabled or not adverts:
             return
-        if not self._watching:
-            self._watching = True
-            self._start()
-        self._queue((_DESCRIBE, uid, space, model, pod, rank, world, keys, adverts, who))
-
-    def note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
-        """``(uid, key)`` is now held in ``tier`` (or not); emits, once applied, when that
-        changes whether its chunk is servable from the tier. Called under the pool's or the
-        disk's lock: an append, nothing else."""
-        if self._watching:
-            self._queue((uid, key, tier, present))
-
-    def recorder(self, tier: str) -> Any:
-        """``record(uid, key, present)``: ``note`` for one tier in a single call (what the pool
-        calls for every commit and drop, under its lock: an append)."""
-        pending, index = self._pending, self
-
-        def record(uid: int, key: bytes, present: bool) -> None:
-            if index._watching:
-                pending.append((uid, key, tier, present))
-                if len(pending) > MAX_PENDING or not index.deferred:
-                    index.drain()
-        return record
-
-    def _queue(self, item: tuple) -> None:
-        self._pending.append(item)
-        if not self.deferred or len(self._pending) > MAX_PENDING:
-            self.drain()          # (no thread, or it fell behind: on the spot, never unbounded)
-
-    def drain(self, yield_gil: bool = False) -> int:
-        """Apply what is queued, oldest first; how many entries. Any thread, one at a time
-        (under the index's lock, ``DRAIN_BATCH`` entries a turn; with ``yield_gil``, the GIL is
-        given up between turns, so a request thread waits for a batch at most)."""
-        pending = self._pending
-        n = 0
-        while pending:
-            with self._lock:
-                for _ in range(DRAIN_BATCH):
-                    try:
-                        item = pending.popleft()
-                    except IndexError:
-                        break
-                    n += 1
-                    if item[0] is _DESCRIBE:
-                        self._describe(*item[1:])
-                    else:
-                        self._note(*item)
-            if yield_gil and pending:
-                time.sleep(0)
-        return n
-
-    def _start(self) -> None:
-        if not self.deferred:
-            return
-        with self._thread_lock:
-            if self._thread is None and not self._stop.is_set():
-                self._thread = threading.Thread(target=_drain_loop, args=(weakref.ref(self), self._stop),
-                                                name="lmshm-kv-index", daemon=True)
-                self._thread.start()
-
-    def close(self) -> None:
-        """Stop the index's thread (what is still queued is applied by the next ``drain``)."""
-        self._stop.set()
-        with self._thread_lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join(timeout=5.0)
-
-    # ---- applied, under the lock -------------------------------------------------------
-    def _describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                  keys: Sequence[bytes], adverts: Sequence[Any], who: str) -> None:
-        try:
-            checked = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in adverts]
-        except ValueError as exc:
-            self.refused += 1
-            logger.debug("lmshm: STORE adverts from %r ignored: %s", who[:60], exc)
-            return
-        if pod and (uid, space, pod) not in self._pods and len(self._pods) < 4096:
-            self._pods.add((uid, space, pod))
-            self.log.append(uid, space, model, None, pod)
-        if not 0 <= rank < world:
-            return                       # (a registration's rank is below its world size)
-        by_id, by_key = self._by_id, self._by_key
-        for key, advert in zip(keys, checked):
-            ident = (uid, space, advert.group, bytes(advert.chunk))
-            chunk = by_id.get(ident)
-            if chunk is None:
-                if len(by_id) >= self.max_chunks:
-                    self._forget_oldest()
-                chunk = by_id[ident] = _new_chunk(ident, uid, space, model, world, advert)
-                self._unresident[ident] = chunk
-                self._index_hashes(chunk)
-            else:
-                by_id.move_to_end(ident)
-                if rank >= chunk.world:
-                    continue
-            old = chunk.keys[rank]
-            if old != key:
-                if old is not None:
-                    by_key.pop((uid, old), None)
-                chunk.keys = (key,) if chunk.world == 1 else chunk.keys[:rank] + (key,) + chunk.keys[rank + 1:]
-            by_key[(uid, key)] = (chunk, 1 << rank)
+        with self._lock:
+            if pod and (uid, space, pod) not in self._pods and len(self._pods) < 4096:
+                self._pods.add((uid, space, pod))
+                self.log.append(uid, space, model, None, pod)
+            for key, advert in zip(keys, adverts):
+                ident = (uid, space, advert.group, bytes(advert.chunk))
+                chunk = self._by_id.get(ident)
+                if chunk is None:
+                    if len(self._by_id) >= self.max_chunks:
+                        self._forget_oldest()
+                    chunk = self._by_id[ident] = _Chunk(ident, uid, space, model, world, advert)
+                    self._unresident[ident] = chunk
+                    self._index_hashes(chunk)
+                else:
+                    self._by_id.move_to_end(ident)
+                old = chunk.keys.get(rank)
+                if old is not None and old != key:
+                    self._by_key.pop((uid, old), None)
+                chunk.keys[rank] = key
+                self._by_key[(uid, key)] = chunk
 
     def _index_hashes(self, chunk: _Chunk) -> None:
-        by_hash = self._by_hash
-        for h in chunk.hashes:
-            by_hash[h] = chunk
-        if self._tokens_indexed:
-            self._chain_tokens(chunk)
-
-    def _chain_tokens(self, chunk: _Chunk) -> None:
-        """The token-chain digests of ``chunk``'s blocks, from its parent's (none: not chained)."""
         prev = b"" if chunk.parent is None else self._chain.get(chunk.parent)
-        bs, tokens, hashes = chunk.block_size, chunk.tokens, chunk.hashes
-        if prev is None or len(tokens) < len(hashes) * bs:
-            return
-        for i, h in enumerate(hashes):
-            prev = token_chain(prev, tokens if len(hashes) == 1 else tokens[i * bs:(i + 1) * bs])
-            self._chain[h] = prev
-            self._by_tokens[prev] = h
+        bs = chunk.block_size
+        for i, h in enumerate(chunk.hashes):
+            self._by_hash[h] = chunk
+            if prev is not None and len(chunk.tokens) >= (i + 1) * bs:
+                prev = token_chain(prev, chunk.tokens[i * bs:(i + 1) * bs])
+                self._chain[h] = prev
+                self._by_tokens[prev] = h
 
-    def _chain_every_chunk(self) -> None:
-        """Turn the token chains on: every chunk's, each after its parent's (a chain of chunks
-        is walked up to the first one chained or without a parent, without recursion)."""
-        self._tokens_indexed = True
-        done: set[int] = set()           # chunks (ids) already walked: each is chained once
-        for chunk in list(self._by_id.values()):
-            todo = []
-            c: Optional[_Chunk] = chunk
-            while c is not None and id(c) not in done:
-                done.add(id(c))
-                todo.append(c)
-                c = self._by_hash.get(c.parent) if c.parent is not None else None
-            for c in reversed(todo):
-                self._chain_tokens(c)
-
-    def _note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
-        found = self._by_key.get((uid, key))
-        if found is None:
+    # ---- residency ----------------------------------------------------------------------
+    def note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
+        """``(uid, key)`` is now held in ``tier`` (or not); emits when that changes whether its
+        chunk is servable from the tier."""
+        if not self._by_key:
             return
-        chunk, bit = found
-        pos = _TIER_POS.get(tier)
-        if pos is None:
-            pos = _tier_pos(tier)
-        shift = pos * chunk.world
-        if present:
-            where = chunk.where = chunk.where | bit << shift
-            if chunk.ident in self._unresident:
-                del self._unresident[chunk.ident]
-            if self._by_id.get(chunk.ident) is chunk:
-                self._by_id.move_to_end(chunk.ident)
-        else:
-            where = chunk.where = chunk.where & ~(bit << shift)
-        ranks = where >> shift & chunk.full
-        tb = 1 << pos
-        if ranks == chunk.full:
-            if not chunk.servable & tb:
-                chunk.servable |= tb
+        with self._lock:
+            chunk = self._by_key.get((uid, key))
+            if chunk is None:
+                return
+            rank = next((r for r, k in chunk.keys.items() if k == key), None)
+            if rank is None:
+                return
+            ranks = chunk.where.setdefault(tier, set())
+            (ranks.add if present else ranks.discard)(rank)
+            if present:
+                self._unresident.pop(chunk.ident, None)
+                if self._by_id.get(chunk.ident) is chunk:
+                    self._by_id.move_to_end(chunk.ident)
+            full = len(ranks) >= chunk.world
+            if full and tier not in chunk.servable:
+                chunk.servable.add(tier)
                 self._emit(chunk, tier, True)
-        elif chunk.servable & tb:
-            chunk.servable &= ~tb
-            self._emit(chunk, tier, False)
-        if not present and not where:
-            self._drop_chunk(chunk)
+            elif not full and tier in chunk.servable:
+                chunk.servable.discard(tier)
+                self._emit(chunk, tier, False)
+            if not present and not any(chunk.where.values()):
+                self._drop_chunk(chunk)
 
     def _forget_oldest(self) -> None:
         """Make room (the index is full): forget the least recently stored chunk, and tell
         readers it is gone from every tier it was servable from. A router then misses a chunk
         lmshm may still hold, which costs a recomputation, never a request sent for nothing."""
         _, chunk = self._by_id.popitem(last=False)
-        for tier, pos in list(_TIER_POS.items()):
-            if chunk.servable >> pos & 1:
-                self._emit(chunk, tier, False)
-        chunk.servable = 0
+        for tier in sorted(chunk.servable):
+            self._emit(chunk, tier, False)
+        chunk.servable.clear()
         self._drop_chunk(chunk)
         self.unindexed += 1
 
@@ -507,11 +344,8 @@ class KvIndex:
             del self._by_id[chunk.ident]
         if self._unresident.get(chunk.ident) is chunk:
             del self._unresident[chunk.ident]
-        for key in chunk.keys:
-            if key is None:
-                continue
-            found = self._by_key.get((chunk.uid, key))
-            if found is not None and found[0] is chunk:
+        for key in chunk.keys.values():
+            if self._by_key.get((chunk.uid, key)) is chunk:
                 del self._by_key[(chunk.uid, key)]
         for h in chunk.hashes:
             if self._by_hash.get(h) is chunk:
@@ -522,12 +356,14 @@ class KvIndex:
 
     def _emit(self, chunk: _Chunk, tier: str, stored: bool) -> None:
         medium, locality = TIER_MEDIA.get(tier, ("STORAGE", "LOCAL"))
-        if stored:   # tuples, not lists: the GC stops walking tuples of plain values
-            event: KvEvent = BlockStored(chunk.hashes, chunk.parent, tuple(chunk.tokens), chunk.block_size, None,
-                                         medium, chunk.lora, chunk.extra, chunk.group, None, None, locality)
+        if stored:
+            event: KvEvent = BlockStored(block_hashes=chunk.hashes, parent_block_hash=chunk.parent,
+                                         token_ids=list(chunk.tokens), block_size=chunk.block_size, lora_id=None,
+                                         medium=medium, lora_name=chunk.lora, extra_keys=chunk.extra,
+                                         group_idx=chunk.group, locality=locality)
             self.stored_events += 1
         else:
-            event = BlockRemoved(chunk.hashes, medium, chunk.group, locality)
+            event = BlockRemoved(block_hashes=chunk.hashes, medium=medium, group_idx=chunk.group, locality=locality)
             self.removed_events += 1
         self.log.append(chunk.uid, chunk.space, chunk.model, event)
 
@@ -540,7 +376,7 @@ class KvIndex:
         self._pruned_at = now
         cutoff = now - older_than_s
         with self._lock:
-            stale = [c for c in self._unresident.values() if c.born < cutoff and not c.where]
+            stale = [c for c in self._unresident.values() if c.born < cutoff and not any(c.where.values())]
             for c in stale:
                 self._drop_chunk(c)
         return len(stale)
@@ -548,7 +384,6 @@ class KvIndex:
     def cleared(self, model: str = "") -> None:
         """Everything the index knew is gone (the server starts, or lost its pool)."""
         with self._lock:
-            self._pending.clear()
             self._by_key.clear()
             self._by_id.clear()
             self._by_hash.clear()
@@ -561,17 +396,15 @@ class KvIndex:
     def leading(self, hashes: Sequence[Any], tiers: Sequence[str]) -> dict[str, int]:
         """How many leading blocks of ``hashes`` each tier can serve, whole chunks only."""
         out = {}
-        self.drain()
         with self._lock:
             for tier in tiers:
-                pos = _TIER_POS.get(tier)
                 p = 0
                 while p < len(hashes):
                     chunk = self._by_hash.get(hashes[p])
-                    if chunk is None or pos is None or not chunk.servable >> pos & 1:
+                    if chunk is None or tier not in chunk.servable:
                         break
                     n = len(chunk.hashes)
-                    if chunk.hashes[0] != hashes[p] or tuple(hashes[p:p + n]) != chunk.hashes:
+                    if chunk.hashes[0] != hashes[p] or list(hashes[p:p + n]) != chunk.hashes:
                         break
                     p += n
                 out[tier] = p
@@ -582,10 +415,7 @@ class KvIndex:
         them (the chain of token digests from the first block)."""
         out = []
         prev = b""
-        self.drain()
         with self._lock:
-            if not self._tokens_indexed:
-                self._chain_every_chunk()
             for b in range(len(token_ids) // block_size):
                 prev = token_chain(prev, token_ids[b * block_size:(b + 1) * block_size])
                 h = self._by_tokens.get(prev)
@@ -595,22 +425,8 @@ class KvIndex:
         return out
 
     def block_sizes(self) -> set[int]:
-        self.drain()
         with self._lock:
             return {c.block_size for c in list(self._by_id.values())[:64]}
-
-
-def _drain_loop(ref: "weakref.ref[KvIndex]", stop: threading.Event) -> None:
-    """The index's thread: holds it only while draining, so an index dropped (a test's) ends it."""
-    while not stop.wait(DRAIN_EVERY_S):
-        index = ref()
-        if index is None:
-            return
-        try:
-            index.drain(yield_gil=True)
-        except Exception:  # noqa: BLE001 - a bug costs events, never the thread
-            logger.exception("lmshm: applying KV event notes failed")
-        del index
 
 
 class CheckedAdvert:
@@ -652,9 +468,7 @@ def check_advert(advert: Any) -> CheckedAdvert:
 
 def token_chain(prev: bytes, tokens: Sequence[int]) -> bytes:
     """The digest of a block's tokens chained onto its parent's: the index's own key for "this
-    many tokens, exactly these", used to answer lookups by token ids. Tokens are 32-bit (the
-    wire's limit, and the lookup endpoint's), hashed as this process's C ints: the digests
-    never leave it."""
-    data = tokens.tobytes() if isinstance(tokens, array) and tokens.typecode == "i" else array("i", tokens).tobytes()
-    return hashlib.blake2b(data, digest_size=16, key=prev).digest() if prev else \
-        hashlib.blake2b(data, digest_size=16).digest()
+    many tokens, exactly these", used to answer lookups by token ids."""
+    h = hashlib.blake2b(prev, digest_size=16)
+    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()

@@ -22,7 +22,7 @@ import msgspec
 import pytest
 import torch
 
-from harness import wait_for
+from harness import ServerProcess, wait_for
 from lmshm.core.kv_events import BlockStored, EventLog, KvIndex, check_advert
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
 from lmshm.multiprocess import protocol
@@ -289,8 +289,7 @@ def test_a_damaged_file_found_on_read_is_a_storage_removal(start_server, engines
     bad.write_bytes(raw)
     assert e.client.lookup([[key(0)]]).hits == 0
     e.until(lambda s: removed(0, "STORAGE") in s, "BlockRemoved STORAGE for the damaged file")
-    wait_for(lambda: tiers(e)["disk"].corrupt == 1, 10, what="the damage counted")   # (a read past the
-    # LOOKUP's bound finishes in the background: the removal may come before the count)
+    assert tiers(e)["disk"].corrupt == 1
     assert e.quiet().count(stored(0)) == 1               # never stored again
 
 
@@ -554,35 +553,3 @@ def test_the_event_log_trims_its_oldest_and_reports_the_loss_to_a_reader_behind(
     assert lost and records[0].n == 25 and cursor == 40
     assert log.read(40, 100) == ([], 40, False)
     assert log.read(1 << 40, 100) == ([], 40, False)
-
-
-def test_lookups_by_tokens_find_chains_described_out_of_order_and_later_chunks_too():
-    """The token chains are built at the first lookup by tokens (most servers never get one),
-    each chunk after its parent whatever order they were described in, then kept as they come."""
-    kv = KvIndex()
-    tokens = list(range(32))
-
-    def chunk(c: int, parent: Any) -> protocol.Advert:       # two blocks of 4 tokens a chunk
-        return protocol.Advert(b"c%d" % c, 0, 4, [c * 10 + 1, c * 10 + 2], parent, tokens[c * 8:(c + 1) * 8])
-    for c, parent in ((2, 12), (0, None), (1, 2)):
-        kv.describe(1, SPACE, "m", "", 0, 1, [key(c)], [chunk(c, parent)])
-        kv.note(1, key(c), "pool", True)
-    assert kv.hashes_of_tokens(tokens[:24], 4) == [1, 2, 11, 12, 21, 22]
-    kv.describe(1, SPACE, "m", "", 0, 1, [key(3)], [chunk(3, 22)])
-    assert kv.hashes_of_tokens(tokens, 4) == [1, 2, 11, 12, 21, 22, 31, 32]
-    assert kv.hashes_of_tokens(tokens[:30], 4) == [1, 2, 11, 12, 21, 22, 31]     # whole blocks only
-    assert kv.hashes_of_tokens([5] * 8, 4) == []
-
-
-def test_a_rank_outside_its_world_is_never_indexed_and_notes_apply_in_the_order_they_came():
-    kv = KvIndex()
-    kv.describe(1, SPACE, "m", "", 3, 2, [key(0)], [advert(0)])     # rank 3 of a world of 2
-    kv.note(1, key(0), "pool", True)
-    assert len(kv) == 0
-    kv.describe(1, SPACE, "m", "", 0, 1, [key(1)], [advert(1)])
-    for present in (True, False, True):     # queued; applied in order: the drop forgets the chunk first
-        kv.note(1, key(1), "pool", present)
-    assert len(kv) == 0
-    events = [r.event for r in kv.log.read(-1, 100, uid=1)[0]]
-    assert [(type(e).__name__, e.block_hashes[0]) for e in events] == [("BlockStored", hashes_of(1)[0]),
-                                                                      ("BlockRemoved", hashes_of(1)[0])]
