@@ -231,8 +231,8 @@ class ZmqEndpoint:
         kv = core.kv_index      # KV events (core/kv_events): read by KV_EVENTS here and by --kv-events
         self.metrics.add_gauge("lmshm_kv_events_index_chunks", "Advertised chunks the KV event index holds "
                                "(--kv-events-index)", lambda: len(kv))
-        self.metrics.add_gauge("lmshm_kv_events_unindexed", "Advertised chunks not indexed: the KV event index was "
-                               "full (--kv-events-index)", lambda: kv.unindexed)
+        self.metrics.add_gauge("lmshm_kv_events_unindexed", "Advertised chunks forgotten to make room: the KV event "
+                               "index was full (--kv-events-index)", lambda: kv.unindexed)
         self.metrics.add_gauge("lmshm_kv_events_refused", "STOREs whose adverts did not check (not advertised)",
                                lambda: kv.refused)
         self.metrics.add_gauge("lmshm_kv_events_log_trimmed", "KV event log records dropped from its old end "
