@@ -63,6 +63,7 @@ mismatch. ``bench/disk_tier.py`` measures all of them against ``dd``.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import hashlib
@@ -193,7 +194,12 @@ def direct_ok(payload: memoryview) -> bool:
     """Whether ``payload`` can be written with ``O_DIRECT`` as it lies: its address and length
     whole pages (what every Linux file system's direct I/O accepts)."""
     n = payload.nbytes
-    return n > 0 and n % PAGE == 0 and np.frombuffer(payload, dtype=np.uint8).ctypes.data % PAGE == 0
+    if n <= 0 or n % PAGE:
+        return False
+    # a writable view's address through ctypes: 0.2 us, against 1.8 through numpy (per chunk read)
+    address = np.frombuffer(payload, dtype=np.uint8).ctypes.data if payload.readonly or not payload.c_contiguous \
+        else ctypes.addressof(ctypes.c_char.from_buffer(payload))
+    return address % PAGE == 0
 
 
 _aligned = threading.local()
