@@ -435,8 +435,8 @@ def main() -> None:
     ap.add_argument("--ops-count", type=int, default=2000, help="operations per run of the ops part")
     ap.add_argument("--compare-with", default="", help="ops part: another disk.py to run alternately")
     ap.add_argument("--chunk-kib", default="0",
-                    help="end-to-end part: chunks of one block of this many KiB, a multiple of 64, or a comma-separated "
-                         "list of sizes run one after the other (default 0: 16-block chunks of 32 MiB)")
+                    help="end-to-end part: chunks of one block of this many KiB, a multiple of 64, or a "
+                         "comma-separated list of sizes run one after the other (default 0: 16-block chunks of 32 MiB)")
     ap.add_argument("--compare-tree", default="",
                     help="end-to-end part: also promote through a server of this other lmshm tree (after this one's)")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")

@@ -30,15 +30,16 @@ after a power loss a renamed file may hold zeros, which its checksum turns into 
 
 The index (uid -> key -> size, layout, readers; each uid in LRU order) lives in memory under one
 lock. It is rebuilt by a background thread (``lmshm-disk-scan``) that reads every file's header
-while the tier already serves: a key asked for that the scan has not reached yet is probed on its
-own (its file's header read and checked, then indexed: ``_probe``), so a LOOKUP right after a
-restart finds what is on disk (it missed until the scan got there: seconds for thousands of
+while the tier already serves: a key asked for that the scan has not reached yet is probed on
+its own (its file's header read and checked, then indexed: ``_probe``), so a LOOKUP right after
+a restart finds what is on disk (it missed until the scan got there: seconds for thousands of
 files, minutes for millions); files the scan finds count as older than anything written or read
-since start, in the order found; stale temp files and bad files are removed. A put during the scan marks its key, so the scan never counts a
-file twice nor leaves a rewritten one uncounted. ``used`` counts every indexed file as its
-header plus its payload rounded up to 4 KiB (and writes in progress, reserved before they
-start), and stays <= ``capacity``: a write (or a file the scan counts) that would pass
-``HIGH_WATERMARK`` of it first evicts down to ``LOW_WATERMARK``, fairly as the pool does: the
+since start, in the order found; stale temp files and bad files are removed. A put during the
+scan marks its key, so the scan never counts a file twice nor leaves a rewritten one uncounted.
+``used`` counts every indexed file as its header plus its payload rounded up to 4 KiB (and
+writes in progress, reserved before they start), and stays <= ``capacity``: a write (or a file
+the scan counts) that would pass ``HIGH_WATERMARK`` of it first evicts down to
+``LOW_WATERMARK``, fairly as the pool does: the
 least recently used file of the uid that holds the most bytes on disk, skipping files with a
 read in progress; a write that still does not fit is dropped. Until the scan ends, the files it
 has not reached are on disk but not yet in ``used``: the disk may hold that much more than the

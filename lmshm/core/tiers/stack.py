@@ -13,11 +13,12 @@
   loop): the leading chunks that every rank has in the pool or in some tier; the ones only in
   a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
   commit; up to ``READ_GROUP_CHUNKS`` consecutive chunks per reader task, so that 256 KiB
-  chunks do not pay a future and a thread wake-up each) and kept pinned until the LOOKUP has pinned them under its lease. It waits for the
-  reads at most until ``deadline``: a chunk not read by then ends the promoted prefix (a
-  ``timeouts`` count); its read finishes in the background and is committed then (or
-  dropped), so a slow tier costs misses, never a stalled request. RETRIEVE only ever sees
-  the pool, so it never waits on a tier and never returns part of a chunk.
+  chunks do not pay a future and a thread wake-up each) and kept pinned until the LOOKUP has
+  pinned them under its lease. It waits for the reads at most until ``deadline``: a chunk not
+  read by then ends the promoted prefix (a ``timeouts`` count); its read finishes in the
+  background and is committed then (or dropped), so a slow tier costs misses, never a stalled
+  request. RETRIEVE only ever sees the pool, so it never waits on a tier and never returns
+  part of a chunk.
 
 The easy thing to get wrong: a promotion reserves pool space, and reserving may evict. The
 LOOKUP's own chunks must not be evicted by its later promotions, so every chunk of the prefix
