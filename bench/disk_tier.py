@@ -16,11 +16,13 @@ Prints medians of:
    (32 layers x 16-block chunks of 32 MiB): write-through (from the STORE's send until STATUS
    counts the chunks written; the pool holds two requests and is filled by two untimed ones
    first, so the timed STOREs reuse warm pool pages), then, after a restart of the server on
-   the same directory, LOOKUP (promotion from cold files) + RETRIEVE: the first request into
-   the fresh pool timed apart, the timed ones after two requests have warmed the pool; beside
-   them a cold sequential O_DIRECT read of other files of the same requests, one thread (the
-   ``dd`` of those bytes). ``--chunk-kib N``: chunks of one block of N KiB instead (256 KiB,
-   2-16 MiB...); ``--compare-tree DIR``: the promotion also through a server run from another
+   the same directory, LOOKUP (promotion from cold files) + RETRIEVE: the first request right
+   after the restart (a fresh pool, the index rebuild still running) timed apart, then, once
+   the rebuild is done and two requests have warmed the pool, each rep a cold sequential
+   O_DIRECT read of another request's files, one thread (the ``dd`` of those bytes), and
+   then the timed LOOKUP + RETRIEVE: ratios are medians of the per-rep ratios.
+   ``--chunk-kib N[,M...]``: chunks of one block of N KiB instead (256 KiB, 2-16 MiB...), each
+   size in turn; ``--compare-tree DIR``: the promotion also through a server run from another
    lmshm tree (a before/after in one run);
 4. ``ops``: small chunks (``--ops-kib``, default 64) through ``DiskTier`` itself, put (O_DIRECT
    from page-aligned memory) and read back (page cache): microseconds per operation, the cost
@@ -207,9 +209,9 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
     blocks = chunks * chunk_blocks
     disk = os.path.join(where, "disk")
     os.mkdir(disk, 0o700)
-    # the timed STOREs' keysets, then per tree two that warm a fresh pool and ``reps`` timed
-    # ones, then ``reps`` for the baseline read: every promotion and read meets files no one read
-    nsets = reps * (2 + len(trees)) + 2 * len(trees)
+    # the timed STOREs' keysets, then per tree two that warm a fresh pool and, per rep, one for
+    # the baseline read and one timed promotion: every promotion and read meets files no one read
+    nsets = reps + len(trees) * (2 + 2 * reps)
     args = ("--capacity", str(2 * request_bytes + (64 << 20)), "--disk", disk,
             "--disk-capacity", str(request_bytes * (nsets + 4) + chunks * 2 * HEADER_BYTES * (nsets + 4)),
             "--disk-timeout", "30", "--disk-queue", str(4 * chunks))
@@ -250,39 +252,70 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
     out["STORE into the pool (reply)"] = gbps(request_bytes, store_only)
     out["STORE + write-through to disk done"] = gbps(request_bytes, write_through)
     rest = iter(keysets[reps:])
-    baseline_sets = [next(rest) for _ in range(reps)]
     buf = mmap.mmap(-1, HEADER_BYTES + chunk_bytes)
     view = memoryview(buf)
-    out["cold sequential O_DIRECT read of the same files, 1 thread"] = gbps(request_bytes, [timed(
-        lambda: read_files_direct([paths[k.hex()] for k in keys], view), 1)[0] for keys in baseline_sets])
-    view.release()
-    buf.close()
     for label, tree in trees:
-        warm_sets, timed_sets = [next(rest) for _ in range(2)], [next(rest) for _ in range(reps)]
-        fresh, promote, retrieve = [], [], []
+        warm_sets = [next(rest) for _ in range(2)]
+        for path in paths.values():         # the headers an earlier server's index rebuild read, too
+            drop_cache(path)
+        fresh, fresh_rebuilt, scan, baseline, promote, retrieve = [], [], [], [], [], []
         with BenchServer(*args, quiet=True, cwd=tree) as server, MPClient(server.url, timeout_s=120) as client:
+            t_start = time.perf_counter()
             iid = client.register_kv_caches(kv, "bench")
-            # two requests promoted into a fresh pool first (the first one timed apart: it
-            # waits for the kernel to hand out the pool's pages), so that the timed ones reuse
-            # warm pool pages, as in a server that has run a while
-            for i, keys in enumerate(warm_sets + timed_sets):
+            # right after the restart: a fresh pool, and the index rebuild still running (a key
+            # it has not reached is probed on disk); then wait for the rebuild to end, so that
+            # its header reads do not compete with the timed ones
+            for i, keys in enumerate(warm_sets):
                 t0 = time.perf_counter()
                 found = client.lookup([keys])
                 t1 = time.perf_counter()
-                assert found.hits == chunks, (found.hits, chunks)
-                client.retrieve(iid, keys, dst, chunk_blocks, found.lease)
-                t2 = time.perf_counter()
+                # a tree without the probe of keys the rebuild has not reached finds fewer
+                assert found.hits == chunks or (i == 0 and tree), (found.hits, chunks, client.status().pool.tiers[0])
+                if found.hits:
+                    client.retrieve(iid, keys[:found.hits], dst[:found.hits * chunk_blocks], chunk_blocks, found.lease)
+                if i == 1:
+                    fresh_rebuilt.append(t1 - t0)
                 if i == 0:
                     fresh.append(t1 - t0)
-                elif i >= 2:
-                    promote.append(t1 - t0)
-                    retrieve.append(t2 - t0)
+                    first_hits = found.hits
+                    while not client.status().pool.tiers[0].scan_done:
+                        time.sleep(0.01)
+                    scan.append(time.perf_counter() - t_start)
+            # the warm sets promoted two requests into the pool: the timed ones reuse warm pool
+            # pages, as in a server that has run a while. Each rep: the baseline (a cold
+            # sequential O_DIRECT read of one request's files, one thread: the dd of those
+            # bytes), then LOOKUP (promotion of another request's cold files) + RETRIEVE
+            for _ in range(reps):
+                base_keys, keys = next(rest), next(rest)
+                baseline += timed(lambda: read_files_direct([paths[k.hex()] for k in base_keys], view), 1)
+                t0 = time.perf_counter()
+                found = client.lookup([keys])
+                t1 = time.perf_counter()
+                assert found.hits == chunks, (found.hits, chunks, client.status().pool.tiers[0])
+                client.retrieve(iid, keys, dst, chunk_blocks, found.lease)
+                t2 = time.perf_counter()
+                promote.append(t1 - t0)
+                retrieve.append(t2 - t0)
         assert torch.equal(kv_all[:, :blocks], kv_all[:, blocks:])
         kv_all[:, blocks:].zero_()
         tag = f"{label}: " if label else ""
-        out[f"{tag}first LOOKUP into a fresh pool, cold files"] = gbps(request_bytes, fresh)
-        out[f"{tag}LOOKUP with promotion from disk, cold files"] = gbps(request_bytes, promote)
+        cold = gbps(request_bytes, baseline)
+        out[f"{tag}cold sequential O_DIRECT read of the same files, 1 thread"] = cold
+        first = gbps(first_hits * chunk_bytes, fresh)      # of the chunks it found
+        out[f"{tag}first LOOKUP after the restart (fresh pool, rebuild running)"] = first
+        out[f"{tag}  first LOOKUP / cold read (x)"] = first / cold
+        out[f"{tag}  chunks the first LOOKUP found, of {chunks}"] = first_hits
+        out[f"{tag}index rebuild done after the restart (s)"] = scan[0]
+        out[f"{tag}second LOOKUP (pool pages not used yet, index rebuilt)"] = gbps(request_bytes, fresh_rebuilt)
+        out[f"{tag}  second LOOKUP / cold read (x)"] = gbps(request_bytes, fresh_rebuilt) / cold
+        out[f"{tag}LOOKUP with promotion from disk, cold files, warm pool"] = gbps(request_bytes, promote)
+        out[f"{tag}  LOOKUP / cold read, median of per-rep ratios (x)"] = statistics.median(
+            b / p for b, p in zip(baseline, promote))
         out[f"{tag}LOOKUP (promotion, cold files) + RETRIEVE"] = gbps(request_bytes, retrieve)
+        out[f"{tag}  LOOKUP + RETRIEVE / cold read, median of per-rep ratios (x)"] = statistics.median(
+            b / r for b, r in zip(baseline, retrieve))
+    view.release()
+    buf.close()
     del kv, kv_all
     return out
 
@@ -401,8 +434,9 @@ def main() -> None:
     ap.add_argument("--ops-kib", type=int, default=64, help="chunk size of the ops part (default 64 KiB)")
     ap.add_argument("--ops-count", type=int, default=2000, help="operations per run of the ops part")
     ap.add_argument("--compare-with", default="", help="ops part: another disk.py to run alternately")
-    ap.add_argument("--chunk-kib", type=int, default=0,
-                    help="end-to-end part: chunks of this many KiB, a multiple of 64 (default 32 MiB)")
+    ap.add_argument("--chunk-kib", default="0",
+                    help="end-to-end part: chunks of one block of this many KiB, a multiple of 64, or a "
+                         "comma-separated list of sizes run one after the other (default 0: 16-block chunks of 32 MiB)")
     ap.add_argument("--compare-tree", default="",
                     help="end-to-end part: also promote through a server of this other lmshm tree (after this one's)")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
@@ -425,8 +459,11 @@ def main() -> None:
                 print(f"  {name:<61} {v:6.2f}")
         if "end-to-end" in parts:
             trees = [("this", None), ("compared", args.compare_tree)] if args.compare_tree else None
-            for name, v in end_to_end(where, n, args.reps, args.chunk_kib << 10, trees).items():
-                print(f"  end to end: {name:<61} {v:6.2f}")
+            for kib in [int(k) for k in args.chunk_kib.split(",")]:
+                size = f"{kib} KiB chunks" if kib else "32 MiB chunks (16 blocks)"
+                for name, v in end_to_end(where, n, args.reps, kib << 10, trees).items():
+                    print(f"  end to end, {size}: {name:<66} {v:7.2f}", flush=True)
+                shutil.rmtree(os.path.join(where, "disk"))
         if "ops" in parts:
             for name, v in ops(where, args.ops_kib, args.ops_count, args.reps, args.compare_with).items():
                 print(f"  ops, {name:<56} {v:8.1f}")

@@ -12,11 +12,13 @@
 - ``promote(uid, keys, deadline)``, for a LOOKUP (on a copier thread, never on an endpoint's
   loop): the leading chunks that every rank has in the pool or in some tier; the ones only in
   a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
-  commit) and kept pinned until the LOOKUP has pinned them under its lease. It waits for the
-  reads at most until ``deadline``: a chunk not read by then ends the promoted prefix (a
-  ``timeouts`` count); its read finishes in the background and is committed then (or
-  dropped), so a slow tier costs misses, never a stalled request. RETRIEVE only ever sees
-  the pool, so it never waits on a tier and never returns part of a chunk.
+  commit; up to ``READ_GROUP_CHUNKS`` consecutive chunks per reader task, so that 256 KiB
+  chunks do not pay a future and a thread wake-up each) and kept pinned until the LOOKUP has
+  pinned them under its lease. It waits for the reads at most until ``deadline``: a chunk not
+  read by then ends the promoted prefix (a ``timeouts`` count); its read finishes in the
+  background and is committed then (or dropped), so a slow tier costs misses, never a stalled
+  request. RETRIEVE only ever sees the pool, so it never waits on a tier and never returns
+  part of a chunk.
 
 The easy thing to get wrong: a promotion reserves pool space, and reserving may evict. The
 LOOKUP's own chunks must not be evicted by its later promotions, so every chunk of the prefix
@@ -39,6 +41,20 @@ from lmshm.core.tiers.base import ChunkMeta, Tier
 logger = logging.getLogger("lmshm.tiers")
 
 HEAD_BATCH = 32     # headers a LOOKUP reads ahead in one round trip (tiers with batched_heads)
+READ_GROUP_CHUNKS = 16          # chunks one reader task promotes in a row (at most)
+READ_GROUP_BYTES = 4 << 20      # ... and no more bytes than this, past its first chunk
+
+
+class _Reads:
+    """Consecutive chunks of one LOOKUP's promotion that one reader task reads, in order."""
+
+    __slots__ = ("tier", "items", "nbytes", "future")
+
+    def __init__(self, tier: Tier) -> None:
+        self.tier = tier
+        self.items: list[tuple[bytes, ChunkMeta, tuple]] = []     # (key, meta, reserved object)
+        self.nbytes = 0
+        self.future: Optional[cf.Future] = None
 
 
 class Promotion:
@@ -82,6 +98,7 @@ class TierStack:
         # one limit for every tier, or one per tier (--disk-queue, --remote-queue)
         self.queue_limits = [queue_limit] * len(self.tiers) if isinstance(queue_limit, int) else list(queue_limit)
         self.timeout_s = timeout_s
+        self.readers = readers
         self._queues: list[queue.Queue] = [queue.Queue(maxsize=n) for n in self.queue_limits]
         # half the pool over all tiers: the queues of a slow disk and a slow remote together
         # never pin more than that, so STOREs keep room to evict
@@ -164,7 +181,12 @@ class TierStack:
         order = list(dict.fromkeys(rank_keys[i] for i in range(n) for rank_keys in keys))
         ahead = _Ahead(order)
         budget = int(self.pool.capacity * self.pool.max_pinned_fraction_per_uid)
-        reads: list[tuple[cf.Future, tuple, Tier]] = []
+        groups: list[_Reads] = []
+        group: Optional[_Reads] = None
+        # consecutive chunks of one tier are read by one task, up to READ_GROUP_CHUNKS of them
+        # (READ_GROUP_BYTES): a future, a queue hop and a wake-up per group, not per chunk (256
+        # KiB chunks: 1,024 a request); small LOOKUPs still spread over every reader
+        per_group = max(1, min(READ_GROUP_CHUNKS, n * len(keys) // (2 * self.readers)))
         seen: set[bytes] = set()
         stop = False
         for i in range(n):
@@ -188,29 +210,36 @@ class TierStack:
                 if obj is None:
                     stop = True                     # no room, or a STORE of it is in flight
                     break
-                reads.append((self._submit_read(tier, uid, key, meta, obj), obj, tier))
+                if group is not None and (group.tier is not tier or len(group.items) >= per_group
+                                          or group.nbytes >= READ_GROUP_BYTES):
+                    self._submit_reads(uid, group)
+                    group = None
+                if group is None:
+                    group = _Reads(tier)
+                    groups.append(group)
+                group.items.append((key, meta, obj))
+                group.nbytes += meta.nbytes
             if stop:
                 break
+        if group is not None:
+            self._submit_reads(uid, group)
         failed = False
-        for fut, obj, tier in reads:
+        for g in groups:
             if failed:
-                fut.add_done_callback(self._finish_late(obj, tier))
+                g.future.add_done_callback(self._finish_late(g))
                 continue
             try:
-                ok = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                ok = g.future.result(timeout=max(0.0, deadline - time.monotonic()))
             except cf.TimeoutError:
-                tier.stats.add(timeouts=1)
-                fut.add_done_callback(self._finish_late(obj, tier))
+                g.tier.stats.add(timeouts=1)
+                g.future.add_done_callback(self._finish_late(g))
                 failed = True
                 continue
-            except Exception:  # noqa: BLE001 - a tier's bug is a miss
-                logger.exception("lmshm: the %s tier failed a read", tier.name)
-                ok = False
-            if ok:
-                self._commit_held(obj, tier, done)
-            else:
-                self.pool.abort([obj])
-                tier.stats.add(misses=1)
+            objs = [item[2] for item in g.items]
+            self._commit_held(objs[:ok], g.tier, done)
+            if ok < len(objs):
+                self.pool.abort(objs[ok:])
+                g.tier.stats.add(misses=1)
                 failed = True
         return done
 
@@ -218,27 +247,36 @@ class TierStack:
         """The tier's ``head_room`` before an object and the object, when the pool keeps the room."""
         return self.pool.bytes.view[start - tier.head_room:end] if 0 < tier.head_room <= self.pool.head_room else None
 
-    def _submit_read(self, tier: Tier, uid: int, key: bytes, meta: ChunkMeta, obj: tuple) -> cf.Future:
+    def _submit_reads(self, uid: int, group: "_Reads") -> None:
+        """Read the group's chunks on a reader thread, in order, up to the first that fails; its
+        future gives how many were read and checked (a tier's exception: logged, a miss)."""
         with self._busy:
             self._reading += 1
-        start, end = obj[OFFSET], obj[OFFSET] + obj[NBYTES]
-        dest, framed = self.pool.bytes.view[start:end], self._framed(tier, start, end)
+        tier = group.tier
+        jobs = [(key, meta, self.pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]],
+                 self._framed(tier, obj[OFFSET], obj[OFFSET] + obj[NBYTES])) for key, meta, obj in group.items]
 
-        def read() -> bool:
+        def read() -> int:
             try:
-                return tier.get_into(uid, key, meta, dest, framed)
+                for i, (key, meta, dest, framed) in enumerate(jobs):
+                    try:
+                        if not tier.get_into(uid, key, meta, dest, framed):
+                            return i
+                    except Exception:  # noqa: BLE001 - a tier's bug is a miss
+                        logger.exception("lmshm: the %s tier failed a read", tier.name)
+                        return i
+                return len(jobs)
             finally:
                 with self._busy:
                     self._reading -= 1
                     self._busy.notify_all()
         try:
-            return self._readers.submit(read)
+            group.future = self._readers.submit(read)
         except RuntimeError:                    # closed meanwhile: a miss
             with self._busy:
                 self._reading -= 1
-            failed: cf.Future = cf.Future()
-            failed.set_result(False)
-            return failed
+            group.future = cf.Future()
+            group.future.set_result(0)
 
     def _find(self, uid: int, key: bytes, deadline: float, ahead: "_Ahead") -> Optional[tuple[Tier, ChunkMeta]]:
         for t, tier in enumerate(self.tiers):
@@ -253,20 +291,26 @@ class TierStack:
             self.tiers[-1].stats.add(misses=1)
         return None
 
-    def _commit_held(self, obj: tuple, tier: Tier, done: Promotion) -> None:
-        self.pool.commit([obj])
-        tier.stats.add(promotions=1)
-        held = self.pool.hold(obj[UID], obj[KEY])
-        if held is not None:
-            done.held.append(held)
+    def _commit_held(self, objs: list[tuple], tier: Tier, done: Promotion) -> None:
+        if not objs:
+            return
+        self.pool.commit(objs)
+        tier.stats.add(promotions=len(objs))
+        for obj in objs:
+            held = self.pool.hold(obj[UID], obj[KEY])
+            if held is not None:
+                done.held.append(held)
 
-    def _finish_late(self, obj: tuple, tier: Tier) -> Any:
+    def _finish_late(self, group: "_Reads") -> Any:
+        """Commit what a group read after its LOOKUP stopped waiting (visible for later LOOKUPs),
+        abort the rest."""
         def finish(fut: cf.Future) -> None:
-            if not fut.cancelled() and fut.exception() is None and fut.result():
-                self.pool.commit([obj])
-                tier.stats.add(promotions=1)
-            else:
-                self.pool.abort([obj])
+            ok = fut.result() if not fut.cancelled() and fut.exception() is None else 0
+            objs = [item[2] for item in group.items]
+            if ok:
+                self.pool.commit(objs[:ok])
+                group.tier.stats.add(promotions=ok)
+            self.pool.abort(objs[ok:])
         return finish
 
     # ---- state and lifecycle ------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lmshm.core.pool import NBYTES, OFFSET, Pool, Reservation
+from lmshm.core.pool import KEY as OBJ_KEY, NBYTES, OFFSET, Pool, Reservation
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.disk import HEADER_BYTES, DiskTier, BadFile, file_bytes, read_file, write_file
 
@@ -226,6 +226,34 @@ def test_write_through_then_promotion_brings_evicted_chunks_back_pinned(disk_dir
         assert stack.promote(6, keys, time.monotonic() + 2).held == []    # another uid: nothing
         info = stack.info()[0]
         assert info.promotions == 3 and info.puts == 3 and info.objects == 3
+    finally:
+        stack.close()
+        pool.release()
+
+
+def test_a_damaged_chunk_in_a_long_promotion_ends_the_prefix_there_and_leaks_no_reservation(disk_dir):
+    """Reader tasks promote runs of consecutive chunks (READ_GROUP_CHUNKS): a bad chunk in the
+    middle of a run ends the LOOKUP's prefix at it; the run's later chunks are never served by
+    this LOOKUP, and every reservation is committed or aborted."""
+    pool = Pool(128 * (META.nbytes + 4096), max_pinned_fraction_per_uid=1.0)
+    tier = DiskTier(str(disk_dir), 1 << 30)
+    stack = TierStack(pool, [tier], queue_limit=4, timeout_s=5.0, readers=2)
+    keys = [b"run-%03d" % i for i in range(80)]
+    try:
+        for i, k in enumerate(keys):
+            assert tier.put(3, k, META, memoryview(payload(i)))
+        bad = Path(tier.path_of(3, keys[37]))
+        raw = bytearray(bad.read_bytes())
+        raw[HEADER_BYTES + 5] ^= 1                        # the payload: its checksum no longer matches
+        bad.write_bytes(bytes(raw))
+        held = stack.promote(3, [keys], time.monotonic() + 5)
+        assert [obj[OBJ_KEY] for obj in held.held] == keys[:37]
+        for i, obj in enumerate(held.held):
+            assert bytes(pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]]) == payload(i)
+        held.release()
+        wait_for(lambda: pool.in_flight == 0)            # runs read after the bad one: committed or aborted
+        assert pool.pinned == 0 and not bad.exists() and tier.stats.snapshot()["corrupt"] == 1
+        assert pool.hold(3, keys[37]) is None
     finally:
         stack.close()
         pool.release()
