@@ -1,0 +1,241 @@
+"""What KV events cost STORE and LOOKUP: the same requests with events on and off, side by side.
+
+    .venv/bin/python bench/kv_events_overhead.py [--sessions 6] [--rounds 12] [--stores 12] [--lookups 30]
+                                                 [--no-reader]
+
+Three lmshm-servers with the same flags (``--capacity``, default 256 MiB, so that STOREs evict
+from the first round on, and every eviction is a ``BlockRemoved``) except one: *on* keeps the
+KV event index (``--kv-events-index`` at its default), *off* and *off-2* have
+``--kv-events-index 0``. *off-2* against *off* is an A/A control: what two identical servers
+differ by on this machine, the noise floor of the on/off ratio. This process is the
+engine's worker: per chunk size, a KV cache of L layers x [blocks, H heads, 32
+tokens, 128] float16 registered with each server, one 32-token block per chunk (vLLM's block
+and lmshm's chunk), so a chunk is L x H x 16 KiB:
+
+- 64 KiB: 2 layers x 2 heads (a tiny model); 256 KiB: 8 x 2; 2 MiB: 32 x 4 (a 1-3B model).
+
+Timed from the client, request to reply:
+
+- STORE of one 16-chunk request (512 tokens, vLLM's prefill of one request), fresh keys each
+  time. *on* sends an ``Advert`` per chunk, as ``LmshmConnector`` does with events on: a 32-byte
+  block hash, the parent's, the 32 token ids, no LoRA, no extra keys. *off* sends none.
+- LOOKUP of the 16 keys of the request just stored (all hits, a lease), then RELEASE (not timed).
+
+With ``--reader`` (the default) a separate process reads the *on* server's events with
+KV_EVENTS every 20 ms, as each engine's connector does once per scheduler step.
+
+Rounds rotate (and reverse) the order of the servers and rotate the chunk sizes; each round's
+median is taken per (size, server, request). Identical servers differ by more than 2 % on a
+busy 2-vCPU machine, and by how much depends on the run (where the scheduler put them): so a
+run is several *sessions*, each with three fresh servers; a session's figure is its median
+over rounds, and the table shows the median over sessions and the min-max of the sessions'
+ratios. *Server CPU* is the CPU time of the server's threads (``/proc/PID/task/*/schedstat``)
+per request, over the same blocks.
+
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+from _server import BenchServer  # noqa: E402
+from lmshm.multiprocess import protocol  # noqa: E402
+from lmshm.multiprocess.client import MPClient  # noqa: E402
+
+TOKENS, DIM = 32, 128
+CHUNKS = 16                 # chunks per STORE: one 512-token prefill
+SPACE = b"bench-kv-events"
+CASES = {"64 KiB": (2, 2), "256 KiB": (8, 2), "2 MiB": (32, 4)}     # (layers, heads)
+
+READER = r"""
+import sys, time
+from lmshm.multiprocess.client import MPClient
+c = MPClient(sys.argv[1], client_name="bench-kv-events-reader")
+cursor, n = -1, 0
+print("ready", flush=True)
+while True:
+    r = c.kv_events([sys.argv[2].encode()], after=cursor, limit=4096)
+    cursor, n = r.cursor, n + len(r.events)
+    time.sleep(0.02)
+"""
+
+
+class Side:
+    """One server's worker: a client and a KV cache per chunk size."""
+
+    def __init__(self, url: str, adverts: bool) -> None:
+        self.client = MPClient(url, client_name="bench-kv-events", timeout_s=60)
+        self.adverts = adverts
+        self.iids: dict[str, str] = {}
+        self.kv: dict[str, dict] = {}
+        self.last: dict[str, list[bytes]] = {}
+        for name, (layers, heads) in CASES.items():
+            self.kv[name] = {f"layer.{i}": torch.randn(CHUNKS, heads, TOKENS, DIM).half() for i in range(layers)}
+            self.iids[name] = self.client.register_kv_caches(self.kv[name], model_name="bench", world_size=1, rank=0)
+        self._n = 0
+        self._parent: bytes | None = None
+
+    def store(self, case: str) -> float:
+        keys = [os.urandom(16) for _ in range(CHUNKS)]
+        adverts = None
+        if self.adverts:
+            adverts = []
+            parent = self._parent
+            for k in keys:
+                h = os.urandom(32)
+                adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent,
+                                               list(range(self._n, self._n + TOKENS)), None, None))
+                parent, self._n = h, self._n + TOKENS
+            self._parent = parent
+        t0 = time.perf_counter()
+        r = self.client.store(self.iids[case], keys, list(range(CHUNKS)), 1, adverts=adverts, space=SPACE,
+                              pod="bench")
+        dt = time.perf_counter() - t0
+        if list(r.results) != [protocol.StoreResult.STORED] * CHUNKS:
+            raise RuntimeError(f"STORE results {list(r.results)}")
+        self.last[case] = keys
+        return dt
+
+    def lookup(self, case: str) -> float:
+        keys = self.last[case]
+        t0 = time.perf_counter()
+        r = self.client.lookup([keys])
+        dt = time.perf_counter() - t0
+        if r.hits != CHUNKS:
+            raise RuntimeError(f"LOOKUP found {r.hits} of {CHUNKS}")
+        self.client.release(r.lease)
+        return dt
+
+    def close(self) -> None:
+        self.client.close()
+        self.kv.clear()
+
+
+MODES = ("on", "off", "off-2")
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time the process's threads have run, in ns (``/proc/PID/task/*/schedstat``)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass       # a thread that ended meanwhile
+    return total
+
+
+def run(args: argparse.Namespace) -> dict:
+    flags = ["--capacity", args.capacity]
+    off = ["--kv-events-index", "0"]
+    with BenchServer(*flags, quiet=True) as on_server, BenchServer(*flags, *off, quiet=True) as off_server, \
+            BenchServer(*flags, *off, quiet=True) as control_server:
+        reader = None
+        if args.reader:
+            reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode()],
+                                      stdout=subprocess.PIPE, text=True)
+            assert reader.stdout.readline().strip() == "ready"
+        sides = {"on": Side(on_server.url, True), "off": Side(off_server.url, False),
+                 "off-2": Side(control_server.url, False)}
+        pids = {"on": on_server.pid, "off": off_server.pid, "off-2": control_server.pid}
+        cpu: dict[tuple[str, str, str], list[int]] = {}     # [ns, requests] of the server, per block
+        try:
+            for mode, side in sides.items():         # warm-up: fill the pools, so rounds evict
+                for _ in range(3):
+                    for case in CASES:
+                        for _ in range(args.stores):
+                            side.store(case)
+                        side.lookup(case)
+            per_round: dict[tuple[str, str, str], list[float]] = {}
+            cases = list(CASES)
+            for i in range(args.rounds):
+                order = list(MODES[i % 3:] + MODES[:i % 3])
+                if i // 3 % 2:
+                    order.reverse()
+                rot = cases[i % len(cases):] + cases[:i % len(cases)]
+                for case in rot:
+                    for mode in order:
+                        side = sides[mode]
+                        c0 = cpu_ns(pids[mode])
+                        stores = [side.store(case) for _ in range(args.stores)]
+                        c1 = cpu_ns(pids[mode])
+                        lookups = [side.lookup(case) for _ in range(args.lookups)]
+                        c2 = cpu_ns(pids[mode])
+                        for what, ns, n in (("store", c1 - c0, args.stores), ("lookup", c2 - c1, args.lookups)):
+                            acc = cpu.setdefault((case, mode, what), [0, 0])
+                            acc[0] += ns
+                            acc[1] += n
+                        per_round.setdefault((case, mode, "store"), []).append(statistics.median(stores))
+                        per_round.setdefault((case, mode, "lookup"), []).append(statistics.median(lookups))
+            evictions = {m: s.client.status().pool.evictions for m, s in sides.items()}
+        finally:
+            for side in sides.values():
+                side.close()
+            if reader is not None:
+                reader.kill()
+                reader.wait()
+            gc.collect()
+    return {"per_round": per_round, "evictions": evictions, "cpu": cpu}
+
+
+def table(sessions: list[dict]) -> str:
+    """Per (size, request): the median over sessions of each session's median over rounds, and
+    the ratios per session (their median, and min-max over the sessions)."""
+    lines = ["| chunk | request | off | on | **on/off** (min-max over sessions) | off-2/off: A/A control (min-max) "
+             "| server CPU off | server CPU on | **CPU on/off** | CPU off-2/off |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for case in CASES:
+        for what in ("store", "lookup"):
+            med = {m: [statistics.median(r["per_round"][(case, m, what)]) for r in sessions] for m in MODES}
+            r_on = [a / b for a, b in zip(med["on"], med["off"])]
+            r_aa = [a / b for a, b in zip(med["off-2"], med["off"])]
+            m_off, m_on = statistics.median(med["off"]), statistics.median(med["on"])
+            unit, scale = ("ms", 1e3) if what == "store" else ("µs", 1e6)
+            per = {m: [r["cpu"][(case, m, what)][0] / r["cpu"][(case, m, what)][1] / 1e3 for r in sessions]
+                   for m in MODES}                                     # µs of server CPU per request
+            c_on, c_off, c_aa = (statistics.median(per[m]) for m in MODES)
+            cr_on = statistics.median(a / b for a, b in zip(per["on"], per["off"]))
+            cr_aa = statistics.median(a / b for a, b in zip(per["off-2"], per["off"]))
+            lines.append(f"| {case} | {what.upper()} x{CHUNKS} | {m_off * scale:.3f} {unit} "
+                         f"| {m_on * scale:.3f} {unit} "
+                         f"| **{statistics.median(r_on):.3f}** ({min(r_on):.2f}-{max(r_on):.2f}) "
+                         f"| {statistics.median(r_aa):.3f} ({min(r_aa):.2f}-{max(r_aa):.2f}) "
+                         f"| {c_off:.0f} µs | {c_on:.0f} µs | **{cr_on:.3f}** | {cr_aa:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sessions", type=int, default=6, help="fresh servers each time (default 6)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds per session (default 12)")
+    ap.add_argument("--stores", type=int, default=12, help="STOREs per size, server and round")
+    ap.add_argument("--lookups", type=int, default=30, help="LOOKUPs per size, server and round")
+    ap.add_argument("--capacity", default="256MiB")
+    ap.add_argument("--reader", action=argparse.BooleanOptionalAction, default=True,
+                    help="a process reading the on server's KV_EVENTS every 20 ms (default on)")
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    t0 = time.monotonic()
+    sessions = [run(args) for _ in range(args.sessions)]
+    print(f"# KV events on (index, adverts{', a KV_EVENTS reader' if args.reader else ''}) against off "
+          f"(--kv-events-index 0, no adverts) and a second off server (A/A control); {args.sessions} sessions of "
+          f"fresh servers x {args.rounds} rounds of {args.stores} STOREs and {args.lookups} LOOKUPs per size and "
+          f"server; {CHUNKS} chunks a request; --capacity {args.capacity}")
+    print(f"# load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; {time.monotonic() - t0:.0f} s; "
+          f"pool evictions per server in the last session {sessions[-1]['evictions']}")
+    print(table(sessions))
+
+
+if __name__ == "__main__":
+    main()
