@@ -297,7 +297,8 @@ SETTINGS: tuple[Setting, ...] = (
             "request message, before the server closes or cancels it (default 5)", "SECONDS"),
     Setting("kv_events_index", "--kv-events-index", "LMSHM_KV_EVENTS_INDEX", "kv_events_index",
             "advertised chunks (STOREs that carry adverts: the engine's block hashes) the KV event index keeps, "
-            "to tell routers which tier can serve each one; past it the least recently stored is forgotten, with a BlockRemoved, and counted (default 262144; "
+            "to tell routers which tier can serve each one; past it the least recently stored is forgotten, "
+            "with a BlockRemoved, and counted (default 262144; "
             "0 = no KV events at all: neither KV_EVENTS reads nor --kv-events)", "N"),
     Setting("kv_events_buffer", "--kv-events-buffer", "LMSHM_KV_EVENTS_BUFFER", "kv_events_buffer",
             "KV event records the event log keeps for its readers (the connectors' KV_EVENTS reads and "

@@ -806,10 +806,19 @@ class DiskTier(Tier):
         return chosen
 
     def contains(self, uid: int, keys: Sequence[bytes]) -> int:
-        for i, key in enumerate(keys):
-            if self._lookup(uid, key, touch=False) is None:
+        i = 0
+        while True:
+            with self._lock:                   # the indexed run in one go; a probe only at its end
+                od = self._index.get(uid)
+                if od is not None:
+                    while i < len(keys) and keys[i] in od:
+                        i += 1
+                if i == len(keys):
+                    return i
+                scanning = not self._scan_done.is_set()
+            if not scanning or self._probe(uid, keys[i]) is None:
                 return i
-        return len(keys)
+            i += 1
 
     def _lookup(self, uid: int, key: bytes, touch: bool) -> Optional[_Entry]:
         """The index's entry of ``(uid, key)`` (most recently used now if ``touch``); while the
