@@ -171,9 +171,15 @@ def test_a_connection_flood_on_both_ports_stays_in_its_fd_budget_and_an_ipc_work
         try:
             flood += _flood(app.grpc_port, 1100, H2_PREFACE)
             flood += _flood(app.http_port, 300, b"GET /v2 HTTP/1.1\r\nHost: x\r\n")
+            # Budgets: 64 gRPC connections, 128 HTTP ones (1024 // 8), a few fds of slack. grpcio
+            # closes the connections past its budget as it accepts them, so a loaded host may
+            # be a few fds over for a moment (seen: +3 after 0.5 s): the bound must hold within 5 s.
+            budget = base + 64 + 128 + 8
+            settle = time.monotonic() + 5.0
             time.sleep(0.5)
-            # Budgets: 64 gRPC connections, 128 HTTP ones (1024 // 8), a few fds of slack.
-            assert app.fd_count() <= base + 64 + 128 + 8, (base, app.fd_count(), len(flood))
+            while app.fd_count() > budget and time.monotonic() < settle:
+                time.sleep(0.1)
+            assert app.fd_count() <= budget, (base, app.fd_count(), len(flood))
 
             # An honest worker connects over ipc:// (the listener that aborted), verifies, registers.
             pool = lmshm.empty_shared((2, 64), dtype=torch.float16)
