@@ -124,6 +124,8 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     plain = RemoteTier(url, prefix="bench:", timeout_s=10, insecure_unsigned=True)    # logs its WARNING
     signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
     tiers = {"tier (checksum)": plain, "tier (BLAKE3 MAC)": signed}
+    from lmshm.core.tiers import resp
+    resp_conn = resp.Connection(host, port, timeout_s=10)
     from lmshm.core.tiers.disk import CHECKSUMS
     print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
           f"redis-py with {parser or '-'}; load average {os.getloadavg()[0]:.2f} at the start")
@@ -175,10 +177,10 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
         def getrange_copy(k=k_plain) -> None:
             dest[:] = glide.getrange(k, 0, size - 1)
 
-        def getrange_into(k=k_plain) -> None:
-            plain._getrange_into(glide, k, 0, size, dest, True)
+        def resp_into(k=k_plain) -> None:
+            assert resp_conn.get_into(k, dest) == size
         jobs += [("glide GETRANGE", "GET", getrange), ("glide GETRANGE+copy", "GET", getrange_copy),
-                 ("glide GETRANGE into", "GET", getrange_into)]
+                 ("RESP GET into (tier's reader, bare)", "GET", resp_into)]
         # the tier writes as the server's write-through does: from a pool object with the
         # header's room before it (``framed``); "staged" is its fallback, a copy into a buffer
         frame = memoryview(bytearray(RemoteTier.head_room + size))
@@ -274,10 +276,10 @@ def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> N
 
 
 def reads_alone(glide, tier: RemoteTier, sizes: list[int], reps: int, keys: list) -> None:
-    """Part 5: reads alone, nothing else between them: bare ``GET``, and the tier's read with
-    the header ahead (``get_into`` into a slot with its room, the checksum) in ranges at once
-    (its default from ``SPLIT_FROM``) and in one range."""
-    import lmshm.core.tiers.remote as remote
+    """Part 5: reads alone, nothing else between them: glide's ``GET``, the tier's reader
+    (``resp``) bare, a ``GET`` into a buffer, and the tier's read with the header ahead
+    (``get_into`` into a slot with its room, the checksum)."""
+    from lmshm.core.tiers import resp
     print("\nreads alone (no writes between them): GB/s (median)")
     for size in sizes:
         value = os.urandom(size)
@@ -288,15 +290,11 @@ def reads_alone(glide, tier: RemoteTier, sizes: list[int], reps: int, keys: list
         keys += [bare, tier.remote_key(1, k)]
         slot = memoryview(bytearray(RemoteTier.head_room + size))
 
-        def one_range() -> None:
-            split, remote.SPLIT_FROM = remote.SPLIT_FROM, 1 << 62
-            try:
-                assert tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot)
-            finally:
-                remote.SPLIT_FROM = split
+        into = memoryview(bytearray(size))
+        conn = resp.Connection(*tier.target.nodes[0], timeout_s=10)
         jobs = {"glide GET": lambda: glide.get(bare),
-                "tier, ranges at once": lambda: tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot),
-                "tier, one range": one_range}
+                "RESP GET into (bare)": lambda: conn.get_into(bare, into),
+                "tier (RESP GET, checked)": lambda: tier.get_into(1, k, meta, slot[RemoteTier.head_room:], slot)}
         times: dict[str, list[float]] = {name: [] for name in jobs}
         order = list(jobs)
         for _ in range(reps):

@@ -52,7 +52,6 @@ imported only when a remote is configured.
 from __future__ import annotations
 
 import binascii
-import concurrent.futures as cf
 import functools
 import hmac
 import logging
@@ -66,6 +65,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from lmshm.core.tiers import resp
 from lmshm.core.tiers.base import ChunkMeta, Tier
 from lmshm.core.tiers.disk import CHECKSUMS, MAX_KEY, MAX_LAYOUT, checksum_algorithm
 
@@ -90,8 +90,7 @@ MAX_CA_BYTES = 1 << 20
 MAC_THREADS_FROM = 2 << 20      # payload bytes from which the MAC runs on BLAKE3's threads
 USAGE_REFRESH_S = 10.0
 KEEP_READ_BUFFER = 64 << 20     # a reader thread keeps its read buffer up to this size
-SPLIT_FROM = 2 << 20            # values this long or longer are read in ranges at once
-MAX_PARTS = 4                   # at most this many ranges, each at least SPLIT_FROM / 2 long
+SLOTS_REFRESH_S = 1.0          # a cluster's slot map is re-read at most this often
 
 SECRET_HOWTO = ("(umask 077; mkdir -p /etc/lmshm; head -c 32 /dev/urandom > /etc/lmshm/remote.key); "
                 "chmod 600 /etc/lmshm/remote.key")
@@ -403,10 +402,14 @@ class RemoteTier(Tier):
         self._local = threading.local()    # each writer thread's staging buffer
         self._client: Any = None
         self._glide = _import_glide()
-        self._into = _getrange_request(self._glide)
+        self._tls = resp.tls_context(ca_pem) if self.target.tls else None
+        self._reads = threading.local()    # each reader thread's connections, by node
+        self._conns: set[resp.Connection] = set()     # every reader connection open, for close
+        self._slots: Optional[dict[int, tuple[str, int]]] = None    # a cluster's slot map
+        self._slots_at = 0.0
+        self._slots_lock = threading.Lock()
         self._usage = (0, 0, 0)
         self._usage_at = 0.0
-        self._parts_pool: Optional[cf.ThreadPoolExecutor] = None
         self._closed = False
         if secret is None:
             logger.warning(UNSIGNED_WARNING, self.target.describe())
@@ -473,15 +476,7 @@ class RemoteTier(Tier):
             raise
         except Exception as exc:  # noqa: BLE001 - any client failure is a miss or a drop, counted
             failed = True
-            timed_out = isinstance(exc, self._glide.TimeoutError) or "timed out" in str(exc)
-            self.stats.add(**({"timeouts": 1} if timed_out else {"errors": 1}))
-            if self.breaker.failure(group):
-                self.warnings.warn("breaker", "lmshm: the remote tier %s failed %d times in a row (%s: %.200s); "
-                                   "skipping it for a while", self.target.describe(), BREAKER_FAILURES,
-                                   type(exc).__name__, str(exc))
-            else:
-                self.warnings.warn(op, "lmshm: remote %s on %s failed (%s: %.200s): a miss", op,
-                                   self.target.describe(), type(exc).__name__, str(exc))
+            self._failed(group, op, exc)
             if isinstance(exc, self._glide.ClosingError):
                 self._drop_client()
         if failed:
@@ -514,32 +509,14 @@ class RemoteTier(Tier):
         return n
 
     def head(self, uid: int, key: bytes) -> Optional[ChunkMeta]:
-        rkey = self.remote_key(uid, key)
-        try:
-            raw = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, HEADER_BYTES - 1))
-        except _Skip:
-            return None
-        return self._meta(rkey, raw, uid, key)
+        return self.heads(uid, [key])[0]
 
     def heads(self, uid: int, keys: Sequence[bytes]) -> list[Optional[ChunkMeta]]:
-        """The headers of ``keys`` in one round trip: a pipelined (non-atomic) batch of
-        ``GETRANGE``s, bounded by the timeout like any call. A cluster asks key by key instead:
-        a batch over several nodes fails as a whole when one is down, and a node down must cost
-        the misses of its own slots only."""
-        if self.target.cluster or len(keys) < 2:
-            return [self.head(uid, k) for k in keys]
+        """The headers of ``keys``: pipelined bounded ``GETRANGE``s, one round trip per node
+        (``_head_replies``), each bounded by the timeout. In a cluster a node down costs the
+        misses of its own slots only."""
         rkeys = [self.remote_key(uid, k) for k in keys]
-        batch = self._glide.Batch(is_atomic=False)
-        for rkey in rkeys:
-            batch.getrange(rkey, 0, HEADER_BYTES - 1)
-        try:
-            raws = self._call(rkeys[0], "GETRANGE", lambda c: c.exec(batch, raise_on_error=False))
-        except _Skip:
-            return [None] * len(keys)
-        if not isinstance(raws, list) or len(raws) != len(keys):
-            return [None] * len(keys)
-        return [self._meta(rkey, raw if isinstance(raw, bytes) else (b"" if raw is None else None), uid, key)
-                for rkey, raw, key in zip(rkeys, raws, keys)]
+        return [self._meta(rkey, raw, uid, key) for rkey, raw, key in zip(rkeys, self._head_replies(rkeys), keys)]
 
     def _meta(self, rkey: bytes, raw: Optional[bytes], uid: int, key: bytes) -> Optional[ChunkMeta]:
         if not raw:
@@ -556,25 +533,23 @@ class RemoteTier(Tier):
 
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
                  framed: Optional[memoryview] = None) -> bool:
-        """The value read straight into a buffer by bounded ``GETRANGE``s (module docstring):
-        without a secret into ``framed`` (the reserved, still invisible pool object and the room
-        before it) and checked there, as the disk tier checks its reads; with a secret into this
-        thread's read buffer, and only a value whose MAC checks is copied into the slot."""
+        """The value read by one ``GET`` straight into a buffer (``resp``: its length is
+        checked before a byte of it is received): without a secret into ``framed`` (the
+        reserved, still invisible pool object and the room before it) and checked there, as the
+        disk tier checks its reads; with a secret into this thread's read buffer, and only a
+        value whose MAC checks is copied into the slot."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
         size = HEADER_BYTES + meta.nbytes
         if len(dest) != meta.nbytes:
             return False
-        into_slot = self._into is not None and self.secret is None and framed is not None and len(framed) == size
+        into_slot = self.secret is None and framed is not None and len(framed) == size
+        buf = framed if into_slot else self._read_buffer(size)
         try:
-            if self._into is None:
-                value = self._call(rkey, "GETRANGE", lambda c: c.getrange(rkey, 0, size))   # size + 1 at most
-            else:
-                value = self._read_parts(rkey, framed if into_slot else self._read_buffer(size))
-            if not value:                   # expired or evicted since head: a plain miss
+            if not self._get(rkey, buf):    # expired or evicted since head: a plain miss
                 self._gone(uid, key)
                 return False
-            got, payload = check_value(value, uid, key, self.secret)
+            got, payload = check_value(buf, uid, key, self.secret)
             if got != meta:
                 raise BadValue("the value changed since it was looked up")
         except _Skip:
@@ -590,78 +565,156 @@ class RemoteTier(Tier):
         self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
         return True
 
-    def _read_parts(self, rkey: bytes, buf: memoryview) -> memoryview:
-        """The value of ``rkey`` in ``buf`` (all of it: it is as long as the header said), or empty
-        when the key is missing. A value of ``SPLIT_FROM`` bytes or more is read in 2 to
-        ``MAX_PARTS`` ranges at once, the first on this thread and the others on the tier's part
-        threads: the server copies one range while the client receives another (4 MiB: 0.92x
-        ``GET`` against 0.83x for one range; 16 MiB: 0.87x against 0.73x; bench/remote_tier.py).
-        Ranges read at different moments may come from two writes of the key; the checksum or
-        MAC over the whole value, checked after, refuses such a mix. Every range is waited for
-        before this returns, failed or not: glide writes into ``buf`` until its call returns."""
-        size = len(buf)
-        n = 1 if size < SPLIT_FROM else max(2, min(MAX_PARTS, size // SPLIT_FROM))
-        bounds = [size * i // n for i in range(n + 1)]
-
-        def part(i: int) -> int:
-            lo, hi = bounds[i], bounds[i + 1]
-            return self._call(rkey, "GETRANGE", lambda c: self._getrange_into(c, rkey, lo, hi, buf[lo:hi], i == n - 1))
-        others: list[cf.Future] = []
-        try:
-            if n > 1:
-                threads = self._part_threads()
-                try:
-                    others += [threads.submit(part, i) for i in range(1, n)]
-                except RuntimeError:        # closed meanwhile
-                    raise _Skip from None
-            first = part(0)
-        finally:
-            outcomes: list[int] = []
-            refused = ""
-            for f in others:
-                try:
-                    outcomes.append(f.result())
-                except _Skip:
-                    outcomes.append(-1)
-                except BadValue as exc:
-                    outcomes.append(-1)
-                    refused = str(exc)
-        if refused:                 # new exceptions: the others' stay out of reference cycles
-            raise BadValue(refused)
-        if -1 in outcomes:
+    # ---- reads: RESP on the tier's own connections (resp.py) ------------------------------
+    def _get(self, rkey: bytes, buf: memoryview) -> bool:
+        """``rkey``'s value in ``buf``: True, False when it is missing (or not a string);
+        ``BadValue`` when it is of another length, ``_Skip`` after a counted failure. A cluster's
+        ``MOVED`` is followed once."""
+        group = self._group(rkey)
+        if not self.breaker.allow(group):
             raise _Skip
-        if first == 0:
-            return buf[:0]
-        got = [first] + outcomes
-        if any(g != bounds[i + 1] - bounds[i] for i, g in enumerate(got)):
-            raise BadValue(f"{sum(got)} bytes read where {size} were expected")
-        return buf
+        node = self._node(rkey)
+        for attempt in range(2):
+            try:
+                n = self._conn(node).get_into(rkey, buf)
+            except resp.WrongLength as exc:
+                self.breaker.success(group)
+                raise BadValue(f"{exc.nbytes} bytes where the header says {len(buf)}") from None
+            except resp.ErrorReply as exc:
+                moved = exc.moved if self.target.cluster else None
+                if moved is not None and attempt == 0:
+                    node = self._moved(moved, node)
+                    continue
+                if str(exc).startswith("WRONGTYPE"):     # someone else's key: a miss
+                    self.breaker.success(group)
+                    return False
+                self._failed(group, "GET", exc)
+                raise _Skip from None
+            except (OSError, resp.ProtocolError, _Skip) as exc:
+                if isinstance(exc, _Skip):
+                    raise
+                self._failed(group, "GET", exc)
+                raise _Skip from None
+            self.breaker.success(group)
+            return n > 0
+        self._failed(group, "GET", resp.ProtocolError("redirected twice"))
+        raise _Skip
 
-    def _getrange_into(self, client: Any, rkey: bytes, lo: int, hi: int, buf: memoryview, last: bool) -> int:
-        """Bytes ``lo`` to ``hi`` of ``rkey``'s value, written by glide into ``buf`` (``hi - lo``
-        bytes; its ``response_buffer``, the same path as its public ``get(key, buffer=...)``);
-        how many it wrote (0: the key is missing). The ``last`` range asks for one byte more: the
-        reply is bounded whatever the value's size, and a longer value makes glide refuse the
-        reply (``BadValue``), rather than be read as a prefix that would pass."""
-        longer = False
+    def _head_replies(self, rkeys: Sequence[bytes]) -> list[Optional[bytes]]:
+        """The first ``HEADER_BYTES`` of each key's value, pipelined: one round trip per node
+        asked. None where it was not learnt (a failure, counted; a breaker open; an error reply),
+        ``b""`` where the key is missing. A key ``MOVED`` is asked again once, at its new node."""
+        out: list[Optional[bytes]] = [None] * len(rkeys)
+        todo = list(range(len(rkeys)))
+        for attempt in range(2):
+            by_node: dict[tuple[str, int], list[int]] = {}
+            for i in todo:
+                if self.breaker.allow(self._group(rkeys[i])):
+                    by_node.setdefault(self._node(rkeys[i]), []).append(i)
+            todo = []
+            for node, idx in by_node.items():
+                groups = {self._group(rkeys[i]) for i in idx}
+                try:
+                    replies = self._conn(node).pipeline(
+                        [(b"GETRANGE", rkeys[i], b"0", b"%d" % (HEADER_BYTES - 1)) for i in idx], HEADER_BYTES)
+                except (OSError, resp.ProtocolError, _Skip) as exc:
+                    if not isinstance(exc, _Skip):
+                        for g in groups:
+                            self._failed(g, "GETRANGE", exc)
+                    continue
+                failed: dict[int, resp.ErrorReply] = {}     # NOAUTH, LOADING...: the call failed
+                for i, r in zip(idx, replies):
+                    if isinstance(r, bytes):
+                        out[i] = r
+                    elif not isinstance(r, resp.ErrorReply) or str(r).startswith("WRONGTYPE"):
+                        pass                # not a string (someone else's key): a miss
+                    elif r.moved is not None and self.target.cluster and attempt == 0:
+                        self._moved(r.moved, node)
+                        todo.append(i)
+                    else:
+                        failed.setdefault(self._group(rkeys[i]), r)
+                for g in groups:
+                    if g in failed:
+                        self._failed(g, "GETRANGE", failed[g])
+                    else:
+                        self.breaker.success(g)
+            if not todo:
+                break
+        return out
+
+    def _node(self, rkey: bytes) -> tuple[str, int]:
+        """The node that serves ``rkey``: the server, or its slot's primary in the cluster's
+        slot map (read on first use; a seed node until then, which redirects)."""
+        if not self.target.cluster:
+            return self.target.nodes[0]
+        if self._slots is None:
+            self._load_slots()
+        return (self._slots or {}).get(key_slot(rkey), self.target.nodes[0])
+
+    def _load_slots(self) -> None:
+        """The cluster's slot map from the first node that answers ``CLUSTER SLOTS``; at most
+        one thread at a time, and at most every ``SLOTS_REFRESH_S`` (others go on with the map
+        they have)."""
+        if time.monotonic() - self._slots_at < SLOTS_REFRESH_S or not self._slots_lock.acquire(blocking=False):
+            return
         try:
-            n = client._execute_command(self._into, [rkey, str(lo).encode(), str(hi if last else hi - 1).encode()],
-                                        response_buffer=buf)
-        except self._glide.RequestError as exc:
-            if "exceeds buffer capacity" not in str(exc):
-                raise
-            longer = True
-        if longer:      # raised here, not in the handler: see _call on glide's frames
-            raise BadValue(f"longer than the {hi} bytes its header says")
-        return int(n) if n else 0
+            self._slots_at = time.monotonic()
+            known = list(dict.fromkeys(list(self.target.nodes) + sorted(set((self._slots or {}).values()))))
+            for node in known:
+                try:
+                    slots = resp.slot_map(self._conn(node).call((b"CLUSTER", b"SLOTS")))
+                except (OSError, resp.ProtocolError, resp.ErrorReply, _Skip) as exc:
+                    logger.debug("lmshm: CLUSTER SLOTS on %s:%d failed: %s", node[0], node[1], exc)
+                    continue
+                self._slots = {s: (h or node[0], p) for s, (h, p) in slots.items()}
+                return
+        finally:
+            self._slots_lock.release()
 
-    def _part_threads(self) -> cf.ThreadPoolExecutor:
+    def _moved(self, moved: tuple[int, str, int], asked: tuple[str, int]) -> tuple[str, int]:
+        """Where a ``MOVED`` or ``ASK`` says a slot is: noted in the map, which is re-read."""
+        slot, host, port = moved
+        node = (host or asked[0], port)
+        slots = dict(self._slots or {})
+        slots[slot] = node
+        self._slots = slots
+        self._load_slots()
+        return node
+
+    def _conn(self, node: tuple[str, int]) -> resp.Connection:
+        """This thread's connection to ``node``, opened when it has none or its last one
+        closed (after any failure)."""
+        conns = getattr(self._reads, "conns", None)
+        if conns is None:
+            conns = self._reads.conns = {}
+        conn = conns.get(node)
+        if conn is not None and not conn.closed:
+            return conn
+        if self._closed:
+            raise _Skip
+        conn = resp.Connection(node[0], node[1], timeout_s=self.timeout_s, tls=self._tls,
+                               username=self.username, password=self.password, db=self.target.db)
         with self._lock:
-            if self._closed:
-                raise _Skip
-            if self._parts_pool is None:
-                self._parts_pool = cf.ThreadPoolExecutor(MAX_PARTS - 1, thread_name_prefix="lmshm-remote-part")
-            return self._parts_pool
+            self._conns = {c for c in self._conns if not c.closed}
+            self._conns.add(conn)
+            closed = self._closed
+        if closed:
+            conn.close()
+            raise _Skip
+        conns[node] = conn
+        return conn
+
+    def _failed(self, group: int, op: str, exc: BaseException) -> None:
+        """A failed call: counted, fed to ``group``'s breaker, warned about (rate-limited)."""
+        timed_out = isinstance(exc, (TimeoutError, self._glide.TimeoutError)) or "timed out" in str(exc)
+        self.stats.add(**({"timeouts": 1} if timed_out else {"errors": 1}))
+        if self.breaker.failure(group):
+            self.warnings.warn("breaker", "lmshm: the remote tier %s failed %d times in a row (%s: %.200s); "
+                               "skipping it for a while", self.target.describe(), BREAKER_FAILURES,
+                               type(exc).__name__, str(exc))
+        else:
+            self.warnings.warn(op, "lmshm: remote %s on %s failed (%s: %.200s): a miss", op,
+                               self.target.describe(), type(exc).__name__, str(exc))
 
     def _read_buffer(self, nbytes: int) -> memoryview:
         """``nbytes`` of this thread's read buffer: kept for the next read up to ``KEEP_READ_BUFFER``
@@ -759,11 +812,13 @@ class RemoteTier(Tier):
                                self.target.describe(), policy)
 
     def close(self) -> None:
+        """Closes the client and every reader connection (a read in progress on one fails: a
+        miss)."""
         with self._lock:                    # waits for a connection in progress (at most its timeout)
             self._closed = True
-            parts, self._parts_pool = self._parts_pool, None
-        if parts is not None:
-            parts.shutdown(wait=True)       # each range read is bounded by the timeout
+            conns, self._conns = self._conns, set()
+        for conn in conns:
+            conn.close()
         self._drop_client(wait=True)
 
 
@@ -779,22 +834,6 @@ def _blake3() -> Any:
         raise ImportError("--remote-secret-file needs the blake3 package (keyed BLAKE3 MACs): "
                           "pip install 'lmshm[remote]'") from None
     return blake3
-
-
-def _getrange_request(glide: Any) -> Any:
-    """glide's ``GETRANGE`` request type when its clients can read a reply into a given buffer
-    (``_execute_command(..., response_buffer=...)``, glide >= 2.6, behind its public
-    ``get(key, buffer=...)``); None otherwise (``getrange``, a new bytes object per read)."""
-    try:
-        import inspect
-
-        from glide_shared.protobuf.command_request_pb2 import RequestType
-        for cls in (glide.GlideClient, glide.GlideClusterClient):
-            if "response_buffer" not in inspect.signature(cls._execute_command).parameters:
-                return None
-        return RequestType.GetRange
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return None
 
 
 def _import_glide() -> Any:

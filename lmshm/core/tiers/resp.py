@@ -1,0 +1,254 @@
+"""The remote tier's read path: RESP2 over a plain or TLS socket, replies read into given buffers.
+
+Why not the client library for reads: valkey-glide (the tier's client for writes and
+administration) returns or fills a buffer only after it has received the whole reply, so a value
+costs the kernel's copy into its buffers, its copy into ours, and, to keep a planted huge value
+from being allocated, a bounded ``GETRANGE`` that the server copies once more. Here a ``GET``
+reply's length comes first (``$N``): a value of another length than the header said is refused
+right there, before a byte of it is received, and the connection is closed (nothing is
+allocated for it); a value of the right length goes from the kernel straight into the buffer
+with ``recv_into``, one copy in all (docs/benchmarks.md, "Valkey read-back").
+
+Only what the tier needs: ``AUTH``, ``SELECT``, pipelined bounded ``GETRANGE``s of headers,
+``GET`` into a buffer, and ``CLUSTER SLOTS``. Every reply is bounded (``MAX_REPLY`` bytes, and
+a buffer's length for ``GET``), every call by a deadline, and any surprise (an error reply
+aside) closes the connection: the next call opens a new one. One connection is used by one
+thread at a time (``RemoteTier`` keeps one per thread and node).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+from typing import Optional, Sequence, Union
+
+MAX_REPLY = 1 << 20         # bytes of any reply other than a GET into a buffer
+MAX_ITEMS = 1 << 16         # elements of an array reply (CLUSTER SLOTS: a few per shard)
+MAX_DEPTH = 4
+MAX_LINE = 4096
+SMALL_RECV = 512            # a GET reads its length line with this: little of the value lands before it
+
+Reply = Union[bytes, int, None, list, "ErrorReply"]
+
+
+class ProtocolError(Exception):
+    """The server's reply broke the protocol or a bound; the connection is closed."""
+
+
+class WrongLength(Exception):
+    """A ``GET`` reply of another length than the buffer's; the connection is closed."""
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(f"the value is {nbytes} bytes")
+        self.nbytes = nbytes
+
+
+class ErrorReply(Exception):
+    """An error reply (``-ERR ...``, ``-MOVED slot host:port``): the connection stays usable."""
+
+    @property
+    def moved(self) -> Optional[tuple[int, str, int]]:
+        """``(slot, host, port)`` of a ``MOVED`` or ``ASK`` redirection; None otherwise."""
+        words = str(self).split()
+        if len(words) != 3 or words[0] not in ("MOVED", "ASK") or not words[1].isdigit():
+            return None
+        host, _, port = words[2].rpartition(":")
+        return (int(words[1]), host, int(port)) if port.isdigit() else None
+
+
+def command(*args: bytes) -> bytes:
+    """One command in RESP's request form (an array of bulk strings)."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+class Connection:
+    """One RESP2 connection to ``host:port`` (TLS with ``tls``), authenticated and on database
+    ``db``; ``OSError``, ``ProtocolError`` or ``ErrorReply`` from the constructor otherwise."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float, tls: Optional[ssl.SSLContext] = None,
+                 username: str = "", password: str = "", db: int = 0) -> None:
+        self.address = (host, port)
+        self.timeout_s = timeout_s
+        self._pending = bytearray()     # received and not consumed yet
+        self._deadline = 0.0
+        self.closed = False
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock: socket.socket = sock
+        try:
+            if password:
+                self.call((b"AUTH", username.encode(), password.encode()) if username
+                          else (b"AUTH", password.encode()))
+            if db:
+                self.call((b"SELECT", str(db).encode()))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+    # ---- requests -------------------------------------------------------------------
+    def call(self, args: Sequence[bytes]) -> Reply:
+        """One command and its reply (an ``ErrorReply`` raised)."""
+        return self.pipeline([args], MAX_REPLY, raise_errors=True)[0]
+
+    def pipeline(self, commands: Sequence[Sequence[bytes]], limit: int, raise_errors: bool = False) -> list[Reply]:
+        """The replies to ``commands``, sent at once; each reply at most ``limit`` bytes. Error
+        replies are returned as ``ErrorReply`` values (raised with ``raise_errors``)."""
+        self._start()
+        try:
+            self.sock.sendall(b"".join(command(*c) for c in commands))
+            replies = [self._reply(limit, 0) for _ in commands]
+        except BaseException:
+            self.close()
+            raise
+        if raise_errors:
+            for r in replies:
+                if isinstance(r, ErrorReply):
+                    raise r
+        return replies
+
+    def get_into(self, key: bytes, buf: memoryview) -> int:
+        """``GET key`` read into ``buf``: ``len(buf)``, or 0 when the key is missing;
+        ``WrongLength`` (the connection closed, nothing of the value received) when the value
+        is of another length, ``ErrorReply`` for an error reply."""
+        self._start()
+        try:
+            self.sock.sendall(command(b"GET", key))
+            line = self._line(SMALL_RECV)
+            if line[:1] == b"-":
+                raise ErrorReply(line[1:].decode(errors="replace"))
+            if line[:1] != b"$":
+                raise ProtocolError(f"GET answered {line[:40]!r}")
+            n = _int(line[1:])
+            if n == -1:
+                return 0
+            if n != len(buf):
+                raise WrongLength(n)
+            got = min(len(self._pending), n)
+            buf[:got] = self._pending[:got]
+            del self._pending[:got]
+            while got < n:
+                self._timeout()
+                k = self.sock.recv_into(buf[got:], n - got)
+                if not k:
+                    raise ConnectionError("the server closed the connection")
+                got += k
+            self._crlf()
+        except ErrorReply:
+            raise
+        except BaseException:
+            self.close()
+            raise
+        return n
+
+    # ---- reading ----------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.closed:
+            raise ConnectionError("closed")
+        self._deadline = time.monotonic() + self.timeout_s
+
+    def _timeout(self) -> None:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no reply within {self.timeout_s:g} s")
+        self.sock.settimeout(left)
+
+    def _fill(self, size: int) -> None:
+        self._timeout()
+        data = self.sock.recv(size)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        self._pending += data
+
+    def _line(self, recv_size: int = 65536) -> bytes:
+        while True:
+            end = self._pending.find(b"\r\n")
+            if end >= 0:
+                line = bytes(self._pending[:end])
+                del self._pending[:end + 2]
+                return line
+            if len(self._pending) > MAX_LINE:
+                raise ProtocolError("a reply line longer than %d bytes" % MAX_LINE)
+            self._fill(recv_size)
+
+    def _crlf(self) -> None:
+        while len(self._pending) < 2:
+            self._fill(2 - len(self._pending))
+        if self._pending[:2] != b"\r\n":
+            raise ProtocolError("a bulk reply not ended by CRLF")
+        del self._pending[:2]
+
+    def _reply(self, limit: int, depth: int) -> Reply:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return ErrorReply(rest.decode(errors="replace"))
+        if kind == b":":
+            return _int(rest)
+        if kind == b"$":
+            n = _int(rest)
+            if n == -1:
+                return None
+            if not 0 <= n <= limit:
+                raise ProtocolError(f"a {n}-byte reply where at most {limit} are expected")
+            while len(self._pending) < n + 2:
+                self._fill(max(65536, n + 2 - len(self._pending)))
+            value = bytes(self._pending[:n])
+            if self._pending[n:n + 2] != b"\r\n":
+                raise ProtocolError("a bulk reply not ended by CRLF")
+            del self._pending[:n + 2]
+            return value
+        if kind == b"*":
+            n = _int(rest)
+            if n == -1:
+                return None
+            if not 0 <= n <= MAX_ITEMS or depth >= MAX_DEPTH:
+                raise ProtocolError(f"an array of {n} items at depth {depth}")
+            return [self._reply(limit, depth + 1) for _ in range(n)]
+        raise ProtocolError(f"an unknown reply {line[:40]!r}")
+
+
+def _int(raw: bytes) -> int:
+    if not raw or len(raw) > 20 or not raw.lstrip(b"-").isdigit():
+        raise ProtocolError(f"not an integer: {raw[:40]!r}")
+    return int(raw)
+
+
+def tls_context(ca_pem: Optional[bytes]) -> ssl.SSLContext:
+    """The client's TLS context: the system's roots, or only ``ca_pem``'s certificates."""
+    return ssl.create_default_context(cadata=ca_pem.decode("ascii", errors="replace")) if ca_pem \
+        else ssl.create_default_context()
+
+
+def slot_map(reply: Reply) -> dict[int, tuple[str, int]]:
+    """``CLUSTER SLOTS``'s reply as ``{slot: (host, port)}`` of each slot's primary;
+    ``ProtocolError`` for a reply of another shape."""
+    if not isinstance(reply, list):
+        raise ProtocolError("CLUSTER SLOTS did not answer an array")
+    slots: dict[int, tuple[str, int]] = {}
+    for shard in reply:
+        if not (isinstance(shard, list) and len(shard) >= 3 and isinstance(shard[0], int)
+                and isinstance(shard[1], int) and isinstance(shard[2], list) and len(shard[2]) >= 2
+                and isinstance(shard[2][0], bytes) and isinstance(shard[2][1], int)):
+            raise ProtocolError("CLUSTER SLOTS answered an entry of another shape")
+        lo, hi = max(0, shard[0]), min(16383, shard[1])
+        node = (shard[2][0].decode(errors="replace"), shard[2][1])
+        for s in range(lo, hi + 1):
+            slots[s] = node
+    return slots
