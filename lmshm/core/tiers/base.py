@@ -174,6 +174,15 @@ class Tier(abc.ABC):
         freed after False, so what a failed read left in it is never served. ``framed``, as for
         ``put``: the ``head_room`` bytes before the slot and the slot, the tier's to write."""
 
+    def get_run_into(self, uid: int, jobs: Sequence[tuple[bytes, ChunkMeta, memoryview, Optional[memoryview]]]) -> int:
+        """``get_into`` of each ``(key, meta, dest, framed)`` in order, up to the first that
+        fails; how many were read. A tier that can ask for a run at once (the remote's
+        pipelined ``GET``s) overrides it."""
+        for i, (key, meta, dest, framed) in enumerate(jobs):
+            if not self.get_into(uid, key, meta, dest, framed):
+                return i
+        return len(jobs)
+
     @abc.abstractmethod
     def put(self, uid: int, key: bytes, meta: ChunkMeta, data: memoryview,
             framed: Optional[memoryview] = None) -> bool:

@@ -540,27 +540,94 @@ class RemoteTier(Tier):
         value whose MAC checks is copied into the slot."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
-        size = HEADER_BYTES + meta.nbytes
-        if len(dest) != meta.nbytes:
+        buf = self._value_buffer(meta, dest, framed)
+        if buf is None:
             return False
-        into_slot = self.secret is None and framed is not None and len(framed) == size
-        buf = framed if into_slot else self._read_buffer(size)
         try:
-            if not self._get(rkey, buf):    # expired or evicted since head: a plain miss
+            found = self._get(rkey, buf)
+        except _Skip:
+            return False
+        except BadValue as exc:
+            self._refused(rkey, exc)
+            self._gone(uid, key)
+            return False
+        if not found:                       # expired or evicted since head: a plain miss
+            self._gone(uid, key)
+            return False
+        return self._checked(uid, key, rkey, meta, buf, dest, buf is not framed, t0)
+
+    def get_run_into(self, uid: int, jobs: Sequence[tuple[bytes, ChunkMeta, memoryview, Optional[memoryview]]]) -> int:
+        """A run of chunks (a promotion's reader task) read by ``GET``s sent at once, one round
+        trip for the run: each value checked (and with a secret copied) as it arrives, while
+        the server sends the next. Up to the first that fails; then the connection, with the
+        rest of the run's replies unread, is closed. A run a cluster spreads over several nodes
+        is read chunk by chunk."""
+        rkeys = [self.remote_key(uid, key) for key, _, _, _ in jobs]
+        node = self._node(rkeys[0]) if rkeys else None
+        groups = {self._group(r) for r in rkeys}
+        if len(jobs) < 2 or any(self._node(r) != node for r in rkeys[1:]) or \
+                not all(self.breaker.allow(g) for g in groups):
+            return super().get_run_into(uid, jobs)
+        group = self._group(rkeys[0])
+        try:
+            conn = self._conn(node)
+            conn.request_gets(rkeys)
+        except (OSError, _Skip) as exc:
+            if not isinstance(exc, _Skip):
+                self._failed(group, "GET", exc)
+            return 0
+        for i, (key, meta, dest, framed) in enumerate(jobs):
+            t0 = time.monotonic()
+            buf = self._value_buffer(meta, dest, framed)
+            ok = False
+            try:
+                if buf is not None and conn.reply_into(buf):
+                    ok = self._checked(uid, key, rkeys[i], meta, buf, dest, buf is not framed, t0)
+                elif buf is not None:
+                    self._gone(uid, key)
+            except resp.WrongLength as exc:
+                self._refused(rkeys[i], BadValue(f"{exc.nbytes} bytes where the header says {len(buf or b'')}"))
                 self._gone(uid, key)
-                return False
+            except resp.ErrorReply as exc:          # MOVED (a reshard), WRONGTYPE, NOAUTH...: a miss
+                if not str(exc).startswith(("MOVED", "ASK", "WRONGTYPE")):
+                    self._failed(group, "GET", exc)
+                elif exc.moved is not None:
+                    self._moved(exc.moved, node)
+            except (OSError, resp.ProtocolError) as exc:
+                self._failed(group, "GET", exc)
+                return i
+            if not ok:
+                conn.close()
+                return i
+        for g in groups:
+            self.breaker.success(g)
+        return len(jobs)
+
+    def _value_buffer(self, meta: ChunkMeta, dest: memoryview, framed: Optional[memoryview]) -> Optional[memoryview]:
+        """Where a value is read: ``framed`` without a secret, else this thread's read buffer;
+        None when ``dest`` is not the chunk's size."""
+        if len(dest) != meta.nbytes:
+            return None
+        size = HEADER_BYTES + meta.nbytes
+        if self.secret is None and framed is not None and len(framed) == size:
+            return framed
+        return self._read_buffer(size)
+
+    def _checked(self, uid: int, key: bytes, rkey: bytes, meta: ChunkMeta, buf: memoryview, dest: memoryview,
+                 copy: bool, t0: float) -> bool:
+        """The value read into ``buf`` checked (and with ``copy``, read elsewhere than into the
+        slot, copied there): True, or a miss (counted and refused when unsound)."""
+        try:
             got, payload = check_value(buf, uid, key, self.secret)
             if got != meta:
                 raise BadValue("the value changed since it was looked up")
-        except _Skip:
-            return False
         except OtherVersion:
             return False
         except BadValue as exc:
             self._refused(rkey, exc)
             self._gone(uid, key)
             return False
-        if not into_slot:
+        if copy:
             dest[:] = payload
         self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
         return True

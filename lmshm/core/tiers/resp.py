@@ -122,12 +122,26 @@ class Connection:
         return replies
 
     def get_into(self, key: bytes, buf: memoryview) -> int:
-        """``GET key`` read into ``buf``: ``len(buf)``, or 0 when the key is missing;
-        ``WrongLength`` (the connection closed, nothing of the value received) when the value
-        is of another length, ``ErrorReply`` for an error reply."""
+        """``GET key`` read into ``buf`` (``request_gets`` and ``reply_into``)."""
+        self.request_gets([key])
+        return self.reply_into(buf)
+
+    def request_gets(self, keys: Sequence[bytes]) -> None:
+        """Sends a ``GET`` of each key at once; ``reply_into`` then reads their replies in order.
+        A caller that stops reading before the last must ``close`` the connection."""
         self._start()
         try:
-            self.sock.sendall(command(b"GET", key))
+            self.sock.sendall(b"".join(command(b"GET", k) for k in keys))
+        except BaseException:
+            self.close()
+            raise
+
+    def reply_into(self, buf: memoryview) -> int:
+        """The next ``GET`` reply read into ``buf``, within the timeout: ``len(buf)``, or 0 when
+        the key is missing; ``WrongLength`` (the connection closed, nothing of the value
+        received) when the value is of another length, ``ErrorReply`` for an error reply."""
+        self._start()
+        try:
             line = self._line(SMALL_RECV)
             if line[:1] == b"-":
                 raise ErrorReply(line[1:].decode(errors="replace"))

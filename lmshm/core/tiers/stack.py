@@ -258,14 +258,11 @@ class TierStack:
 
         def read() -> int:
             try:
-                for i, (key, meta, dest, framed) in enumerate(jobs):
-                    try:
-                        if not tier.get_into(uid, key, meta, dest, framed):
-                            return i
-                    except Exception:  # noqa: BLE001 - a tier's bug is a miss
-                        logger.exception("lmshm: the %s tier failed a read", tier.name)
-                        return i
-                return len(jobs)
+                try:
+                    return tier.get_run_into(uid, jobs)
+                except Exception:  # noqa: BLE001 - a tier's bug is a miss (of the whole run)
+                    logger.exception("lmshm: the %s tier failed a read", tier.name)
+                    return 0
             finally:
                 with self._busy:
                     self._reading -= 1

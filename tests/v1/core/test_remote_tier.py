@@ -768,3 +768,51 @@ def test_a_hostile_server_cannot_make_a_read_hang_allocate_or_pass(case):
     finally:
         tier.close()
         server.stop()
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+@pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
+def test_a_run_of_chunks_is_asked_for_at_once_and_read_up_to_the_first_unsound_one(valkey, signed, framed):
+    from lmshm.core.tiers import resp
+    tier = tier_for(valkey.url, **signing(signed))
+    try:
+        datas = [payload(i) for i in range(6)]
+        for i, data in enumerate(datas):
+            assert tier.put(1, key(i), META, memoryview(data))
+        frames = [memoryview(bytearray(HEADER_BYTES + META.nbytes)) for _ in range(6)]
+
+        def jobs(keys):
+            return [(k, META, f[HEADER_BYTES:], f if framed else None) for k, f in zip(keys, frames)]
+        sent = []
+        real = resp.Connection.request_gets
+        resp.Connection.request_gets = lambda conn, keys: sent.append(len(keys)) or real(conn, keys)
+        try:
+            assert tier.get_run_into(1, jobs([key(i) for i in range(6)])) == 6
+            assert sent == [6], "the run was not asked for in one round trip"
+            assert [bytes(f[HEADER_BYTES:]) for f in frames] == datas
+            command(valkey.port, "SETRANGE", tier.remote_key(1, key(3)), str(HEADER_BYTES + 5), b"!")
+            assert tier.get_run_into(1, jobs([key(i) for i in range(6)])) == 3      # stops at the damage
+            assert tier.stats.snapshot()["corrupt"] == 1
+            assert tier.get_run_into(1, jobs([key(0), key(1), key(60), key(2)])) == 2   # stops at a missing key
+            assert tier.get_run_into(1, jobs([key(4), key(5)])) == 2        # a new connection after each stop
+            assert [bytes(f[HEADER_BYTES:]) for f in frames[:2]] == datas[4:6]
+        finally:
+            resp.Connection.request_gets = real
+        s = tier.stats.snapshot()
+        assert s["corrupt"] == 1 and s["errors"] == 0 and s["timeouts"] == 0, s
+    finally:
+        tier.close()
+
+
+def test_a_run_a_cluster_spreads_over_nodes_is_read_chunk_by_chunk(valkey_cluster):
+    tier = tier_for(valkey_cluster.url)
+    try:
+        datas = [payload(i) for i in range(8)]
+        for i, data in enumerate(datas):
+            assert tier.put(1, key(i), META, memoryview(data))
+        frames = [memoryview(bytearray(META.nbytes)) for _ in range(8)]
+        assert len({tier._node(tier.remote_key(1, key(i))) for i in range(8)}) > 1
+        assert tier.get_run_into(1, [(key(i), META, frames[i], None) for i in range(8)]) == 8
+        assert [bytes(f) for f in frames] == datas
+    finally:
+        tier.close()
