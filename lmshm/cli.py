@@ -123,8 +123,9 @@ def format_status_table(status) -> str:
             + (f", {t.direct_writes} written direct (O_DIRECT)" if t.direct_writes else "")
             + (f", {t.not_admitted} not admitted (first stores)" if t.not_admitted else "")
             + (f"; index rebuild: {t.scanned} file(s) scanned" + ("" if getattr(t, "scan_done", True) else
-               ", still running (chunks not reached yet are misses)") if getattr(t, "scanned", 0)
-               or not getattr(t, "scan_done", True) else "")
+               ", still running (a chunk not reached yet is probed on disk)")
+               + (f", {t.probed} found by a probe" if getattr(t, "probed", 0) else "") if getattr(t, "scanned", 0)
+               or not getattr(t, "scan_done", True) or getattr(t, "probed", 0) else "")
             + (f"; read {t.read_seconds / t.reads * 1e3:.2f} ms mean" if t.reads else "")
             + (f", write {t.write_seconds / t.writes * 1e3:.2f} ms mean" if t.writes else ""))
     return "\n".join(lines)

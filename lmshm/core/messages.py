@@ -284,11 +284,12 @@ class TierInfo(msgspec.Struct, frozen=True):
     direct_writes: int = 0   # disk: chunks written with O_DIRECT, from the pool object past the page cache
     not_admitted: int = 0    # disk with --disk-admit second: stores not written, the chunk's first
     scanned: int = 0         # disk: files the index rebuild at start has looked at so far
-    scan_done: bool = True   # disk: that rebuild has ended (until then, chunks not reached yet are misses)
+    scan_done: bool = True   # disk: that rebuild has ended (until then, a chunk not reached yet is probed on disk)
     read_seconds: float = 0.0    # total time of the reads (mean latency = read_seconds / reads)
     write_seconds: float = 0.0
     queue_depth: int = 0     # write-throughs waiting
     queue_limit: int = 0
+    probed: int = 0          # disk: chunks a LOOKUP found on disk before the index rebuild reached them
 
 
 class PoolInfo(msgspec.Struct, frozen=True):

@@ -32,7 +32,7 @@ _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", 
 # TierInfo fields (one series per tier, labelled by its name: "disk", "remote").
 _TIER_COUNTERS = ("hits", "misses", "promotions", "puts", "drops", "errors", "timeouts", "corrupt", "evictions",
                   "read_bytes", "written_bytes", "reads", "writes", "read_seconds", "write_seconds",
-                  "direct_writes", "not_admitted")
+                  "direct_writes", "not_admitted", "probed")
 _TIER_GAUGES = ("capacity", "used", "objects", "queue_depth", "queue_limit", "scanned", "scan_done")
 
 

@@ -856,7 +856,7 @@ class DiskTier(Tier):
 
     def info(self, queue_depth: int = 0, queue_limit: int = 0) -> TierInfo:
         return msgspec.structs.replace(super().info(queue_depth, queue_limit), scanned=self.scanned,
-                                       scan_done=self._scan_done.is_set())
+                                       scan_done=self._scan_done.is_set(), probed=self.probed)
 
     # ---- reads and writes ---------------------------------------------------------------
     def admit(self, uid: int, key: bytes) -> bool:

@@ -327,6 +327,9 @@ def test_the_tier_answers_while_its_index_is_rebuilt_and_counts_every_file_once(
         assert tier.put(0, missing[0], META, memoryview(payload(999)))       # over a file not counted yet
         assert tier.head(0, missing[1]) == META and tier.contains(0, missing[2:50]) == 48   # probed, indexed
         assert tier.probed == 49 and tier.usage()[2] == 100 + 1 + 49
+        text = Metrics(Registry(), lambda: PoolInfo(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                    tiers=[tier.info()])).text()
+        assert b'lmshm_tier_probed_total{tier="disk"} 49.0' in text
         assert tier.put(0, b"new", META, memoryview(payload(998)))
         for _ in range(1000):
             permits.release()
