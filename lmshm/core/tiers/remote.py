@@ -23,9 +23,12 @@ secret, straight into the reserved pool object and the room the pool keeps befor
 promotion's ``framed``), and checked there, as the disk tier checks its reads in the slot: a
 reserved object is invisible until the promotion commits it, and one that fails is freed. With a
 secret, into the reader thread's own buffer, and copied into the pool object only once the MAC
-checks: no unchecked byte ever reaches a pool slot. Both are one ``GETRANGE`` that glide writes
-into the given buffer (glide >= 2.6; an older glide returns a new bytes object, checked, then
-copied). A value that fails
+checks: no unchecked byte ever reaches a pool slot. Reads go over the tier's own RESP
+connections (``resp.py``, one per reader thread and node), not through glide: a ``GET`` reply
+is received straight into that buffer, one copy from the kernel; a promotion's run of chunks is
+asked for by ``GET``s sent at once (``get_run_into``), and headers by pipelined bounded
+``GETRANGE``s, one round trip per node. Writes, usage and the connection to a cluster's seeds
+stay with glide. A value that fails
 (wrong length, bad header, checksum or MAC) is a miss, counted (``corrupt``), and left in place:
 it may be another server's newer write, and the next write-through of that chunk overwrites it.
 A value of another format version (version 1 carried HMAC-SHA256, version 2 no header CRC) is a
@@ -33,20 +36,24 @@ plain miss, uncounted.
 The server's ``maxmemory`` policy is the only eviction authority; ``--remote-ttl`` optionally
 expires values too.
 
-The easy thing to get wrong: reads are ``GETRANGE`` bounded by the slot's size (one byte more,
-so that a longer value is refused, not read as a prefix), never ``GET``. glide receives a whole
-``GET`` reply (even one read into a given buffer) before it looks at its size, so a planted huge
-value would make the reader allocate it.
+The easy thing to get wrong: a reader must never receive more than the header said. A
+``GET`` reply's length comes first (``$N``); ``resp`` compares it with the slot's size before a
+byte of the value arrives, and a value of another length is refused (counted ``corrupt``) and
+its connection closed, unread. A client library that receives a whole reply before it looks at
+its size (glide's ``get(key, buffer=...)`` does) would let a planted huge value make the reader
+allocate it.
 
-Every call is bounded by ``--remote-timeout`` (the client's request and connect timeouts).
+Every call is bounded by ``--remote-timeout`` (glide's request and connect timeouts; for a
+read, its connect and each reply).
 Failures (timeouts, refused connections) feed a circuit breaker per hash slot group (one for a
 standalone server): after ``BREAKER_FAILURES`` in a row it skips the remote for a back-off (1 s,
 doubling to 30 s) and then lets one probe through; warnings are rate-limited. The client is
 created lazily and re-created by the probes, so a server that starts with the remote down still
 starts, and finds the remote when it comes up.
 
-The client is ``valkey-glide-sync`` (chosen by ``bench/remote_tier.py``; docs/design/tiers.md),
-imported only when a remote is configured.
+The client for writes is ``valkey-glide-sync`` (chosen by ``bench/remote_tier.py``;
+docs/design/tiers.md), imported only when a remote is configured; reads are ``resp.py``'s
+(``bench/remote_readback.py``).
 """
 
 from __future__ import annotations
