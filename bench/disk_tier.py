@@ -17,7 +17,9 @@ Prints medians of:
    counts the chunks written; the pool holds two requests and is filled by two untimed ones
    first, so the timed STOREs reuse warm pool pages), then, after a restart of the server on
    the same directory, LOOKUP (promotion from cold files) + RETRIEVE: the first request right
-   after the restart (a fresh pool, the index rebuild still running) timed apart, then, once
+   after the restart (a fresh pool, the index rebuild still running) timed apart, against a
+   cold O_DIRECT read of other files into memory never touched before (what a fresh pool is up
+   against: page faults as well as the disk), then, once
    the rebuild is done and two requests have warmed the pool, each rep a cold sequential
    O_DIRECT read of another request's files, one thread (the ``dd`` of those bytes), and
    then the timed LOOKUP + RETRIEVE: ratios are medians of the per-rep ratios.
@@ -194,6 +196,28 @@ def read_files_direct(paths: list[str], buf: memoryview) -> None:
             os.close(fd)
 
 
+def read_files_fresh(paths: list[str]) -> float:
+    """Seconds to read each whole file with O_DIRECT, one after the other, into consecutive
+    page-aligned stretches of memory never touched before (a new mapping, huge pages asked for
+    as the pool asks): the cold read a promotion into a fresh pool is up against, page faults
+    included."""
+    sizes = [os.stat(p).st_size for p in paths]
+    spans = [-(-s // 4096) * 4096 for s in sizes]
+    buf = mmap.mmap(-1, sum(spans))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    view = memoryview(buf)
+    t0 = time.perf_counter()
+    off = 0
+    for path, span in zip(paths, spans):
+        read_files_direct([path], view[off:off + span])
+        off += span
+    took = time.perf_counter() - t0
+    view.release()
+    buf.close()
+    return took
+
+
 def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
                trees: Optional[list[tuple[str, Optional[str]]]] = None) -> dict[str, float]:
     """STORE and write-through, then LOOKUP with promotion from cold files and RETRIEVE, through
@@ -211,7 +235,7 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
     os.mkdir(disk, 0o700)
     # the timed STOREs' keysets, then per tree two that warm a fresh pool and, per rep, one for
     # the baseline read and one timed promotion: every promotion and read meets files no one read
-    nsets = reps + len(trees) * (2 + 2 * reps)
+    nsets = reps + len(trees) * (3 + 2 * reps)
     args = ("--capacity", str(2 * request_bytes + (64 << 20)), "--disk", disk,
             "--disk-capacity", str(request_bytes * (nsets + 4) + chunks * 2 * HEADER_BYTES * (nsets + 4)),
             "--disk-timeout", "30", "--disk-queue", str(4 * chunks))
@@ -256,11 +280,15 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
     view = memoryview(buf)
     for label, tree in trees:
         warm_sets = [next(rest) for _ in range(2)]
+        fresh_keys = next(rest)
         for path in paths.values():         # the headers an earlier server's index rebuild read, too
             drop_cache(path)
         fresh, fresh_rebuilt, scan, baseline, promote, retrieve = [], [], [], [], [], []
         with BenchServer(*args, quiet=True, cwd=tree) as server, MPClient(server.url, timeout_s=120) as client:
             t_start = time.perf_counter()
+            # the reference for the first LOOKUP: the same cold read, into memory as fresh as a
+            # new pool's (read before the registration starts the pool's populate-ahead thread)
+            fresh_base = read_files_fresh([paths[k.hex()] for k in fresh_keys])
             iid = client.register_kv_caches(kv, "bench")
             # right after the restart: a fresh pool, and the index rebuild still running (a key
             # it has not reached is probed on disk); then wait for the rebuild to end, so that
@@ -304,6 +332,9 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
         first = gbps(first_hits * chunk_bytes, fresh)      # of the chunks it found
         out[f"{tag}first LOOKUP after the restart (fresh pool, rebuild running)"] = first
         out[f"{tag}  first LOOKUP / cold read (x)"] = first / cold
+        into_fresh = gbps(request_bytes, [fresh_base])
+        out[f"{tag}cold O_DIRECT read of other files into fresh memory (page faults too), 1 thread"] = into_fresh
+        out[f"{tag}  first LOOKUP / that read into fresh memory (x)"] = first / into_fresh
         out[f"{tag}  chunks the first LOOKUP found, of {chunks}"] = first_hits
         out[f"{tag}index rebuild done after the restart (s)"] = scan[0]
         out[f"{tag}second LOOKUP (pool pages not used yet, index rebuilt)"] = gbps(request_bytes, fresh_rebuilt)

@@ -8,8 +8,10 @@ persistence) unless ``--remote`` names one. For each value size, ``total-mib`` o
 written with ``RemoteTier.put`` from pool-like objects with the header's room before them
 (``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and one with
 (the keyed BLAKE3 MAC). A read-back is a promotion's reads of all of them: with ``concurrency``
-threads, each takes its share of the keys and asks ``heads`` for 32 at a time, then
-``get_into`` each into its slot of one preallocated pool (touched beforehand), room included.
+requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
+chunks (``LmshmSide.read``: headers 32 at a time, runs of chunks on the stack's 4 reader threads,
+shared by all requests, each run one ``get_run_into``) into one preallocated pool (touched
+beforehand), room included.
 Each repetition runs every (tier, concurrency) once in a shuffled order, after one untimed
 read each; after the last, the pool is cleared, read once more and compared with what was
 written. Then, with ``--lmcache-python``, bench/lmcache_remote_driver.py measures LMCache's
@@ -26,6 +28,7 @@ load average at the start and the end (the machine should be otherwise idle). Ke
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
 import ctypes
 import json
 import os
@@ -42,6 +45,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
+from lmshm.core.tiers.stack import READ_GROUP_BYTES, READ_GROUP_CHUNKS, TierStack  # noqa: E402
+
+#: the server's reader threads: TierStack's default, shared by every request's promotion
+READERS = int(os.environ.get("READERS", 0)) or TierStack.__init__.__kwdefaults__["readers"]
 
 BATCH = 32
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_remote_driver.py")
@@ -184,6 +191,7 @@ class LmshmSide:
         self.pool = bytearray(n * stride)
         touch(self.pool)
         self.srcv, self.poolv = memoryview(self.src), memoryview(self.pool)
+        self.readers = cf.ThreadPoolExecutor(READERS, thread_name_prefix="lmshm-tier-read")
         self.tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
                       "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32))}
         self.jobs = [(name, c) for name in self.tiers for c in concs]
@@ -197,20 +205,38 @@ class LmshmSide:
             self.read(self.tiers[name], c)      # untimed: the client connected, threads warm
 
     def read(self, tier: RemoteTier, conc: int) -> float:
-        """All values read back by ``conc`` threads, each its share: heads 32 at a time, then
-        ``get_into`` each into its slot of the pool (room included)."""
+        """All values read back by ``conc`` requests at once, each its share, as the server's
+        stack promotes them (``TierStack.promote``): a request asks ``heads`` for 32 keys at
+        a time and hands its chunks to the stack's ``READERS`` reader threads (shared by all
+        requests) in runs of up to ``READ_GROUP_CHUNKS`` chunks (``READ_GROUP_BYTES`` past the
+        first; fewer when a request is short, so that it still spreads over every reader),
+        each run read by ``get_run_into`` into the slots of the pool (room included)."""
         n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
         failed: list[int] = []
 
-        def share(lo: int, hi: int) -> None:
+        def request(lo: int, hi: int) -> None:
+            per_run = max(1, min(READ_GROUP_CHUNKS, (hi - lo) // (2 * READERS)))
+            runs: list = []
             for b in range(lo, hi, BATCH):
                 batch = keys[b:min(b + BATCH, hi)]
-                for j, (k, m) in enumerate(zip(batch, tier.heads(1, batch)), start=b):
+                metas = tier.heads(1, batch)
+                if None in metas:
+                    failed.append(b + metas.index(None))
+                    break
+                jobs: list = []
+                for j, meta in enumerate(metas, start=b):
                     slot = poolv[j * stride:(j + 1) * stride]
-                    if m is None or not tier.get_into(1, k, m, slot[room:], slot):
-                        failed.append(j)
+                    jobs.append((keys[j], meta, slot[room:], slot))
+                    if len(jobs) >= per_run or (len(jobs) > 1 and len(jobs) * self.meta.nbytes > READ_GROUP_BYTES):
+                        runs.append((jobs[0][0], len(jobs), self.readers.submit(tier.get_run_into, 1, jobs)))
+                        jobs = []
+                if jobs:
+                    runs.append((jobs[0][0], len(jobs), self.readers.submit(tier.get_run_into, 1, jobs)))
+            for first, count, fut in runs:
+                if fut.result() < count:
+                    failed.append(keys.index(first))
         bounds = [n * t // conc for t in range(conc + 1)]
-        threads = [threading.Thread(target=share, args=(bounds[t], bounds[t + 1])) for t in range(conc)]
+        threads = [threading.Thread(target=request, args=(bounds[t], bounds[t + 1])) for t in range(conc)]
         t0 = time.perf_counter()
         for th in threads:
             th.start()
@@ -252,6 +278,7 @@ class LmshmSide:
             finally:
                 tier.close()
         self.tiers = {}
+        self.readers.shutdown(wait=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 import time
 from typing import Optional, Sequence, Union
 
@@ -74,17 +75,27 @@ class Connection:
         self.address = (host, port)
         self.timeout_s = timeout_s
         self._pending = bytearray()     # received and not consumed yet
+        self._spill = memoryview(bytearray(SMALL_RECV))     # what a scattered read got past a value
         self._deadline = 0.0
+        self._rcvtimeo = 0.0
         self.closed = False
         sock = socket.create_connection((host, port), timeout=timeout_s)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=host)
+            else:
+                # a plain socket blocks, bounded by the kernel (SO_RCVTIMEO, SO_SNDTIMEO): one
+                # system call a read, where Python's own timeout polls before each
+                sock.settimeout(None)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(timeout_s))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
+                self._rcvtimeo = timeout_s
         except BaseException:
             sock.close()
             raise
         self.sock: socket.socket = sock
+        self.kernel_timeouts = tls is None
         try:
             if password:
                 self.call((b"AUTH", username.encode(), password.encode()) if username
@@ -110,7 +121,7 @@ class Connection:
         replies are returned as ``ErrorReply`` values (raised with ``raise_errors``)."""
         self._start()
         try:
-            self.sock.sendall(b"".join(command(*c) for c in commands))
+            self._send(b"".join(command(*c) for c in commands))
             replies = [self._reply(limit, 0) for _ in commands]
         except BaseException:
             self.close()
@@ -131,7 +142,7 @@ class Connection:
         A caller that stops reading before the last must ``close`` the connection."""
         self._start()
         try:
-            self.sock.sendall(b"".join(command(b"GET", k) for k in keys))
+            self._send(b"".join(command(b"GET", k) for k in keys))
         except BaseException:
             self.close()
             raise
@@ -157,10 +168,7 @@ class Connection:
             del self._pending[:got]
             while got < n:
                 self._timeout()
-                k = self.sock.recv_into(buf[got:], n - got)
-                if not k:
-                    raise ConnectionError("the server closed the connection")
-                got += k
+                got += self._recv_value(buf[got:])
             self._crlf()
         except ErrorReply:
             raise
@@ -174,16 +182,55 @@ class Connection:
         if self.closed:
             raise ConnectionError("closed")
         self._deadline = time.monotonic() + self.timeout_s
+        if self.kernel_timeouts and self._rcvtimeo < self.timeout_s / 2:
+            self._set_rcvtimeo(self.timeout_s)      # lowered near an earlier deadline
 
     def _timeout(self) -> None:
+        """Bound the next system call by what is left of the deadline."""
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"no reply within {self.timeout_s:g} s")
-        self.sock.settimeout(left)
+        if not self.kernel_timeouts:
+            self.sock.settimeout(left)
+        elif left < self._rcvtimeo * 0.9:       # so a call ends at most 11 % past the deadline
+            self._set_rcvtimeo(left)
+
+    def _send(self, data: bytes) -> None:
+        if not self.kernel_timeouts:
+            self.sock.settimeout(self.timeout_s)
+        try:
+            self.sock.sendall(data)
+        except BlockingIOError:
+            raise TimeoutError(f"could not send within {self.timeout_s:g} s") from None
+
+    def _set_rcvtimeo(self, seconds: float) -> None:
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+        self._rcvtimeo = seconds
+
+    def _recv_value(self, rest: memoryview) -> int:
+        """Receive into ``rest`` (the rest of a value); how many bytes of it came. On a plain
+        socket what comes past it (the value's CRLF, the next reply's length line) lands in
+        the spill buffer in the same system call, and is kept as pending."""
+        try:
+            if self.kernel_timeouts:
+                k = self.sock.recvmsg_into([rest, self._spill])[0]
+            else:
+                k = self.sock.recv_into(rest)
+        except BlockingIOError:
+            raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
+        if not k:
+            raise ConnectionError("the server closed the connection")
+        if k > len(rest):
+            self._pending += self._spill[:k - len(rest)]
+            return len(rest)
+        return k
 
     def _fill(self, size: int) -> None:
         self._timeout()
-        data = self.sock.recv(size)
+        try:
+            data = self.sock.recv(size)
+        except BlockingIOError:
+            raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
         if not data:
             raise ConnectionError("the server closed the connection")
         self._pending += data
@@ -236,6 +283,12 @@ class Connection:
                 raise ProtocolError(f"an array of {n} items at depth {depth}")
             return [self._reply(limit, depth + 1) for _ in range(n)]
         raise ProtocolError(f"an unknown reply {line[:40]!r}")
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as a ``struct timeval``, at least a microsecond (0 would mean no bound)."""
+    micros = max(1, int(seconds * 1e6))
+    return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
 
 
 def _int(raw: bytes) -> int:
