@@ -66,7 +66,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
     names = args.adapters.split(",")
-    result: dict = {"adapters": {n: {} for n in names}, "versions": versions()}
+    result: dict = {"adapters": {n: {} for n in names}, "cpu": {n: {} for n in names}, "versions": versions()}
     if args.serve and len(sizes) != 1:
         raise SystemExit("--serve takes one size")
     for kib in sizes:
@@ -78,6 +78,8 @@ def main() -> None:
                 rb.rep()
         for name, per_conc in rb.finish().items():
             result["adapters"][name][str(kib)] = {str(c): r for c, r in per_conc.items()}
+        for name, per_conc in rb.cpu_per_gb().items():
+            result["cpu"][name][str(kib)] = {str(c): r for c, r in per_conc.items()}
             print(f"{name:7s} {kib:6d} KiB  " + "  ".join(f"c{c}: {r:.2f} GB/s" for c, r in per_conc.items()),
                   file=sys.stderr)
     print(json.dumps(result))
@@ -159,6 +161,8 @@ class Readback:
         self.batches = [(self.keys[i:i + BATCH], self.dst[i:i + BATCH]) for i in range(0, n, BATCH)]
         self.adapters = {(name, c): make_adapter(name, host, port, c) for name in names for c in concs}
         self.times: dict[tuple[str, int], list[float]] = {k: [] for k in self.adapters}
+        self.cpu: dict[tuple[str, int], list[float]] = {k: [] for k in self.adapters}
+        self.last_cpu = 0.0
         self.order = list(self.adapters)
         self.shuffle = random.Random(size)
         for name in names:                     # each adapter's keys written once, by its widest one
@@ -172,16 +176,30 @@ class Readback:
         return self.adapters[(name, max(self.concs))]
 
     def read(self, adapter) -> float:
-        t0 = time.perf_counter()
+        """Seconds for one read-back; ``last_cpu``: this process's CPU seconds over it (its
+        C++ worker threads included)."""
+        c0, t0 = time.process_time(), time.perf_counter()
         wait_all(adapter, [adapter.submit_load_task(k, o) for k, o in self.batches], load=True)
-        return time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.last_cpu = time.process_time() - c0
+        return took
 
     def rep(self) -> dict[tuple[str, int], float]:
         self.shuffle.shuffle(self.order)
-        got = {k: self.read(self.adapters[k]) for k in self.order}
+        got = {}
+        for k in self.order:
+            got[k] = self.read(self.adapters[k])
+            self.cpu[k].append(self.last_cpu)
         for k, t in got.items():
             self.times[k].append(t)
         return got
+
+    def cpu_per_gb(self) -> dict[str, dict[int, float]]:
+        """Median CPU milliseconds of this process per GB (1e9 bytes) read back."""
+        out: dict[str, dict[int, float]] = {}
+        for (name, c), cs in self.cpu.items():
+            out.setdefault(name, {})[c] = statistics.median(cs) * 1e3 / (self.n * self.size / 1e9)
+        return out
 
     def finish(self) -> dict[str, dict[int, float]]:
         """Medians in GB/s; after one more read each, compared with what was stored."""

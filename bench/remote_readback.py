@@ -9,9 +9,14 @@ written with ``RemoteTier.put`` from pool-like objects with the header's room be
 (``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and one with
 (the keyed BLAKE3 MAC). A read-back is a promotion's reads of all of them: with ``concurrency``
 requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
-chunks (``LmshmSide.read``: headers 32 at a time, runs of chunks on the stack's 4 reader threads,
-shared by all requests, each run one ``get_run_into``) into one preallocated pool (touched
-beforehand), room included.
+chunks (``LmshmSide.read``: a request's promotion on one of the server's 2 copier threads,
+headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by all requests,
+each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
+``--readers 1,2,4`` compares reader counts. Before that, unless ``--no-clients``, one thread
+reads the same values with each bare client (no header read, no check, runs of 16 where it
+pipelines): glide ``GET`` and ``Batch``, redis-py with hiredis (the ``bench`` extra), and the
+tier's own reader (``resp.py``), each followed by the copy into the slot it needs: the client
+choice.
 Each repetition runs every (tier, concurrency) once in a shuffled order, after one untimed
 read each; after the last, the pool is cleared, read once more and compared with what was
 written. Then, with ``--lmcache-python``, bench/lmcache_remote_driver.py measures LMCache's
@@ -22,7 +27,12 @@ what it does), kept running for the size: one lmshm repetition, then one LMCache
 
 Prints one table of medians, GB/s as 1e9 payload bytes per second over the wall time of a whole
 read-back, and the ratio of each lmshm row to the best LMCache adapter in its column, with the
-load average at the start and the end (the machine should be otherwise idle). Keys are deleted.
+load average at the start and the end (the machine should be otherwise idle); then the reading
+process's CPU time per GB (``time.process_time``: its own threads, LMCache's C++ workers
+included), which load moves less than wall time. Keys are deleted.
+
+LMCache's side needs its own virtual environment (never a CUDA torch), as
+bench/lmcache_remote_driver.py's docstring says.
 """
 
 from __future__ import annotations
@@ -38,17 +48,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
+from lmshm.core.config import CoreConfig  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
 from lmshm.core.tiers.stack import READ_GROUP_BYTES, READ_GROUP_CHUNKS, TierStack  # noqa: E402
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
-READERS = int(os.environ.get("READERS", 0)) or TierStack.__init__.__kwdefaults__["readers"]
+READERS = TierStack.__init__.__kwdefaults__["readers"]
+#: the server's copier threads (--copy-threads' default): a LOOKUP's promotion runs on one
+COPY_THREADS = CoreConfig().copy_threads
 
 BATCH = 32
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_remote_driver.py")
@@ -61,10 +73,15 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--lmcache-python", default="", help="an interpreter with lmcache installed")
+    ap.add_argument("--readers", default=str(READERS),
+                    help=f"reader threads, a list to compare (default: the stack's {READERS})")
+    ap.add_argument("--no-clients", action="store_true",
+                    help="skip the bare clients' reads (the client choice: glide, redis-py + hiredis, resp)")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
+    readers = [int(r) for r in args.readers.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the start; "
           f"{args.total_mib} MiB per size, {args.reps} repetitions, medians", flush=True)
     server = None
@@ -77,18 +94,25 @@ def main() -> None:
             server = ValkeyServer(scratch)
             url = server.url
         rows: dict[str, dict[tuple[int, int], float]] = {}
+        cpu: dict[str, dict[tuple[int, int], float]] = {}
         versions: dict = {}
         for kib in sizes:
-            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs)
+            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers)
             theirs = LMCacheSide(args.lmcache_python, url, kib, args.total_mib, concs) if args.lmcache_python else None
             try:
                 for _ in range(args.reps):      # one lmshm repetition, one LMCache repetition, ...
                     mine.rep()
                     if theirs is not None:
                         theirs.rep()
+                if not args.no_clients:
+                    for name, (rate, ms) in bare_clients(url, mine, args.reps).items():
+                        rows.setdefault(name, {})[(kib, 1)] = rate
+                        cpu.setdefault(name, {})[(kib, 1)] = ms
+                for name, per_conc in mine.cpu_per_gb().items():
+                    cpu.setdefault(name, {}).update({(kib, c): r for c, r in per_conc.items()})
                 for name, per_conc in mine.finish().items():
                     rows.setdefault(name, {}).update({(kib, c): r for c, r in per_conc.items()})
-                    print(f"  {name:15s} {kib:6d} KiB  " + "  ".join(f"x{c}: {r:.2f}" for c, r in per_conc.items()),
+                    print(f"  {name:26s} {kib:6d} KiB  " + "  ".join(f"x{c}: {r:.2f}" for c, r in per_conc.items()),
                           flush=True)
                 got = theirs.finish() if theirs is not None else None
             finally:
@@ -100,29 +124,105 @@ def main() -> None:
                 for name, by_size in got["adapters"].items():
                     rows.setdefault(f"LMCache {name}", {}).update(
                         {(kib, int(c)): r for c, r in by_size[str(kib)].items()})
+                for name, by_size in got.get("cpu", {}).items():
+                    cpu.setdefault(f"LMCache {name}", {}).update(
+                        {(kib, int(c)): r for c, r in by_size[str(kib)].items()})
     finally:
         if server is not None:
             server.close()
         shutil.rmtree(scratch, ignore_errors=True)
     table(rows, sizes, concs)
+    cols = [(kib, c) for kib in sizes for c in concs]
+    print("\nthe reading process's CPU per GB read back, ms (its threads: lmshm's readers, LMCache's workers)")
+    for name, by_col in cpu.items():
+        print(f"{name:48s}" + "".join(f"{by_col[c]:10.0f}" if c in by_col else f"{'-':>10s}" for c in cols))
     if versions:
         print("LMCache side: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the end")
+
+
+def bare_clients(url: str, side: "LmshmSide", reps: int) -> dict[str, tuple[float, float]]:
+    """One thread reads every value of ``side``'s unsigned tier (header and payload) into its
+    slot with each client bare, in runs of 16 where the client pipelines: no header read, no
+    check. ``(GB/s, CPU ms per GB)`` per client, medians over ``reps`` rounds in shuffled order."""
+    import glide_sync as g
+
+    from lmshm.core.tiers import resp
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    tier = side.tiers["lmshm unsigned"]
+    rkeys = [tier.remote_key(1, k) for k in side.keys]
+    slots = [side.poolv[i * side.stride:(i + 1) * side.stride] for i in range(side.n)]
+    glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, int(port))], request_timeout=10_000))
+    conn = resp.Connection(host, int(port), timeout_s=10)
+    clients: dict = {}
+
+    def glide_get() -> None:
+        for rk, slot in zip(rkeys, slots):
+            slot[:] = glide.get(rk)
+
+    def glide_batch() -> None:
+        for b in range(0, side.n, 16):
+            batch = g.Batch(is_atomic=False)
+            for rk in rkeys[b:b + 16]:
+                batch.get(rk)
+            for slot, value in zip(slots[b:b + 16], glide.exec(batch, raise_on_error=True)):
+                slot[:] = value
+
+    def resp_gets() -> None:
+        for b in range(0, side.n, 16):
+            conn.request_gets(rkeys[b:b + 16])
+            for slot in slots[b:b + 16]:
+                conn.reply_into(slot)
+    clients["glide GET + copy (bare)"] = glide_get
+    clients["glide Batch of 16 GETs + copy"] = glide_batch
+    try:
+        import redis
+        r = redis.Redis(host=host, port=int(port), socket_timeout=10)
+        parser = "hiredis" if redis.utils.HIREDIS_AVAILABLE else "Python parser"
+
+        def redis_pipe() -> None:
+            for b in range(0, side.n, 16):
+                pipe = r.pipeline(transaction=False)
+                for rk in rkeys[b:b + 16]:
+                    pipe.get(rk)
+                for slot, value in zip(slots[b:b + 16], pipe.execute()):
+                    slot[:] = value
+        clients[f"redis-py {redis.__version__} ({parser}) pipeline of 16 + copy"] = redis_pipe
+    except ImportError:
+        print("  (redis-py not installed: pip install 'lmshm[bench]' for its row)")
+    clients["resp.py pipelined GETs into the slot (bare)"] = resp_gets
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in clients}
+    order = list(clients)
+    try:
+        for fn in clients.values():
+            fn()                                # untimed: connected, warm
+        for _ in range(reps):
+            random.shuffle(order)
+            for name in order:
+                c0, t0 = time.process_time(), time.perf_counter()
+                clients[name]()
+                times[name].append((time.perf_counter() - t0, time.process_time() - c0))
+    finally:
+        glide.close()
+        conn.close()
+    gb = side.n * side.stride / 1e9
+    return {name: (gb / statistics.median(t for t, _ in ts), statistics.median(c for _, c in ts) * 1e3 / gb)
+            for name, ts in times.items()}
 
 
 def table(rows: dict[str, dict[tuple[int, int], float]], sizes: list[int], concs: list[int]) -> None:
     cols = [(kib, c) for kib in sizes for c in concs]
     label = {col: (f"{col[0]}K" if col[0] < 1024 else f"{col[0] >> 10}M") + f" x{col[1]}" for col in cols}
     print("\nread-back into the pool, GB/s (columns: value size x concurrency)")
-    print(f"{'':26s}" + "".join(f"{label[c]:>10s}" for c in cols))
+    print(f"{'':48s}" + "".join(f"{label[c]:>10s}" for c in cols))
     for name, by_col in rows.items():
-        print(f"{name:26s}" + "".join(f"{by_col[c]:10.2f}" if c in by_col else f"{'-':>10s}" for c in cols))
+        print(f"{name:48s}" + "".join(f"{by_col[c]:10.2f}" if c in by_col else f"{'-':>10s}" for c in cols))
     lmc = {c: max((r[c] for n, r in rows.items() if n.startswith("LMCache") and c in r), default=0.0)
            for c in cols}
     if any(lmc.values()):
         for name, by_col in rows.items():
-            if name.startswith("lmshm"):
-                print(f"{name + ' / best LMC':26s}" + "".join(
+            if name.startswith("lmshm ") and "/" not in name:
+                print(f"{name + ' / best LMC':48s}" + "".join(
                     f"{by_col[c] / lmc[c]:9.2f}x" if lmc[c] and c in by_col else f"{'-':>10s}" for c in cols))
 
 
@@ -178,7 +278,7 @@ class LmshmSide:
     """Both tiers at one value size: the values written, the pool; ``rep`` times one read-back
     of each (tier, concurrency), ``finish`` checks the bytes, deletes the keys, gives medians."""
 
-    def __init__(self, url: str, size: int, total: int, concs: list[int]) -> None:
+    def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int]) -> None:
         self.size, self.concs = size, concs
         self.n = n = max(1, total // size)
         self.room = room = RemoteTier.head_room
@@ -191,31 +291,41 @@ class LmshmSide:
         self.pool = bytearray(n * stride)
         touch(self.pool)
         self.srcv, self.poolv = memoryview(self.src), memoryview(self.pool)
-        self.readers = cf.ThreadPoolExecutor(READERS, thread_name_prefix="lmshm-tier-read")
-        self.tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
-                      "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32))}
-        self.jobs = [(name, c) for name in self.tiers for c in concs]
+        self.pools = {r: cf.ThreadPoolExecutor(r, thread_name_prefix="lmshm-tier-read") for r in readers}
+        self.copiers = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="lmshm-copier")
+        tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
+                 "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32))}
+        self.tiers = tiers
+        #: each tier once per reader count (the default count unnamed)
+        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r)
+                         for name, tier in tiers.items() for r in readers}
+        self.jobs = [(name, c) for name in self.variants for c in concs]
         self.times: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
+        self.cpu: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
+        self.last_cpu = 0.0
         self.shuffle = random.Random(size)
-        for tier in self.tiers.values():
+        for tier in tiers.values():
             for i, k in enumerate(self.keys):
                 frame = self.srcv[i * stride:(i + 1) * stride]
                 assert tier.put(1, k, self.meta, frame[room:], frame), "put failed"
         for name, c in self.jobs:
-            self.read(self.tiers[name], c)      # untimed: the client connected, threads warm
+            self.read(name, c)                  # untimed: the client connected, threads warm
 
-    def read(self, tier: RemoteTier, conc: int) -> float:
+    def read(self, variant: str, conc: int) -> float:
         """All values read back by ``conc`` requests at once, each its share, as the server's
-        stack promotes them (``TierStack.promote``): a request asks ``heads`` for 32 keys at
+        stack promotes them (``TierStack.promote``, on one of ``COPY_THREADS`` copier threads,
+        so at most that many requests promote at a time; the rest wait): a request asks ``heads`` for 32 keys at
         a time and hands its chunks to the stack's ``READERS`` reader threads (shared by all
         requests) in runs of up to ``READ_GROUP_CHUNKS`` chunks (``READ_GROUP_BYTES`` past the
         first; fewer when a request is short, so that it still spreads over every reader),
         each run read by ``get_run_into`` into the slots of the pool (room included)."""
         n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
+        tier, nreaders = self.variants[variant]
+        readers = self.pools[nreaders]
         failed: list[int] = []
 
         def request(lo: int, hi: int) -> None:
-            per_run = max(1, min(READ_GROUP_CHUNKS, (hi - lo) // (2 * READERS)))
+            per_run = max(1, min(READ_GROUP_CHUNKS, (hi - lo) // (2 * nreaders)))
             runs: list = []
             for b in range(lo, hi, BATCH):
                 batch = keys[b:min(b + BATCH, hi)]
@@ -228,21 +338,19 @@ class LmshmSide:
                     slot = poolv[j * stride:(j + 1) * stride]
                     jobs.append((keys[j], meta, slot[room:], slot))
                     if len(jobs) >= per_run or (len(jobs) > 1 and len(jobs) * self.meta.nbytes > READ_GROUP_BYTES):
-                        runs.append((jobs[0][0], len(jobs), self.readers.submit(tier.get_run_into, 1, jobs)))
+                        runs.append((jobs[0][0], len(jobs), readers.submit(tier.get_run_into, 1, jobs)))
                         jobs = []
                 if jobs:
-                    runs.append((jobs[0][0], len(jobs), self.readers.submit(tier.get_run_into, 1, jobs)))
+                    runs.append((jobs[0][0], len(jobs), readers.submit(tier.get_run_into, 1, jobs)))
             for first, count, fut in runs:
                 if fut.result() < count:
                     failed.append(keys.index(first))
         bounds = [n * t // conc for t in range(conc + 1)]
-        threads = [threading.Thread(target=request, args=(bounds[t], bounds[t + 1])) for t in range(conc)]
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        c0, t0 = time.process_time(), time.perf_counter()
+        for f in [self.copiers.submit(request, bounds[t], bounds[t + 1]) for t in range(conc)]:
+            f.result()
         took = time.perf_counter() - t0
+        self.last_cpu = time.process_time() - c0
         if failed:
             raise RuntimeError(f"{len(failed)} of {n} values not read back (first: {failed[0]})")
         return took
@@ -250,14 +358,15 @@ class LmshmSide:
     def rep(self) -> None:
         self.shuffle.shuffle(self.jobs)
         for name, c in self.jobs:
-            self.times[(name, c)].append(self.read(self.tiers[name], c))
+            self.times[(name, c)].append(self.read(name, c))
+            self.cpu[(name, c)].append(self.last_cpu)
 
     def finish(self) -> dict[str, dict[int, float]]:
         n, room, stride = self.n, self.room, self.stride
         try:
             for name, c in self.jobs:           # what the last read left is what was written
                 touch(self.pool)
-                self.read(self.tiers[name], c)
+                self.read(name, c)
                 bad = sum(self.poolv[i * stride + room:(i + 1) * stride] != self.srcv[i * stride + room:(i + 1) * stride]
                           for i in range(n))
                 if bad:
@@ -269,6 +378,13 @@ class LmshmSide:
             out.setdefault(name, {})[c] = n * self.size / statistics.median(ts) / 1e9
         return out
 
+    def cpu_per_gb(self) -> dict[str, dict[int, float]]:
+        """Median CPU milliseconds of this process per GB read back (its reader threads')."""
+        out: dict[str, dict[int, float]] = {}
+        for (name, c), cs in self.cpu.items():
+            out.setdefault(name, {})[c] = statistics.median(cs) * 1e3 / (self.n * self.size / 1e9)
+        return out
+
     def close(self) -> None:
         for tier in self.tiers.values():
             try:
@@ -278,7 +394,8 @@ class LmshmSide:
             finally:
                 tier.close()
         self.tiers = {}
-        self.readers.shutdown(wait=True)
+        for pool in [*self.pools.values(), self.copiers]:
+            pool.shutdown(wait=True)
 
 
 if __name__ == "__main__":
