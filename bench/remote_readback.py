@@ -41,6 +41,7 @@ import argparse
 import concurrent.futures as cf
 import ctypes
 import json
+import mmap
 import os
 import random
 import shutil
@@ -269,8 +270,8 @@ class LMCacheSide:
             self.proc.wait(10)
 
 
-def touch(buf: bytearray) -> None:
-    """Fault in the pages of ``buf`` (a fresh bytearray's may be untouched zero pages)."""
+def touch(buf) -> None:
+    """Fault in the pages of ``buf`` (a fresh mapping's are not there yet)."""
     ctypes.memset((ctypes.c_char * len(buf)).from_buffer(buf), 0, len(buf))
 
 
@@ -288,7 +289,9 @@ class LmshmSide:
         self.src = bytearray(n * stride)
         for i in range(n):
             self.src[i * stride + room:(i + 1) * stride] = os.urandom(size)
-        self.pool = bytearray(n * stride)
+        self.pool = mmap.mmap(-1, n * stride)         # as the server's pool: huge pages asked for
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            self.pool.madvise(mmap.MADV_HUGEPAGE)
         touch(self.pool)
         self.srcv, self.poolv = memoryview(self.src), memoryview(self.pool)
         self.pools = {r: cf.ThreadPoolExecutor(r, thread_name_prefix="lmshm-tier-read") for r in readers}
