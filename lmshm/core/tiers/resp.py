@@ -26,6 +26,7 @@ from typing import Optional, Sequence, Union
 
 MAX_REPLY = 1 << 20         # bytes of any reply other than a GET into a buffer
 MAX_ITEMS = 1 << 16         # elements of an array reply (CLUSTER SLOTS: a few per shard)
+FRAMING = 4096              # a reply's bytes past its bound's: type lines, lengths, CRLFs
 MAX_DEPTH = 4
 MAX_LINE = 4096
 SMALL_RECV = 512            # a GET reads its length line with this: little of the value lands before it
@@ -77,6 +78,7 @@ class Connection:
         self._pending = bytearray()     # received and not consumed yet
         self._spill = memoryview(bytearray(SMALL_RECV))     # what a scattered read got past a value
         self._deadline = 0.0
+        self._left = 0                  # bytes the reply being parsed may still take
         self._rcvtimeo = 0.0
         self.closed = False
         sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -122,7 +124,10 @@ class Connection:
         self._start()
         try:
             self._send(b"".join(command(*c) for c in commands))
-            replies = [self._reply(limit, 0) for _ in commands]
+            replies = []
+            for _ in commands:
+                self._left = limit + FRAMING    # the whole reply's bytes, nested arrays included
+                replies.append(self._reply(limit, 0))
         except BaseException:
             self.close()
             raise
@@ -253,8 +258,14 @@ class Connection:
             raise ProtocolError("a bulk reply not ended by CRLF")
         del self._pending[:2]
 
+    def _spend(self, nbytes: int) -> None:
+        self._left -= nbytes
+        if self._left < 0:
+            raise ProtocolError("a reply longer than its bound")
+
     def _reply(self, limit: int, depth: int) -> Reply:
         line = self._line()
+        self._spend(len(line) + 2)
         kind, rest = line[:1], line[1:]
         if kind == b"+":
             return rest
@@ -268,6 +279,7 @@ class Connection:
                 return None
             if not 0 <= n <= limit:
                 raise ProtocolError(f"a {n}-byte reply where at most {limit} are expected")
+            self._spend(n + 2)
             while len(self._pending) < n + 2:
                 self._fill(max(65536, n + 2 - len(self._pending)))
             value = bytes(self._pending[:n])
