@@ -22,8 +22,8 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
    its checksum); for GET, one ``GETRANGE`` of the whole value (the bounded read, without the
    header read, the check and the copy into the slot), that ``GETRANGE`` followed by one
-   copy of the value into a slot-sized buffer, and "into": the ``GETRANGE`` read straight into
-   a given buffer (the tier's read without header and check).
+   copy of the value into a slot-sized buffer, and the tier's own reader (``resp.py``) bare: a
+   ``GET`` received straight into a given buffer (the tier's read without header and check).
 
 4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack`` (signed, as
    ``--remote`` is by default: the MAC checked in the reader's buffer, then copied), with the
@@ -31,8 +31,9 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    cluster on loopback (started here; ``--no-cluster`` skips it), which is asked one header
    per round trip.
 
-5. (after 4) **reads alone**: bare ``GET`` and the tier's read with the header ahead, in ranges
-   at once (its default for values from 2 MiB) and in one range, with no writes between them.
+5. (after 4) **reads alone**: glide's ``GET``, the tier's reader bare, and the tier's read with
+   the header ahead, with no writes between them. bench/remote_readback.py measures reads as a
+   promotion makes them, against LMCache's adapters.
 
 3. **two threads at once**, as the tier is used (the stack writes with two threads and reads
    with up to four, docs/design/tiers.md): each of two threads moves ``--per-thread`` values of its
