@@ -242,14 +242,15 @@ class EventLog:
             return self._ring[0].n if self._ring else self._next
 
     def read(self, after: int, limit: int, uid: Optional[int] = None, spaces: Optional[Iterable[bytes]] = None,
-             max_bytes: int = 1 << 62) -> tuple[list[Record], int, bool]:
+             max_bytes: int = 1 << 62, apply: Optional[int] = None) -> tuple[list[Record], int, bool]:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given), the cursor to read from next, and whether records the reader had
         not read were dropped from the ring (``after`` below the oldest one kept). ``after``
         -1: from the oldest kept, nothing lost. ``max_bytes`` bounds the events' encoded size
-        (roughly; at least one record is returned)."""
+        (roughly; at least one record is returned). ``apply``: how many queued index entries
+        ``before_read`` applies first (None: all)."""
         if self.before_read is not None:
-            self.before_read()
+            self.before_read(apply)
         wanted = set(spaces) if spaces is not None else None
         out: list[Record] = []
         size = 0
@@ -298,7 +299,8 @@ class KvIndex:
     no lock, so the pool may call ``note`` under its own); ``drain`` applies the queue in the
     order it was filled, under the index's lock, ``DRAIN_BATCH`` entries at a time. Whatever
     reads the index drains first (the log's readers, ``leading``, ``hashes_of_tokens``,
-    ``len``), so no reader ever sees less than the STOREs answered before it; the server's
+    ``len``), so no reader sees less than the STOREs answered before it (but a KV_EVENTS
+    read, which applies at most ``server.KV_EVENTS_APPLY`` entries); the server's
     request loop drains a few entries whenever it has nothing else to do (``on_idle``); and a
     queue past ``MAX_QUEUED`` entries (or ``MAX_QUEUED_ADVERTS`` adverts) is drained in part by
     whoever adds to it."""

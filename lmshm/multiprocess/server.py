@@ -74,6 +74,9 @@ TICK_S = 0.05
 IDLE_ENTRIES = 16
 IDLE_QUIET_S = 0.001
 IDLE_BACKLOG = 4096
+#: A KV_EVENTS read applies at most this many first (about 1 ms): a reader polling during a
+#: burst of STOREs does not stall the loop for the whole backlog; what is left comes next read
+KV_EVENTS_APPLY = 256
 #: File descriptors kept free for the server's own work (mapping, logging, accepting); an
 #: eighth of the open-file limit if that is less, as are LINK_ROOM and SHED_TO (SHED_BELOW: a 16th).
 FD_RESERVE = 64
@@ -685,7 +688,7 @@ class ZmqEndpoint:
         session = self._verified(identity, "KV_EVENTS")
         log = self.core.kv_index.log
         records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
-                                         max_bytes=KV_EVENTS_REPLY_BYTES)
+                                         max_bytes=KV_EVENTS_REPLY_BYTES, apply=KV_EVENTS_APPLY)
         return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
 
     # ---- session ends -------------------------------------------------------------------
