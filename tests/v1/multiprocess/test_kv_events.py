@@ -491,6 +491,17 @@ def test_the_index_applies_what_it_queued_in_order_when_read_and_bounds_its_queu
     assert kv.queued <= 101 and kv.leading(hashes_of(2), ["pool"]) == {"pool": 2}
 
 
+def test_a_bounded_read_applies_that_many_entries_and_the_next_read_the_rest():
+    kv = KvIndex(records=4096)
+    for c in range(100):
+        kv.describe(1, SPACE, "m", "", 0, 1, [key(c)], [advert(c)])
+        kv.note(1, key(c), "pool", True)
+    records, cursor, _ = kv.log.read(-1, 4096, apply=50)            # KV_EVENTS: server.KV_EVENTS_APPLY
+    assert kv.queued == 150 and len(records) == 25
+    records, _, _ = kv.log.read(cursor, 4096)
+    assert kv.queued == 0 and [r.event.block_hashes for r in records] == [hashes_of(c) for c in range(25, 100)]
+
+
 def test_a_lookup_by_tokens_follows_chunks_described_in_any_order():
     kv = KvIndex()
     for c in (2, 0, 1):                                              # the child first, its parent last
