@@ -1,7 +1,8 @@
 """What KV events cost STORE and LOOKUP: the same requests with events on and off, side by side.
 
     .venv/bin/python bench/kv_events_overhead.py [--sessions 6] [--rounds 12] [--stores 12] [--lookups 30]
-                                                 [--no-reader]
+                                                 [--no-reader] [--on-index N] [--no-adverts] [--list-tokens]
+                                                 [--threads] [--sizes "64 KiB,2 MiB"]
 
 Three lmshm-servers with the same flags (``--capacity``, default 256 MiB, so that STOREs evict
 from the first round on, and every eviction is a ``BlockRemoved``) except one: *on* keeps the
@@ -18,7 +19,8 @@ Timed from the client, request to reply:
 
 - STORE of one 16-chunk request (512 tokens, vLLM's prefill of one request), fresh keys each
   time. *on* sends an ``Advert`` per chunk, as ``LmshmConnector`` does with events on: a 32-byte
-  block hash, the parent's, the 32 token ids, no LoRA, no extra keys. *off* sends none.
+  block hash, the parent's, the 32 token ids (packed, protocol 3.8; ``--list-tokens``: a list,
+  as a 3.7 client sends them), no LoRA, no extra keys. *off* sends none.
 - LOOKUP of the 16 keys of the request just stored (all hits, a lease), then RELEASE (not timed).
 
 With ``--reader`` (the default) a separate process reads the *on* server's events with
@@ -30,7 +32,16 @@ busy 2-vCPU machine, and by how much depends on the run (where the scheduler put
 run is several *sessions*, each with three fresh servers; a session's figure is its median
 over rounds, and the table shows the median over sessions and the min-max of the sessions'
 ratios. *Server CPU* is the CPU time of the server's threads (``/proc/PID/task/*/schedstat``)
-per request, over the same blocks.
+per request, over the same blocks; ``--threads`` also splits a STORE's into the request loop's
+and the other threads' (copier, copy splitter, pool populate, clock). Work a server defers to
+when it is idle happens while the client talks to the other servers, outside those blocks: the
+second table adds the loop's CPU from the end of a server's block to the start of its next (and
+0.5 s after the last) to the STOREs' and LOOKUPs' own, per STORE ("all told").
+
+Splitting what *on* costs: ``--on-index 0 --no-reader`` sends the adverts to a server that
+indexes nothing (their wire and decoding cost); ``--no-adverts --no-reader``, the index with
+nothing to index; ``--no-reader``, the index without the reader; the default less that, the
+reader's own cost (KV_EVENTS on the loop).
 
 """
 
@@ -39,6 +50,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -73,9 +85,10 @@ while True:
 class Side:
     """One server's worker: a client and a KV cache per chunk size."""
 
-    def __init__(self, url: str, adverts: bool) -> None:
+    def __init__(self, url: str, adverts: bool, list_tokens: bool = False) -> None:
         self.client = MPClient(url, client_name="bench-kv-events", timeout_s=60)
         self.adverts = adverts
+        self.list_tokens = list_tokens
         self.iids: dict[str, str] = {}
         self.kv: dict[str, dict] = {}
         self.last: dict[str, list[bytes]] = {}
@@ -93,8 +106,13 @@ class Side:
             parent = self._parent
             for k in keys:
                 h = os.urandom(32)
-                adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent,
-                                               list(range(self._n, self._n + TOKENS)), None, None))
+                tokens = list(range(self._n, self._n + TOKENS))
+                if self.list_tokens:     # a 3.7 client's adverts
+                    adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent, tokens, None, None))
+                else:                    # as LmshmConnector sends them: packed (its describer packs them)
+                    from lmshm.integrations.adapter import packed_tokens    # 3.8 (--list-tokens runs on 3.7)
+
+                    adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent, [], None, None, packed_tokens(tokens)))
                 parent, self._n = h, self._n + TOKENS
             self._parent = parent
         t0 = time.perf_counter()
@@ -124,32 +142,48 @@ class Side:
 MODES = ("on", "off", "off-2")
 
 
-def cpu_ns(pid: int) -> int:
-    """CPU time the process's threads have run, in ns (``/proc/PID/task/*/schedstat``)."""
-    total = 0
+def thread_ns(pid: int) -> dict[str, int]:
+    """CPU time the process's threads have run, in ns, per kind of thread: ``loop`` (the main
+    thread, which runs the request loop), the others by their OS name up to a digit or ``_``
+    (``other threads``: Python names its threads only for itself, the OS sees ``python``), from
+    ``/proc/PID/task/*/schedstat``."""
+    out: dict[str, int] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
+            if int(tid) == pid:
+                name = "loop"            # the main thread runs the request loop
+            else:
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    name = re.split(r"[_0-9]", f.read().strip(), maxsplit=1)[0].rstrip("-") or "?"
+                name = "other threads" if name == "python" else name
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
+                out[name] = out.get(name, 0) + int(f.read().split()[0])
         except (OSError, ValueError, IndexError):
             pass       # a thread that ended meanwhile
-    return total
+    return out
+
+
+def cpu_ns(pid: int) -> int:
+    """CPU time the process's threads have run, in ns."""
+    return sum(thread_ns(pid).values())
 
 
 def run(args: argparse.Namespace) -> dict:
     flags = ["--capacity", args.capacity]
     off = ["--kv-events-index", "0"]
-    with BenchServer(*flags, quiet=True) as on_server, BenchServer(*flags, *off, quiet=True) as off_server, \
+    on = [] if args.on_index is None else ["--kv-events-index", str(args.on_index)]
+    with BenchServer(*flags, *on, quiet=True) as on_server, BenchServer(*flags, *off, quiet=True) as off_server, \
             BenchServer(*flags, *off, quiet=True) as control_server:
         reader = None
         if args.reader:
             reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode()],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
-        sides = {"on": Side(on_server.url, True), "off": Side(off_server.url, False),
+        sides = {"on": Side(on_server.url, args.adverts, args.list_tokens), "off": Side(off_server.url, False),
                  "off-2": Side(control_server.url, False)}
         pids = {"on": on_server.pid, "off": off_server.pid, "off-2": control_server.pid}
         cpu: dict[tuple[str, str, str], list[int]] = {}     # [ns, requests] of the server, per block
+        threads: dict[tuple[str, str, str], list[int]] = {}  # (size, server, thread kind): [ns, STOREs]
         try:
             for mode, side in sides.items():         # warm-up: fill the pools, so rounds evict
                 for _ in range(3):
@@ -159,6 +193,17 @@ def run(args: argparse.Namespace) -> dict:
                         side.lookup(case)
             per_round: dict[tuple[str, str, str], list[float]] = {}
             cases = list(CASES)
+            # per server: the block that ended last, and its loop's CPU then
+            last: dict[str, tuple[str, int]] = {m: ("", thread_ns(pids[m])["loop"]) for m in MODES}
+
+            def after(mode: str, now: int) -> None:
+                """The loop's CPU since the server's last block ended (work it deferred to when idle,
+                KV_EVENTS), to that block. Only the loop: the pool's populate thread works then too."""
+                case, then = last[mode]
+                if case:
+                    acc = cpu.setdefault((case, mode, "after"), [0, 0])
+                    acc[0] += now - then
+                    acc[1] += args.stores
             for i in range(args.rounds):
                 order = list(MODES[i % 3:] + MODES[:i % 3])
                 if i // 3 % 2:
@@ -167,17 +212,29 @@ def run(args: argparse.Namespace) -> dict:
                 for case in rot:
                     for mode in order:
                         side = sides[mode]
-                        c0 = cpu_ns(pids[mode])
+                        t0 = thread_ns(pids[mode])
+                        c0 = sum(t0.values())
+                        after(mode, t0["loop"])
                         stores = [side.store(case) for _ in range(args.stores)]
-                        c1 = cpu_ns(pids[mode])
+                        t1 = thread_ns(pids[mode])
+                        c1 = sum(t1.values())
+                        for name, ns in t1.items():
+                            acc = threads.setdefault((case, mode, name), [0, 0])
+                            acc[0] += ns - t0.get(name, 0)
+                            acc[1] += args.stores
                         lookups = [side.lookup(case) for _ in range(args.lookups)]
-                        c2 = cpu_ns(pids[mode])
+                        t2 = thread_ns(pids[mode])
+                        c2 = sum(t2.values())
                         for what, ns, n in (("store", c1 - c0, args.stores), ("lookup", c2 - c1, args.lookups)):
                             acc = cpu.setdefault((case, mode, what), [0, 0])
                             acc[0] += ns
                             acc[1] += n
+                        last[mode] = (case, t2["loop"])
                         per_round.setdefault((case, mode, "store"), []).append(statistics.median(stores))
                         per_round.setdefault((case, mode, "lookup"), []).append(statistics.median(lookups))
+            time.sleep(0.5)                          # what the servers still had to do
+            for mode in MODES:
+                after(mode, thread_ns(pids[mode])["loop"])
             evictions = {m: s.client.status().pool.evictions for m, s in sides.items()}
         finally:
             for side in sides.values():
@@ -186,7 +243,7 @@ def run(args: argparse.Namespace) -> dict:
                 reader.kill()
                 reader.wait()
             gc.collect()
-    return {"per_round": per_round, "evictions": evictions, "cpu": cpu}
+    return {"per_round": per_round, "evictions": evictions, "cpu": cpu, "threads": threads}
 
 
 def table(sessions: list[dict]) -> str:
@@ -195,6 +252,11 @@ def table(sessions: list[dict]) -> str:
     lines = ["| chunk | request | off | on | **on/off** (min-max over sessions) | off-2/off: A/A control (min-max) "
              "| server CPU off | server CPU on | **CPU on/off** | CPU off-2/off |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    cpu_all = ["", "Server CPU per STORE all told: the STOREs' own, the LOOKUPs' after them, and the loop's after "
+               "the block (work deferred to when it is idle, KV_EVENTS; while the client talks to the other "
+               "servers), per STORE:", "",
+               "| chunk | off | on | loop after the block: off | on | **all told on/off** | off-2/off |",
+               "|---|---|---|---|---|---|---|"]
     for case in CASES:
         for what in ("store", "lookup"):
             med = {m: [statistics.median(r["per_round"][(case, m, what)]) for r in sessions] for m in MODES}
@@ -212,6 +274,30 @@ def table(sessions: list[dict]) -> str:
                          f"| **{statistics.median(r_on):.3f}** ({min(r_on):.2f}-{max(r_on):.2f}) "
                          f"| {statistics.median(r_aa):.3f} ({min(r_aa):.2f}-{max(r_aa):.2f}) "
                          f"| {c_off:.0f} µs | {c_on:.0f} µs | **{cr_on:.3f}** | {cr_aa:.3f} |")
+        total = {m: [sum(r["cpu"].get((case, m, w), [0, 1])[0] for w in ("store", "lookup", "after"))
+                     / r["cpu"][(case, m, "store")][1] / 1e3 for r in sessions] for m in MODES}
+        later = {m: statistics.median(r["cpu"].get((case, m, "after"), [0, 1])[0]
+                                      / r["cpu"][(case, m, "store")][1] / 1e3 for r in sessions) for m in MODES}
+        t_on = statistics.median(a / b for a, b in zip(total["on"], total["off"]))
+        t_aa = statistics.median(a / b for a, b in zip(total["off-2"], total["off"]))
+        cpu_all.append(f"| {case} | {statistics.median(total['off']):.0f} µs | {statistics.median(total['on']):.0f} µs "
+                       f"| {later['off']:.0f} µs | {later['on']:.0f} µs | **{t_on:.3f}** | {t_aa:.3f} |")
+    return "\n".join(lines + cpu_all)
+
+
+def thread_table(sessions: list[dict]) -> str:
+    """Server CPU per STORE by kind of thread, median over sessions, on against off."""
+    names = sorted({k[2] for r in sessions for k in r["threads"]})
+    lines = ["| chunk | thread | CPU per STORE off | on | on - off |", "|---|---|---|---|---|"]
+    for case in CASES:
+        for name in names:
+            per = {m: statistics.median(r["threads"].get((case, m, name), [0, 1])[0]
+                                        / r["threads"].get((case, m, name), [0, 1])[1] / 1e3 for r in sessions)
+                   for m in ("on", "off")}
+            if per["on"] < 1 and per["off"] < 1:
+                continue
+            lines.append(f"| {case} | {name} | {per['off']:.0f} µs | {per['on']:.0f} µs "
+                         f"| {per['on'] - per['off']:+.0f} µs |")
     return "\n".join(lines)
 
 
@@ -224,17 +310,38 @@ def main() -> None:
     ap.add_argument("--capacity", default="256MiB")
     ap.add_argument("--reader", action=argparse.BooleanOptionalAction, default=True,
                     help="a process reading the on server's KV_EVENTS every 20 ms (default on)")
+    ap.add_argument("--on-index", type=int, default=None, metavar="N",
+                    help="the on server's --kv-events-index (default: its default; 0: adverts sent to a server "
+                         "that indexes nothing, their wire and decoding cost alone)")
+    ap.add_argument("--adverts", action=argparse.BooleanOptionalAction, default=True,
+                    help="the on server's STOREs carry adverts (default on; off: the index's cost without any)")
+    ap.add_argument("--list-tokens", action="store_true",
+                    help="adverts carry their token ids as a list of ints (a 3.7 client), not packed")
+    ap.add_argument("--threads", action="store_true", help="also print server CPU per STORE by kind of thread")
+    ap.add_argument("--sizes", default=",".join(CASES), help="chunk sizes to run (default all: %(default)s)")
     args = ap.parse_args()
+    if args.on_index == 0:
+        args.reader = False         # such a server answers no KV_EVENTS
+    for name in list(CASES):
+        if name not in args.sizes.split(","):
+            del CASES[name]
     load = os.getloadavg()[0]
     t0 = time.monotonic()
     sessions = [run(args) for _ in range(args.sessions)]
-    print(f"# KV events on (index, adverts{', a KV_EVENTS reader' if args.reader else ''}) against off "
+    adverts = (", adverts" + (" with a list of token ids" if args.list_tokens else "")) if args.adverts else \
+        ", no adverts"
+    what = ("index" if args.on_index is None else f"--kv-events-index {args.on_index}") + adverts + \
+        (", a KV_EVENTS reader" if args.reader else "")
+    print(f"# KV events on ({what}) against off "
           f"(--kv-events-index 0, no adverts) and a second off server (A/A control); {args.sessions} sessions of "
           f"fresh servers x {args.rounds} rounds of {args.stores} STOREs and {args.lookups} LOOKUPs per size and "
           f"server; {CHUNKS} chunks a request; --capacity {args.capacity}")
     print(f"# load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; {time.monotonic() - t0:.0f} s; "
           f"pool evictions per server in the last session {sessions[-1]['evictions']}")
     print(table(sessions))
+    if args.threads:
+        print()
+        print(thread_table(sessions))
 
 
 if __name__ == "__main__":

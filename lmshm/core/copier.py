@@ -561,6 +561,10 @@ class OrderedExecutor:
             queue = self._queues.get(key)
             return len(queue) if queue is not None else 0
 
+    def idle(self) -> bool:
+        """No job is queued or running (a hint: one may be submitted right after)."""
+        return not self._queues
+
     def _drain(self, key: Hashable) -> None:
         while True:
             with self._lock:

@@ -41,7 +41,7 @@ from lmshm.core.cuda_sync import (
     parse_flag_token,
 )
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.core.kv_events import KvIndex, check_advert
+from lmshm.core.kv_events import KvIndex
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.core.tiers.stack import TierStack
@@ -125,11 +125,12 @@ class DataPlane:
         self.kv = kv_index if kv_index is not None else KvIndex(max_chunks=0)
         if self.kv.enabled:
             kv = self.kv
-            self.pool.on_resident = lambda uid, key, present: kv.note(uid, key, "pool", present)
+            self.pool.on_resident = kv.recorder("pool")
             if self.tiers is not None:
                 for t in self.tiers.tiers:
-                    t.held = lambda uid, key, name=t.name: kv.note(uid, key, name, True)
-                    t.gone = lambda uid, key, name=t.name: kv.note(uid, key, name, False)
+                    record = kv.recorder(t.name)
+                    t.held = lambda uid, key, record=record: record(uid, key, True)
+                    t.gone = lambda uid, key, record=record: record(uid, key, False)
         if cuda_pin == "start" and self.pool.capacity:
             t0 = time.perf_counter()
             try:
@@ -241,17 +242,22 @@ class DataPlane:
         return self._copy_job(session, req, "STORE", self._store, self._store_cuda)
 
     def _advertise(self, uid: int, reg: Any, req: protocol.Store) -> None:
-        """Index what a STORE's chunks are to their engine (KV events), before they commit."""
-        try:
-            adverts = [check_advert(a) for a in req.adverts]
-        except ValueError as exc:
-            self.kv.refused += 1
-            logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(reg.instance_id, 60), exc)
+        """Tell the KV event index what a STORE's chunks are to their engine, before they
+        commit: queued (one append), checked and applied later (``KvIndex.drain``)."""
+        self.kv.describe(uid, req.space, reg.model_name, req.pod, reg.worker_rank, reg.world_size, req.keys,
+                         req.adverts, reg.instance_id)
+
+    def _announce(self, uid: int, req: protocol.Store, result: Any) -> None:
+        """After an advertised STORE's reply: its chunks may be held from before, without an
+        advert (the pool: those it did not store now, present already or no room; a tier: any),
+        servable now that they have one. Told under the locks the pool and the tiers evict
+        under, so never after an eviction of the chunk."""
+        reply = result.reply if isinstance(result, _Then) else result
+        if not isinstance(reply, protocol.StoreReply):
             return
-        self.kv.describe(uid, req.space, reg.model_name, req.pod, reg.worker_rank, reg.world_size, req.keys, adverts)
-        # stored before, without an advert: servable now that it has one (told under the pool's
-        # and the disk's locks, so never after an eviction of the chunk)
-        self.pool.announce(uid, req.keys)
+        keys = [k for k, r in zip(req.keys, reply.results) if r != Reservation.STORED]
+        if keys:
+            self.pool.announce(uid, keys)
         if self.tiers is not None:
             for t in self.tiers.tiers:
                 t.announce(uid, req.keys)
@@ -271,10 +277,14 @@ class DataPlane:
         deadline = self._sender_deadline(req)
 
         def job(identity: bytes, rid: bytes) -> None:
+            advertised = what == "STORE" and bool(req.adverts) and self.kv.enabled
             try:
-                if what == "STORE" and req.adverts and self.kv.enabled:
+                if advertised:
                     self._advertise(uid, reg, req)
-                self._run(identity, rid, copy(session, reg, layout, uid, req, deadline))
+                result = copy(session, reg, layout, uid, req, deadline)
+                self._run(identity, rid, result)
+                if advertised:
+                    self._announce(uid, req, result)
             finally:
                 self.registry.let_go(reg)
 

@@ -18,10 +18,15 @@ server's ZMQ publisher reads every record, a connector reads its own uid's and s
 Medium and locality per tier (``TIER_MEDIA``): the pool is ``CPU``/``LOCAL``, the disk
 ``STORAGE``/``LOCAL``, the remote ``STORAGE``/``REMOTE``.
 
+``describe`` and ``note`` only queue; ``drain`` applies the queue in order, off the STORE's
+path (``KvIndex``'s docstring says who drains when); every reader drains first.
+
 The easy thing to get wrong: the pool and the disk tier call ``note`` under their own locks
 (the same locks their removals are told under, so a chunk is never announced after its
-removal), from any thread. So this module never calls back into the pool or a tier, holds its
-own lock only for dict work, and is bounded everywhere: ``max_chunks`` adverts (a full index
+removal), from any thread, and the queue keeps that order. So this module never calls back
+into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
+queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts: past them, whoever adds applies
+some), ``max_chunks`` adverts (a full index
 forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
 from, counted: the remote evicts without telling, so entries it alone held would otherwise
 stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
@@ -30,7 +35,8 @@ reader behind them is told it lost some).
 
 from __future__ import annotations
 
-import hashlib
+import logging
+import sys
 import threading
 import time
 from array import array
@@ -39,9 +45,13 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import msgspec
 
+from lmshm.quoting import quote
+
 TIER_MEDIA = {"pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"), "remote": ("STORAGE", "REMOTE")}
 
 BlockHashValue = Union[int, bytes]
+
+logger = logging.getLogger("lmshm.kv_events")
 
 
 # ---- vLLM's wire format (vllm/distributed/kv_events.py, vLLM 0.32): a map tagged by "type" ----
@@ -135,9 +145,29 @@ def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
 # ---- the index: which ranks hold an advertised chunk in which tier ----------------------
 
 
+def _packed(tokens: Sequence[int]) -> bytes:
+    """Token ids as the index keeps them: little-endian int32 (``Advert.tokens``'s form)."""
+    a = array("i", tokens)
+    if _BIG_ENDIAN:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _ints(tokens: bytes) -> list[int]:
+    """The token ids of packed ``tokens`` (little-endian int32), as a list."""
+    if _BIG_ENDIAN:
+        a = array("i", tokens)
+        a.byteswap()
+        return a.tolist()
+    return memoryview(tokens).cast("i").tolist()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
 class _Chunk:
     __slots__ = ("ident", "uid", "space", "model", "group", "world", "hashes", "parent", "tokens", "block_size",
-                 "lora", "extra", "keys", "where", "servable", "born")
+                 "lora", "extra", "keys", "where", "servable", "born", "tkeys")
 
     def __init__(self, ident: tuple, uid: int, space: bytes, model: str, world: int, advert: Any) -> None:
         self.ident = ident
@@ -145,7 +175,7 @@ class _Chunk:
         self.group = advert.group
         self.hashes = list(advert.block_hashes)
         self.parent = advert.parent_block_hash
-        self.tokens = advert.token_ids
+        self.tokens: bytes = advert.tokens          # packed int32 (CheckedAdvert)
         self.block_size = advert.block_size
         self.lora = advert.lora_name
         self.extra = advert.extra_keys
@@ -153,6 +183,19 @@ class _Chunk:
         self.where: dict[str, set[int]] = {}        # tier -> ranks holding it there
         self.servable: set[str] = set()             # tiers BlockStored was sent for (and not removed)
         self.born = time.monotonic()
+        self.tkeys = self.token_keys()
+
+    def token_keys(self) -> list[tuple[Any, bytes]]:
+        """``(parent block hash, that block's packed tokens)`` per block: the lookup by token
+        ids walks these from the first block (``KvIndex.hashes_of_tokens``)."""
+        tokens = self.tokens
+        if not tokens:
+            return []
+        if len(self.hashes) == 1:
+            return [(self.parent, tokens)]
+        step = 4 * self.block_size
+        return [(self.hashes[i - 1] if i else self.parent, tokens[i * step:(i + 1) * step])
+                for i in range(len(self.hashes))]
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -168,7 +211,9 @@ class Record(msgspec.Struct, frozen=True, gc=False):
 
 
 class EventLog:
-    """A bounded ring of ``Record``s; readers keep their own cursor (``n`` of the last read)."""
+    """A bounded ring of ``Record``s; readers keep their own cursor (``n`` of the last read).
+    ``before_read`` (set by the ``KvIndex`` that owns the log) runs before each read: the
+    index applies what it has queued, so a reader sees every STORE answered before it."""
 
     def __init__(self, records: int = 65536) -> None:
         self.capacity = max(16, records)
@@ -177,6 +222,7 @@ class EventLog:
         self._next = 1
         self.trimmed = 0          # records dropped from the ring's old end
         self.epoch = ""           # set by the owner: a new value means the log started over
+        self.before_read: Optional[Any] = None
 
     def append(self, uid: int, space: bytes, model: str, event: Optional[KvEvent], pod: str = "") -> None:
         with self._lock:
@@ -196,12 +242,15 @@ class EventLog:
             return self._ring[0].n if self._ring else self._next
 
     def read(self, after: int, limit: int, uid: Optional[int] = None, spaces: Optional[Iterable[bytes]] = None,
-             max_bytes: int = 1 << 62) -> tuple[list[Record], int, bool]:
+             max_bytes: int = 1 << 62, apply: Optional[int] = None) -> tuple[list[Record], int, bool]:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given), the cursor to read from next, and whether records the reader had
         not read were dropped from the ring (``after`` below the oldest one kept). ``after``
         -1: from the oldest kept, nothing lost. ``max_bytes`` bounds the events' encoded size
-        (roughly; at least one record is returned)."""
+        (roughly; at least one record is returned). ``apply``: how many queued index entries
+        ``before_read`` applies first (None: all)."""
+        if self.before_read is not None:
+            self.before_read(apply)
         wanted = set(spaces) if spaces is not None else None
         out: list[Record] = []
         size = 0
@@ -235,98 +284,194 @@ def event_bytes(event: Optional[KvEvent]) -> int:
     return 32
 
 
+#: Queued entries (a STORE's adverts, one residency note) past which the thread that queues
+#: one applies a batch itself: the queue's bound (its adverts are bounded by ``MAX_QUEUED_ADVERTS``).
+MAX_QUEUED = 1 << 16
+MAX_QUEUED_ADVERTS = 1 << 16
+#: Entries applied under one hold of the index's lock (a few hundred µs at most).
+DRAIN_BATCH = 32
+
+
 class KvIndex:
-    """See the module docstring. ``max_chunks`` 0 turns events off (nothing is indexed)."""
+    """See the module docstring. ``max_chunks`` 0 turns events off (nothing is indexed).
+
+    ``describe`` and ``note`` only queue (``_queue``, a deque: appending is atomic, and takes
+    no lock, so the pool may call ``note`` under its own); ``drain`` applies the queue in the
+    order it was filled, under the index's lock, ``DRAIN_BATCH`` entries at a time. Whatever
+    reads the index drains first (the log's readers, ``leading``, ``hashes_of_tokens``,
+    ``len``), so no reader sees less than the STOREs answered before it (but a KV_EVENTS
+    read, which applies at most ``server.KV_EVENTS_APPLY`` entries); the server's
+    request loop drains a few entries whenever it has nothing else to do (``on_idle``); and a
+    queue past ``MAX_QUEUED`` entries (or ``MAX_QUEUED_ADVERTS`` adverts) is drained in part by
+    whoever adds to it."""
 
     def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536) -> None:
         self.max_chunks = max_chunks
         self.log = EventLog(records)
+        self.log.before_read = self.drain
         self._lock = threading.Lock()
-        self._by_key: dict[tuple[int, bytes], _Chunk] = {}
+        self._queue: deque[tuple] = deque()
+        self._queued_adverts = 0                   # adverts in _queue (under _count_lock)
+        self._count_lock = threading.Lock()
+        self._by_key: dict[tuple[int, bytes], tuple[_Chunk, int]] = {}   # (uid, key) -> (chunk, rank)
         # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
         self._by_id: OrderedDict[tuple[int, bytes, int, bytes], _Chunk] = OrderedDict()
         self._by_hash: dict[Any, _Chunk] = {}                            # an engine block hash -> its chunk
-        self._chain: dict[Any, bytes] = {}                               # block hash -> token-chain digest
-        self._by_tokens: dict[bytes, Any] = {}                           # token-chain digest -> block hash
+        self._by_tokens: dict[tuple[Any, bytes], Any] = {}              # (parent hash, block's tokens) -> hash
         self._pods: set[tuple[int, bytes, str]] = set()
         self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
         self._pruned_at = 0.0
         self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
         self.stored_events = self.removed_events = 0
+        self.failed = 0           # queued entries whose application raised (a bug; logged)
 
     @property
     def enabled(self) -> bool:
         return self.max_chunks > 0
 
     def __len__(self) -> int:
+        self.drain()
         return len(self._by_id)
 
-    # ---- what a STORE says --------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Entries not applied yet."""
+        return len(self._queue)
+
+    # ---- what a STORE says, what the pool and the tiers hold: queued --------------------
     def describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                 keys: Sequence[bytes], adverts: Sequence[Any]) -> None:
-        """Remember what each of a STORE's chunks is to its engine (before its copy commits)."""
+                 keys: Sequence[bytes], adverts: Sequence[Any], source: str = "") -> None:
+        """Remember what each of a STORE's chunks is to its engine (queued before its copy
+        commits). ``adverts``: the request's (checked when applied: ``check_advert``, all or
+        none; ``source`` names the sender in the log line of a refusal), or ``CheckedAdvert``s."""
         if not self.enabled or not adverts:
             return
-        with self._lock:
-            if pod and (uid, space, pod) not in self._pods and len(self._pods) < 4096:
-                self._pods.add((uid, space, pod))
-                self.log.append(uid, space, model, None, pod)
-            for key, advert in zip(keys, adverts):
-                ident = (uid, space, advert.group, bytes(advert.chunk))
-                chunk = self._by_id.get(ident)
-                if chunk is None:
-                    if len(self._by_id) >= self.max_chunks:
-                        self._forget_oldest()
-                    chunk = self._by_id[ident] = _Chunk(ident, uid, space, model, world, advert)
-                    self._unresident[ident] = chunk
-                    self._index_hashes(chunk)
-                else:
-                    self._by_id.move_to_end(ident)
-                old = chunk.keys.get(rank)
-                if old is not None and old != key:
-                    self._by_key.pop((uid, old), None)
-                chunk.keys[rank] = key
-                self._by_key[(uid, key)] = chunk
+        n = len(adverts)
+        with self._count_lock:
+            self._queued_adverts += n
+            over = self._queued_adverts > MAX_QUEUED_ADVERTS
+        self._queue.append((uid, space, model, pod, rank, world, keys, adverts, source))
+        if over or len(self._queue) > MAX_QUEUED:
+            self.drain(4 * DRAIN_BATCH)
+
+    def note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
+        """``(uid, key)`` is now held in ``tier`` (or not); emits, once applied, when that
+        changes whether its chunk is servable from the tier. Queued in call order: the pool and
+        the disk call it under the locks they evict under."""
+        if not self._by_key and not self._queue:
+            return
+        self._queue.append((uid, key, tier, present))
+        if len(self._queue) > MAX_QUEUED:
+            self.drain(4 * DRAIN_BATCH)
+
+    def recorder(self, tier: str) -> Any:
+        """``note`` for one tier, as ``record(uid, key, present)``: what the pool (its
+        ``on_resident``) and the tiers call, one Python call per report."""
+        queue, by_key, append = self._queue, self._by_key, self._queue.append
+
+        def record(uid: int, key: bytes, present: bool) -> None:
+            if not by_key and not queue:
+                return
+            append((uid, key, tier, present))
+            if len(queue) > MAX_QUEUED:
+                self.drain(4 * DRAIN_BATCH)
+        return record
+
+    def drain(self, limit: Optional[int] = None) -> int:
+        """Apply queued entries in order: all of them (at most what was queued when it began,
+        so a producer as fast cannot keep it here), or ``limit``, ``DRAIN_BATCH`` under one
+        hold of the lock (no yield of the CPU between batches: ``sched_yield`` on a busy
+        machine gave it to another process, 340 µs a call measured). Returns how many."""
+        queue = self._queue
+        if not queue:
+            return 0
+        todo = len(queue) if limit is None else min(limit, len(queue))
+        done = 0
+        while done < todo:
+            adverts = 0
+            with self._lock:
+                for _ in range(min(DRAIN_BATCH, todo - done)):
+                    try:
+                        entry = queue.popleft()
+                    except IndexError:          # another thread drained it meanwhile
+                        todo = done
+                        break
+                    done += 1
+                    try:
+                        if len(entry) == 4:
+                            self._note(*entry)
+                        else:
+                            adverts += len(entry[7])
+                            self._describe(*entry)
+                    except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
+                        self.failed += 1
+                        logger.exception("lmshm: applying a KV event index entry failed")
+            if adverts:
+                with self._count_lock:
+                    self._queued_adverts -= adverts
+        return done
+
+    # ---- applying them (under the index's lock) -----------------------------------------
+    def _describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
+                  keys: Sequence[bytes], adverts: Sequence[Any], source: str) -> None:
+        try:
+            adverts = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in adverts]
+        except ValueError as exc:
+            self.refused += 1
+            logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(source, 60), exc)
+            return
+        if pod and (uid, space, pod) not in self._pods and len(self._pods) < 4096:
+            self._pods.add((uid, space, pod))
+            self.log.append(uid, space, model, None, pod)
+        by_id, by_key = self._by_id, self._by_key
+        for key, advert in zip(keys, adverts):
+            ident = (uid, space, advert.group, bytes(advert.chunk))
+            chunk = by_id.get(ident)
+            if chunk is None:
+                if len(by_id) >= self.max_chunks:
+                    self._forget_oldest()
+                chunk = by_id[ident] = _Chunk(ident, uid, space, model, world, advert)
+                self._unresident[ident] = chunk
+                self._index_hashes(chunk)
+            else:
+                by_id.move_to_end(ident)
+            old = chunk.keys.get(rank)
+            if old is not None and old != key:
+                by_key.pop((uid, old), None)
+            chunk.keys[rank] = key
+            by_key[(uid, key)] = (chunk, rank)
 
     def _index_hashes(self, chunk: _Chunk) -> None:
-        prev = b"" if chunk.parent is None else self._chain.get(chunk.parent)
-        bs = chunk.block_size
-        for i, h in enumerate(chunk.hashes):
+        for h in chunk.hashes:
             self._by_hash[h] = chunk
-            if prev is not None and len(chunk.tokens) >= (i + 1) * bs:
-                prev = token_chain(prev, chunk.tokens[i * bs:(i + 1) * bs])
-                self._chain[h] = prev
-                self._by_tokens[prev] = h
+        for tk, h in zip(chunk.tkeys, chunk.hashes):
+            self._by_tokens[tk] = h
 
-    # ---- residency ----------------------------------------------------------------------
-    def note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
-        """``(uid, key)`` is now held in ``tier`` (or not); emits when that changes whether its
-        chunk is servable from the tier."""
-        if not self._by_key:
+    def _note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
+        found = self._by_key.get((uid, key))
+        if found is None:
             return
-        with self._lock:
-            chunk = self._by_key.get((uid, key))
-            if chunk is None:
-                return
-            rank = next((r for r, k in chunk.keys.items() if k == key), None)
-            if rank is None:
-                return
-            ranks = chunk.where.setdefault(tier, set())
-            (ranks.add if present else ranks.discard)(rank)
-            if present:
-                self._unresident.pop(chunk.ident, None)
-                if self._by_id.get(chunk.ident) is chunk:
-                    self._by_id.move_to_end(chunk.ident)
-            full = len(ranks) >= chunk.world
-            if full and tier not in chunk.servable:
-                chunk.servable.add(tier)
-                self._emit(chunk, tier, True)
-            elif not full and tier in chunk.servable:
-                chunk.servable.discard(tier)
-                self._emit(chunk, tier, False)
-            if not present and not any(chunk.where.values()):
-                self._drop_chunk(chunk)
+        chunk, rank = found
+        ranks = chunk.where.get(tier)
+        if ranks is None:
+            ranks = chunk.where[tier] = set()
+        if present:
+            ranks.add(rank)
+            self._unresident.pop(chunk.ident, None)
+            if self._by_id.get(chunk.ident) is chunk:
+                self._by_id.move_to_end(chunk.ident)
+        else:
+            ranks.discard(rank)
+        full = len(ranks) >= chunk.world
+        if full and tier not in chunk.servable:
+            chunk.servable.add(tier)
+            self._emit(chunk, tier, True)
+        elif not full and tier in chunk.servable:
+            chunk.servable.discard(tier)
+            self._emit(chunk, tier, False)
+        if not present and not any(chunk.where.values()):
+            self._drop_chunk(chunk)
 
     def _forget_oldest(self) -> None:
         """Make room (the index is full): forget the least recently stored chunk, and tell
@@ -345,20 +490,21 @@ class KvIndex:
         if self._unresident.get(chunk.ident) is chunk:
             del self._unresident[chunk.ident]
         for key in chunk.keys.values():
-            if self._by_key.get((chunk.uid, key)) is chunk:
+            found = self._by_key.get((chunk.uid, key))
+            if found is not None and found[0] is chunk:
                 del self._by_key[(chunk.uid, key)]
-        for h in chunk.hashes:
+        tokens = chunk.tkeys
+        for i, h in enumerate(chunk.hashes):
             if self._by_hash.get(h) is chunk:
                 del self._by_hash[h]
-                digest = self._chain.pop(h, None)
-                if digest is not None and self._by_tokens.get(digest) == h:
-                    del self._by_tokens[digest]
+                if tokens and self._by_tokens.get(tokens[i]) == h:
+                    del self._by_tokens[tokens[i]]
 
     def _emit(self, chunk: _Chunk, tier: str, stored: bool) -> None:
         medium, locality = TIER_MEDIA.get(tier, ("STORAGE", "LOCAL"))
         if stored:
             event: KvEvent = BlockStored(block_hashes=chunk.hashes, parent_block_hash=chunk.parent,
-                                         token_ids=list(chunk.tokens), block_size=chunk.block_size, lora_id=None,
+                                         token_ids=_ints(chunk.tokens), block_size=chunk.block_size, lora_id=None,
                                          medium=medium, lora_name=chunk.lora, extra_keys=chunk.extra,
                                          group_idx=chunk.group, locality=locality)
             self.stored_events += 1
@@ -373,6 +519,7 @@ class KvIndex:
         now = time.monotonic()
         if now - self._pruned_at < min(10.0, older_than_s) or not self._unresident:
             return 0
+        self.drain()
         self._pruned_at = now
         cutoff = now - older_than_s
         with self._lock:
@@ -383,11 +530,11 @@ class KvIndex:
 
     def cleared(self, model: str = "") -> None:
         """Everything the index knew is gone (the server starts, or lost its pool)."""
+        self.drain()
         with self._lock:
             self._by_key.clear()
             self._by_id.clear()
             self._by_hash.clear()
-            self._chain.clear()
             self._by_tokens.clear()
             self._unresident.clear()
             self.log.append(-1, b"", model, AllBlocksCleared())
@@ -395,6 +542,7 @@ class KvIndex:
     # ---- the pull endpoint's question ---------------------------------------------------
     def leading(self, hashes: Sequence[Any], tiers: Sequence[str]) -> dict[str, int]:
         """How many leading blocks of ``hashes`` each tier can serve, whole chunks only."""
+        self.drain()
         out = {}
         with self._lock:
             for tier in tiers:
@@ -412,34 +560,45 @@ class KvIndex:
 
     def hashes_of_tokens(self, token_ids: Sequence[int], block_size: int) -> list[Any]:
         """The engine block hashes of ``token_ids``'s whole blocks, as far as the index has seen
-        them (the chain of token digests from the first block)."""
-        out = []
-        prev = b""
+        them: from the first block (no parent), each block's tokens under its parent's hash."""
+        self.drain()
+        out: list[Any] = []
+        prev = None
         with self._lock:
             for b in range(len(token_ids) // block_size):
-                prev = token_chain(prev, token_ids[b * block_size:(b + 1) * block_size])
-                h = self._by_tokens.get(prev)
+                try:
+                    tokens = _packed(token_ids[b * block_size:(b + 1) * block_size])
+                except (OverflowError, TypeError):       # not int32: no advert has it
+                    break
+                h = self._by_tokens.get((prev, tokens))
                 if h is None:
                     break
                 out.append(h)
+                prev = h
         return out
 
     def block_sizes(self) -> set[int]:
+        self.drain()
         with self._lock:
             return {c.block_size for c in list(self._by_id.values())[:64]}
 
 
 class CheckedAdvert:
-    """An ``Advert`` whose fields were checked, its extra keys decoded."""
+    """An ``Advert`` whose fields were checked, its extra keys decoded, its token ids packed
+    (little-endian int32, ``tokens``)."""
 
-    __slots__ = ("chunk", "group", "block_size", "block_hashes", "parent_block_hash", "token_ids", "lora_name",
+    __slots__ = ("chunk", "group", "block_size", "block_hashes", "parent_block_hash", "tokens", "lora_name",
                  "extra_keys")
 
-    def __init__(self, advert: Any, extra: Optional[list]) -> None:
+    def __init__(self, advert: Any, tokens: bytes, extra: Optional[list]) -> None:
         self.chunk, self.group, self.block_size = advert.chunk, advert.group, advert.block_size
         self.block_hashes, self.parent_block_hash = advert.block_hashes, advert.parent_block_hash
-        self.token_ids = array("i", advert.token_ids)   # 4 bytes a token, not a Python int each
+        self.tokens = tokens
         self.lora_name, self.extra_keys = advert.lora_name, extra
+
+    @property
+    def token_ids(self) -> list[int]:
+        return _ints(self.tokens)
 
 
 def _plain(value: Any, depth: int) -> bool:
@@ -449,12 +608,28 @@ def _plain(value: Any, depth: int) -> bool:
 
 
 def check_advert(advert: Any) -> CheckedAdvert:
-    """``advert`` made safe to keep and republish, or ``ValueError``: its token ids must be
-    whole blocks (or absent), and its extra keys one entry per block of plain values (strings,
-    bytes, numbers, short lists of them), as vLLM's are."""
+    """``advert`` made safe to keep and republish, or ``ValueError``: its token ids (a list,
+    or packed in ``tokens``: one or the other) must be whole blocks (or absent), and its extra
+    keys one entry per block of plain values (strings, bytes, numbers, short lists of them), as
+    vLLM's are."""
     n = len(advert.block_hashes)
-    if advert.token_ids and len(advert.token_ids) != n * advert.block_size:
-        raise ValueError(f"{len(advert.token_ids)} token ids for {n} blocks of {advert.block_size}")
+    packed = getattr(advert, "tokens", b"")
+    if packed:
+        if advert.token_ids:
+            raise ValueError("token ids both as a list and packed")
+        if len(packed) != 4 * n * advert.block_size:
+            raise ValueError(f"{len(packed)} bytes of packed token ids for {n} blocks of {advert.block_size} "
+                             "(4 bytes a token)")
+        tokens = bytes(packed)
+    elif advert.token_ids:
+        if len(advert.token_ids) != n * advert.block_size:
+            raise ValueError(f"{len(advert.token_ids)} token ids for {n} blocks of {advert.block_size}")
+        try:
+            tokens = _packed(advert.token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be 32-bit integers") from None
+    else:
+        tokens = b""
     extra = None
     if advert.extra_keys:
         try:
@@ -463,12 +638,5 @@ def check_advert(advert: Any) -> CheckedAdvert:
             raise ValueError(f"extra_keys are not msgpack: {type(exc).__name__}") from None
         if not isinstance(extra, list) or len(extra) != n or not all(_plain(e, 2) for e in extra):
             raise ValueError("extra_keys must be one entry per block: null or a list of plain values")
-    return CheckedAdvert(advert, extra)
+    return CheckedAdvert(advert, tokens, extra)
 
-
-def token_chain(prev: bytes, tokens: Sequence[int]) -> bytes:
-    """The digest of a block's tokens chained onto its parent's: the index's own key for "this
-    many tokens, exactly these", used to answer lookups by token ids."""
-    h = hashlib.blake2b(prev, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
-    return h.digest()

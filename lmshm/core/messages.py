@@ -152,6 +152,9 @@ class Advert(msgspec.Struct, frozen=True, array_like=True, gc=False):
                          msgspec.Meta(max_length=MAX_ADVERT_TOKENS)] = []
     lora_name: Optional[Text] = None
     extra_keys: ExtraKeys = None
+    # 3.8: the token ids packed, little-endian int32, 4 bytes a token (then token_ids is empty):
+    # decoded as one bytes object instead of a list of ints (docs/design/kv-events.md)
+    tokens: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_ADVERT_TOKENS)] = b""
 
 
 class Store(Message, tag=int(MsgType.STORE)):

@@ -24,9 +24,10 @@ Bounds (the trust boundary): the body is at most ``--http-max-body-bytes`` (the 
 limit); at most ``MAX_BLOCKS`` hashes or whole blocks and ``MAX_TOKENS`` tokens; every value is
 checked before the index is touched, and every refusal is a 400 naming the field. The work runs
 off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
-per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens hashes them under the
-lock, in ``KvIndex.hashes_of_tokens``, as far as the index knows the chain: ``MAX_TOKENS`` bounds
-it. Those lookups match tokens only, not the LoRA, cache salt or multimodal inputs.)
+per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens packs them block by
+block under the lock, in ``KvIndex.hashes_of_tokens``, as far as the index knows the chain:
+``MAX_TOKENS`` bounds it. Those lookups match tokens only, not the LoRA, cache salt or
+multimodal inputs.) The index applies its queued entries first (``KvIndex.drain``).
 
 Access is that of ``/metrics``: anyone who reaches the endpoint. The easy thing to get wrong:
 an answer says which prefixes are cached, so whoever can ask can probe for a prompt; bind

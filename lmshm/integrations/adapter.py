@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import sys
 import threading
 import time
 import uuid
+from array import array
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
@@ -313,7 +315,7 @@ class Link:
             if adverts:
                 from lmshm.multiprocess import protocol
 
-                ads = [protocol.Advert(*a) for a in adverts]
+                ads = [_advert(protocol, a) for a in adverts]
             return client.store(iid, keys, block_ids, chunk_blocks, wait=False,
                                 timeout_s=self.config.timeout_s, event=event, adverts=ads, space=space, pod=pod)
         except Exception as exc:  # noqa: BLE001
@@ -961,3 +963,22 @@ class WorkerSide:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+
+def packed_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as an ``Advert`` carries them (3.8's ``tokens``): little-endian int32, 4 bytes
+    a token. ``OverflowError`` for an id outside int32 (no engine's vocabulary is that large)."""
+    packed = array("i", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _advert(protocol: Any, fields: tuple) -> Any:
+    """An ``Advert`` from its fields, the token ids packed (``packed_tokens``): the server
+    decodes one bytes object, not a list of ints. ``fields[5]``, the token ids, may come packed
+    already (the vLLM describer packs them, so the scheduler's metadata carries bytes) or as a list."""
+    tokens = fields[5]
+    if not isinstance(tokens, (bytes, bytearray)):
+        tokens = packed_tokens(tokens)
+    return protocol.Advert(*fields[:5], [], *fields[6:8], tokens=bytes(tokens))

@@ -57,6 +57,7 @@ from lmshm.integrations.adapter import (
     SchedulerSide,
     StepPlan,
     WorkerSide,
+    packed_tokens,
     _RateLimited,
 )
 
@@ -606,8 +607,9 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _describer(self, request: Any) -> Any:
         """What chunk ``c`` of ``request`` is to vLLM, as its own ``BlockStored`` says it
-        (block_pool.py): the hash-block size, block hashes, parent hash, token ids, LoRA name
-        and per-block extra keys (cache salt, multimodal ids, prompt-embeds digests)."""
+        (block_pool.py): the hash-block size, block hashes, parent hash, token ids (packed:
+        ``packed_tokens``), LoRA name and per-block extra keys (cache salt, multimodal ids,
+        prompt-embeds digests)."""
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             maybe_convert_block_hash,
@@ -630,7 +632,7 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
             extra_keys = to_event_extra_keys(extra)
             return (size, [maybe_convert_block_hash(h) for h in hashes[first:first + k]],
                     maybe_convert_block_hash(hashes[first - 1]) if first else None,
-                    list(request.all_token_ids[first * size:(first + k) * size]), lora,
+                    packed_tokens(request.all_token_ids[first * size:(first + k) * size]), lora,
                     msgspec.msgpack.encode(extra_keys) if extra_keys else None)
 
         return describe

@@ -413,22 +413,39 @@ class RouterServer:
         trusted: Callable[[bytes], bool] = lambda identity: True,
         on_busy: Optional[BusyHandler] = None,
         vouched: Optional[Callable[[bytes, list[bytes]], bool]] = None,
+        on_idle: Optional[Callable[[bool], bool]] = None,
+        quiet_s: float = 0.001,
     ) -> None:
         """Poll until ``stop()``; ``on_tick()`` runs at least every ``tick_s`` seconds. Requests of
         ``trusted`` peers run at once, and so does one that ``vouched(identity, frames)`` for
-        (a message that carries its own proof); the rest share ``unverified_share``."""
+        (a message that carries its own proof); the rest share ``unverified_share``.
+        ``on_idle(True)`` does a short slice of deferred work and returns whether more is left
+        (``on_idle(False)``: whether there is any, doing none). It runs once the loop has had
+        nothing to do for ``quiet_s``, so a burst of requests is served first; the loop then
+        polls without waiting between slices, so a request that comes meanwhile waits for one
+        slice at most."""
         listener = self.listener
         self._trusted = trusted
         next_tick = time.monotonic() + tick_s
+        quiet_ms = max(1, int(quiet_s * 1000))
+        quiet = False           # the last poll waited quiet_ms for nothing
         while not stop():
+            timeout_ms = self._poll_timeout_ms(next_tick)
+            waited = False
+            if timeout_ms and on_idle is not None:
+                if quiet and _guarded("idle work", on_idle, True):
+                    timeout_ms = 0
+                elif _guarded("idle work", on_idle, False):
+                    timeout_ms, waited = min(timeout_ms, quiet_ms), True
             try:
-                events = self._epoll.poll(self._poll_timeout_ms(next_tick) / 1000, 4096)
+                events = self._epoll.poll(timeout_ms / 1000, 4096)
             except InterruptedError:
                 events = []
             except OSError as exc:
                 logger.error("lmshm: poll failed: %s", exc.strerror)
                 time.sleep(tick_s)
                 events = []
+            quiet = not events and (waited or quiet)
             callbacks = []
             for fd, flags in events:
                 if fd == listener.listen_fd:

@@ -1,4 +1,4 @@
-"""The lmshm wire protocol, version 3.7: every request, every reply, their codes and fields.
+"""The lmshm wire protocol, version 3.8: every request, every reply, their codes and fields.
 
 A conversation is a ZeroMQ DEALER (worker) talking to the server's ROUTER. Each request
 travels as two frames, ``[request_id, body]``; the reply to it comes back as
@@ -85,7 +85,7 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
 #: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
 #: refuses another major, and a client whose minor is newer than the server's.
 PROTOCOL_VERSION = 3
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 
 PEEK_MAX_BYTES = 4096
 STATUS_PAGE = 1000       # registrations one STATUS reply lists at most

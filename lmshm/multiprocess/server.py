@@ -68,6 +68,15 @@ logger = logging.getLogger("lmshm.server")
 _refused_log = Throttle(logger)     # a peer's malformed messages: at most a line every 10 s
 
 TICK_S = 0.05
+#: KV event index entries (core/kv_events) the loop applies in one slice once it has been idle
+#: for IDLE_QUIET_S (what a request that arrives meanwhile waits: about 50 µs for a STORE's 16
+#: adverts, one entry, and residency reports); past IDLE_BACKLOG queued, also while copies run
+IDLE_ENTRIES = 16
+IDLE_QUIET_S = 0.001
+IDLE_BACKLOG = 4096
+#: A KV_EVENTS read applies at most this many first (about 1 ms): a reader polling during a
+#: burst of STOREs does not stall the loop for the whole backlog; what is left comes next read
+KV_EVENTS_APPLY = 256
 #: File descriptors kept free for the server's own work (mapping, logging, accepting); an
 #: eighth of the open-file limit if that is less, as are LINK_ROOM and SHED_TO (SHED_BELOW: a 16th).
 FD_RESERVE = 64
@@ -229,6 +238,10 @@ class ZmqEndpoint:
         self.metrics.add_gauge("lmshm_zmq_replies_dropped", "Replies dropped because the peer does not read "
                                "(its send queue was full)", lambda: self.router.unanswered)
         kv = core.kv_index      # KV events (core/kv_events): read by KV_EVENTS here and by --kv-events
+        # first: the gauges after it read the index, which applies its queue
+        self.metrics.add_gauge("lmshm_kv_events_queued", "Adverts and residency reports the KV event index has "
+                               "queued and not applied yet (it applies them when idle, or when read)",
+                               lambda: kv.queued)
         self.metrics.add_gauge("lmshm_kv_events_index_chunks", "Advertised chunks the KV event index holds "
                                "(--kv-events-index)", lambda: len(kv))
         self.metrics.add_gauge("lmshm_kv_events_unindexed", "Advertised chunks forgotten to make room: the KV event "
@@ -323,7 +336,21 @@ class ZmqEndpoint:
 
     def _serve(self) -> None:
         self.router.serve(self._on_request, on_tick=self._tick, tick_s=TICK_S, stop=lambda: self._stopping,
-                          trusted=self._verified_identity, on_busy=self._busy, vouched=self._resumes_verified)
+                          trusted=self._verified_identity, on_busy=self._busy, vouched=self._resumes_verified,
+                          on_idle=self._idle if self.core.kv_index.enabled else None, quiet_s=IDLE_QUIET_S)
+
+    def _idle(self, run: bool) -> bool:
+        """The loop has had nothing to do for ``IDLE_QUIET_S`` (``run``): apply a few of the KV
+        event index's queued entries, unless a copy job runs (they would take turns at the GIL
+        with it) and fewer than ``IDLE_BACKLOG`` are queued; True if more are left. Not
+        ``run``: whether there is any such work."""
+        kv = self.core.kv_index
+        queued = kv.queued
+        if not queued or (queued < IDLE_BACKLOG and not self.dataplane.copier.idle()):
+            return False
+        if run:
+            kv.drain(IDLE_ENTRIES)
+        return kv.queued > 0
 
     def _has_session(self, identity: bytes) -> bool:
         return identity in self.sessions
@@ -661,7 +688,7 @@ class ZmqEndpoint:
         session = self._verified(identity, "KV_EVENTS")
         log = self.core.kv_index.log
         records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
-                                         max_bytes=KV_EVENTS_REPLY_BYTES)
+                                         max_bytes=KV_EVENTS_REPLY_BYTES, apply=KV_EVENTS_APPLY)
         return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
 
     # ---- session ends -------------------------------------------------------------------

@@ -250,8 +250,8 @@ def test_every_message_encodes_to_the_same_bytes_as_protocol_3_3():
     # 3.4 added STATUS's optional fields and STATUS_PAGE_REPLY; every 3.3 message keeps its bytes,
     # 3.5 added pool.tiers and 3.6 pool's CUDA counters (taken out above: the rest of STATUS_REPLY
     # is 3.3's bytes); 3.6's flag tokens travel in STORE/RETRIEVE's existing event field; 3.7
-    # added STORE's KV-event fields and KV_EVENTS (docs/design/kv-events.md)
-    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 7)
+    # added STORE's KV-event fields and KV_EVENTS (docs/design/kv-events.md), 3.8 Advert.tokens
+    assert (p.PROTOCOL_VERSION, p.PROTOCOL_MINOR) == (3, 8)
 
 
 def test_a_3_3_status_decodes_as_3_5_and_a_3_3_pool_reads_a_3_5_one():

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from harness import ServerProcess, wait_for
+from lmshm.core import kv_events
 from lmshm.core.kv_events import BlockStored, EventLog, KvIndex, check_advert
+from lmshm.integrations.adapter import packed_tokens
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.client import InvalidArgument, MPClient
@@ -423,6 +425,9 @@ HOSTILE = {
     "extra keys nested 5000 deep": dict(extra_keys=_nested(5000)),
     "extra keys not one per block": dict(extra_keys=msgspec.msgpack.encode([None])),
     "extra keys a long list": dict(extra_keys=msgspec.msgpack.encode([list(range(17)), None])),
+    "packed tokens not whole blocks": dict(token_ids=[], tokens=packed_tokens(range(2 * ENGINE_BLOCK - 1))),
+    "packed tokens not 4 bytes a token": dict(token_ids=[], tokens=packed_tokens(range(2 * ENGINE_BLOCK))[:-2]),
+    "tokens both packed and a list": dict(tokens=packed_tokens(range(2 * ENGINE_BLOCK))),
 }
 
 
@@ -452,6 +457,61 @@ def test_check_advert_refuses_each_hostile_advert_in_process():
             check_advert(advert(0, **fields))
     ok = check_advert(advert(0, extra_keys=msgspec.msgpack.encode([["salt", ["mm", 1]], None])))
     assert list(ok.token_ids) == list(range(16)) and ok.extra_keys == [["salt", ["mm", 1]], None]
+    packed = check_advert(advert(0, token_ids=[], tokens=packed_tokens([-(1 << 31), (1 << 31) - 1] * 8)))
+    assert packed.token_ids == [-(1 << 31), (1 << 31) - 1] * 8
+
+
+def test_packed_token_ids_and_a_3_7_clients_list_give_the_same_events(start_server, engines):
+    server = start_server("--capacity", "64MiB")
+    e = engines(server.url)
+    iid = e.register()
+    tokens = [5, 150_000, 0, 7] * 4
+    e.store(iid, [key(0)], [advert(0, token_ids=[], tokens=packed_tokens(tokens))])
+    e.store(iid, [key(1)], [advert(1, token_ids=tokens)])
+    e.until(lambda s: len(s) == 2, "both chunks advertised")
+    assert [ev.token_ids for ev in e.seen] == [tokens, tokens]
+
+
+def test_the_index_applies_what_it_queued_in_order_when_read_and_bounds_its_queue(monkeypatch):
+    kv = KvIndex(records=64)
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(0)], [advert(0)])     # a request's adverts: checked when applied
+    kv.note(1, key(0), "pool", True)
+    kv.note(1, key(0), "pool", False)
+    kv.note(1, key(0), "pool", True)                                 # dropped with the chunk: nothing
+    assert kv.queued == 4
+    records, _, _ = kv.log.read(-1, 100, uid=1)                      # a reader applies the queue first
+    assert kv.queued == 0
+    assert [type(r.event).__name__ for r in records] == ["BlockStored", "BlockRemoved"] and len(kv) == 0
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(1)], [advert(1, extra_keys=b"\xc1")])
+    assert kv.refused == 0 and len(kv) == 0 and kv.refused == 1     # refused once applied (len drains)
+    monkeypatch.setattr(kv_events, "MAX_QUEUED", 100)
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(2)], [advert(2)])
+    for _ in range(1000):                                            # past the bound, the caller applies some
+        kv.note(1, key(2), "pool", True)
+    assert kv.queued <= 101 and kv.leading(hashes_of(2), ["pool"]) == {"pool": 2}
+
+
+def test_a_bounded_read_applies_that_many_entries_and_the_next_read_the_rest():
+    kv = KvIndex(records=4096)
+    for c in range(100):
+        kv.describe(1, SPACE, "m", "", 0, 1, [key(c)], [advert(c)])
+        kv.note(1, key(c), "pool", True)
+    records, cursor, _ = kv.log.read(-1, 4096, apply=50)            # KV_EVENTS: server.KV_EVENTS_APPLY
+    assert kv.queued == 150 and len(records) == 25
+    records, _, _ = kv.log.read(cursor, 4096)
+    assert kv.queued == 0 and [r.event.block_hashes for r in records] == [hashes_of(c) for c in range(25, 100)]
+
+
+def test_a_lookup_by_tokens_follows_chunks_described_in_any_order():
+    kv = KvIndex()
+    for c in (2, 0, 1):                                              # the child first, its parent last
+        kv.describe(1, SPACE, "m", "", 0, 1, [key(c)], [advert(c)])
+        kv.note(1, key(c), "pool", True)
+    tokens = [t for c in range(3) for t in range(c * 100, c * 100 + 2 * ENGINE_BLOCK)]
+    assert kv.hashes_of_tokens(tokens, ENGINE_BLOCK) == hashes_of(0) + hashes_of(1) + hashes_of(2)
+    assert kv.hashes_of_tokens(tokens[:ENGINE_BLOCK] + [1 << 40] * ENGINE_BLOCK, ENGINE_BLOCK) == hashes_of(0)[:1]
+    kv.note(1, key(1), "pool", False)                                # chunk 1 gone: the walk stops before it
+    assert kv.hashes_of_tokens(tokens, ENGINE_BLOCK) == hashes_of(0)
 
 
 def test_the_index_keeps_at_most_kv_events_index_chunks_and_zero_turns_events_off(start_server, engines):

@@ -393,6 +393,16 @@ def test_a_future_or_malformed_replay_request_gets_the_end_marker_alone_and_the_
     assert server.alive
 
 
+def test_the_loop_applies_the_index_queue_when_idle_with_no_reader(start_server, engines):
+    http = _free_port()
+    server = start_server("--capacity", "64MiB", "--http-port", str(http))
+    engine = engines(server.url)
+    engine.store([_advert(i, 1000 + i - 1 if i else None) for i in range(8)])
+    time.sleep(0.5)                                  # no KV_EVENTS, no publisher: only the idle loop applies it
+    m = _metrics(http)                               # (read before the gauges that apply the queue themselves)
+    assert m["lmshm_kv_events_queued"] == 0 and m["lmshm_kv_events_index_chunks"] == 8
+
+
 def test_replay_keeps_at_most_replay_batches_and_answers_an_older_start_from_its_oldest(start_server, engines):
     http = _free_port()
     server, pub, replay = _events_server(start_server, "--kv-events-replay-batches", "3", "--http-port", str(http))
