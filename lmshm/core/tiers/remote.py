@@ -451,9 +451,9 @@ class RemoteTier(Tier):
         return g.GlideClient.create(config)
 
     def _get_client(self, wait: bool = True) -> Any:
-        """The client, made by the first call that needs one. A read that finds another thread
-        connecting does not wait for it (that could double a LOOKUP's bound): it is a miss; a
-        write (on a writer thread, in the background) waits up to the timeout for it."""
+        """glide's client (writes; reads go over ``resp``), made by the first call that needs
+        one. A write (on a writer thread, in the background) waits up to the timeout for another
+        thread's connection in progress; without ``wait``, a call that finds one does not."""
         client = self._client
         if client is not None:
             return client
@@ -556,9 +556,7 @@ class RemoteTier(Tier):
         except _Skip:
             return False
         except BadValue as exc:
-            self._refused(rkey, exc)
-            self._gone(uid, key)
-            return False
+            return self._unsound(uid, key, rkey, exc)
         if not found:                       # expired or evicted since head: a plain miss
             self._gone(uid, key)
             return False
@@ -594,8 +592,7 @@ class RemoteTier(Tier):
                 elif buf is not None:
                     self._gone(uid, key)
             except resp.WrongLength as exc:
-                self._refused(rkeys[i], BadValue(f"{exc.nbytes} bytes where the header says {len(buf or b'')}"))
-                self._gone(uid, key)
+                self._unsound(uid, key, rkeys[i], BadValue(f"{exc.nbytes} bytes where the header says {len(buf or b'')}"))
             except resp.ErrorReply as exc:          # MOVED (a reshard), WRONGTYPE, NOAUTH...: a miss
                 if not str(exc).startswith(("MOVED", "ASK", "WRONGTYPE")):
                     self._failed(group, "GET", exc)
@@ -610,6 +607,13 @@ class RemoteTier(Tier):
         for g in groups:
             self.breaker.success(g)
         return len(jobs)
+
+    def _unsound(self, uid: int, key: bytes, rkey: bytes, exc: BadValue) -> bool:
+        """A value read that is not a sound chunk of its key: refused (counted) and no longer
+        held here (KV events); a miss (False)."""
+        self._refused(rkey, exc)
+        self._gone(uid, key)
+        return False
 
     def _value_buffer(self, meta: ChunkMeta, dest: memoryview, framed: Optional[memoryview]) -> Optional[memoryview]:
         """Where a value is read: ``framed`` without a secret, else this thread's read buffer;
@@ -632,9 +636,7 @@ class RemoteTier(Tier):
         except OtherVersion:
             return False
         except BadValue as exc:
-            self._refused(rkey, exc)
-            self._gone(uid, key)
-            return False
+            return self._unsound(uid, key, rkey, exc)
         if copy:
             dest[:] = payload
         self.stats.timed_read(time.monotonic() - t0, meta.nbytes)
@@ -665,9 +667,9 @@ class RemoteTier(Tier):
                     return False
                 self._failed(group, "GET", exc)
                 raise _Skip from None
-            except (OSError, resp.ProtocolError, _Skip) as exc:
-                if isinstance(exc, _Skip):
-                    raise
+            except _Skip:
+                raise
+            except (OSError, resp.ProtocolError) as exc:
                 self._failed(group, "GET", exc)
                 raise _Skip from None
             self.breaker.success(group)
