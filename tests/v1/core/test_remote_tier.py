@@ -772,6 +772,35 @@ def test_a_hostile_server_cannot_make_a_read_hang_allocate_or_pass(case):
         server.stop()
 
 
+@pytest.mark.parametrize("close", [False, True], ids=["silence", "close"])
+def test_a_large_value_cut_short_is_a_miss_within_the_timeout(close):
+    """A value of WAITALL_FROM or more is received by one call that waits for all of it: a
+    server that sends part of one and then stops, or closes, still ends the read within the
+    timeout (SO_RCVTIMEO bounds the wait), counted, the connection closed."""
+    import tracemalloc
+
+    from lmshm.core.tiers import resp
+    meta = ChunkMeta(nbytes=4 * resp.WAITALL_FROM, layout=b"L" * 16, blocks=8)
+    size = HEADER_BYTES + meta.nbytes
+    server = HostileServer(b"$%d\r\n" % size + b"x" * (resp.WAITALL_FROM + 12345), close)
+    tier = tier_for(f"redis://127.0.0.1:{server.port}", insecure_unsigned=True)
+    try:
+        frame = memoryview(bytearray(size))
+        tracemalloc.start()
+        t0 = time.monotonic()
+        assert tier.get_into(1, key(1), meta, frame[HEADER_BYTES:], frame) is False
+        took = time.monotonic() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert took < 2 * TIMEOUT_S + 0.5, f"the read took {took:.2f} s"
+        assert peak < 1 << 20, f"{peak} bytes allocated for a cut value"
+        assert tier.stats.snapshot()["errors" if close else "timeouts"] == 1, tier.stats.snapshot()
+        assert all(c.closed for c in tier._conns)
+    finally:
+        tier.close()
+        server.stop()
+
+
 @pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 @pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
 def test_a_run_of_chunks_is_asked_for_at_once_and_read_up_to_the_first_unsound_one(valkey, signed, framed):
