@@ -185,17 +185,47 @@ class _Chunk:
         self.born = time.monotonic()
         self.tkeys = self.token_keys()
 
-    def token_keys(self) -> list[tuple[Any, bytes]]:
-        """``(parent block hash, that block's packed tokens)`` per block: the lookup by token
-        ids walks these from the first block (``KvIndex.hashes_of_tokens``)."""
+    def token_keys(self) -> list[Optional[TokenKey]]:
+        """Per block, its ``token_key`` (``KvIndex.hashes_of_tokens`` walks them from the first
+        block), or None for a block a lookup by tokens cannot name (``block_salt``)."""
         tokens = self.tokens
         if not tokens:
             return []
-        if len(self.hashes) == 1:
-            return [(self.parent, tokens)]
         step = 4 * self.block_size
-        return [(self.hashes[i - 1] if i else self.parent, tokens[i * step:(i + 1) * step])
-                for i in range(len(self.hashes))]
+        extra = self.extra or [None] * len(self.hashes)
+        out: list[Optional[TokenKey]] = []
+        for i in range(len(self.hashes)):
+            parent = self.hashes[i - 1] if i else self.parent
+            salt = block_salt(extra[i], self.lora, parent is None)
+            out.append(None if salt is UNNAMED else
+                       token_key(parent, tokens[i * step:(i + 1) * step], self.lora, salt))
+        return out
+
+
+#: ``(parent block hash, the block's packed tokens, LoRA name, cache salt)``: what a lookup by
+#: token ids can name a block by. The salt is the first block's only (None elsewhere).
+TokenKey = tuple[Any, bytes, Optional[str], Optional[str]]
+UNNAMED = object()
+
+
+def token_key(parent: Any, tokens: bytes, lora: Optional[str], salt: Optional[str]) -> TokenKey:
+    return (parent, tokens, lora, salt)
+
+
+def block_salt(extra: Any, lora: Optional[str], first: bool) -> Any:
+    """The cache salt a block's extra keys carry (None: none), or ``UNNAMED`` when they carry
+    more than a lookup by tokens can say. In vLLM's events (``to_event_extra_keys``) a block's
+    keys are its LoRA name (every block of a LoRA request), ``[identifier, offset]`` per
+    multimodal input, the cache salt (the first block only), a prompt-embeds digest (bytes),
+    in that order. So a block is named by its tokens, LoRA and salt when its keys are exactly
+    ``[lora]`` (nothing without one), plus, on the first block, one string."""
+    keys = list(extra) if isinstance(extra, (list, tuple)) else [] if extra is None else [extra]
+    head = [lora] if lora is not None else []
+    if keys == head:
+        return None
+    if first and len(keys) == len(head) + 1 and keys[:-1] == head and isinstance(keys[-1], str):
+        return keys[-1]
+    return UNNAMED
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
@@ -317,7 +347,7 @@ class KvIndex:
         # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
         self._by_id: OrderedDict[tuple[int, bytes, int, bytes], _Chunk] = OrderedDict()
         self._by_hash: dict[Any, _Chunk] = {}                            # an engine block hash -> its chunk
-        self._by_tokens: dict[tuple[Any, bytes], Any] = {}              # (parent hash, block's tokens) -> hash
+        self._by_tokens: dict[TokenKey, Any] = {}                        # a block's token_key -> its hash
         self._pods: set[tuple[int, bytes, str]] = set()
         self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
         self._pruned_at = 0.0
@@ -446,7 +476,8 @@ class KvIndex:
         for h in chunk.hashes:
             self._by_hash[h] = chunk
         for tk, h in zip(chunk.tkeys, chunk.hashes):
-            self._by_tokens[tk] = h
+            if tk is not None:
+                self._by_tokens[tk] = h
 
     def _note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
         found = self._by_key.get((uid, key))
@@ -497,7 +528,7 @@ class KvIndex:
         for i, h in enumerate(chunk.hashes):
             if self._by_hash.get(h) is chunk:
                 del self._by_hash[h]
-                if tokens and self._by_tokens.get(tokens[i]) == h:
+                if tokens and tokens[i] is not None and self._by_tokens.get(tokens[i]) == h:
                     del self._by_tokens[tokens[i]]
 
     def _emit(self, chunk: _Chunk, tier: str, stored: bool) -> None:
@@ -558,9 +589,11 @@ class KvIndex:
                 out[tier] = p
         return out
 
-    def hashes_of_tokens(self, token_ids: Sequence[int], block_size: int) -> list[Any]:
-        """The engine block hashes of ``token_ids``'s whole blocks, as far as the index has seen
-        them: from the first block (no parent), each block's tokens under its parent's hash."""
+    def hashes_of_tokens(self, token_ids: Sequence[int], block_size: int, lora: Optional[str] = None,
+                         salt: Optional[str] = None) -> list[Any]:
+        """The engine block hashes of ``token_ids``'s whole blocks, for LoRA adapter ``lora``
+        and cache salt ``salt`` (None: none), as far as the index has seen them: from the first
+        block (no parent), each block's tokens under its parent's hash (``token_key``)."""
         self.drain()
         out: list[Any] = []
         prev = None
@@ -570,7 +603,7 @@ class KvIndex:
                     tokens = _packed(token_ids[b * block_size:(b + 1) * block_size])
                 except (OverflowError, TypeError):       # not int32: no advert has it
                     break
-                h = self._by_tokens.get((prev, tokens))
+                h = self._by_tokens.get(token_key(prev, tokens, lora, salt if b == 0 else None))
                 if h is None:
                     break
                 out.append(h)

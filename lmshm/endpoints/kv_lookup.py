@@ -26,8 +26,10 @@ checked before the index is touched, and every refusal is a 400 naming the field
 off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
 per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens packs them block by
 block under the lock, in ``KvIndex.hashes_of_tokens``, as far as the index knows the chain:
-``MAX_TOKENS`` bounds it. Those lookups match tokens only, not the LoRA, cache salt or
-multimodal inputs.) The index applies its queued entries first (``KvIndex.drain``).
+``MAX_TOKENS`` bounds it. Such a lookup names a LoRA adapter and a cache salt with
+``lora_name`` and ``cache_salt``, and matches only blocks stored with exactly those; a block with
+multimodal inputs is matched by its hash only, ``kv_events.block_salt``.) The index applies its
+queued entries first (``KvIndex.drain``).
 
 Access is that of ``/metrics``: anyone who reaches the endpoint. The easy thing to get wrong:
 an answer says which prefixes are cached, so whoever can ask can probe for a prompt; bind
@@ -46,7 +48,7 @@ from aiohttp import web
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import TIER_MEDIA
-from lmshm.core.messages import MAX_ADVERT_BLOCKS
+from lmshm.core.messages import MAX_ADVERT_BLOCKS, MAX_TEXT
 from lmshm.quoting import quote
 
 PATH = "/v1/kv/lookup"
@@ -64,7 +66,9 @@ MAX_HASH_BYTES = 64
 WINDOW = max(4096, MAX_ADVERT_BLOCKS)
 #: Lookups computed at once (on the loop's executor); more wait their turn.
 LOOKUPS_AT_ONCE = 2
-FIELDS = ("block_hashes", "token_ids", "block_size")
+#: The longest LoRA name or cache salt a lookup by tokens may name (an advert's text bound).
+MAX_NAME = MAX_TEXT
+FIELDS = ("block_hashes", "token_ids", "block_size", "lora_name", "cache_salt")
 
 _U64 = 1 << 64
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
@@ -137,23 +141,39 @@ def _list(body: dict, name: str, limit: int, what: str) -> list:
     return value
 
 
-def check_request(body: dict) -> tuple[str, list, Optional[int]]:
-    """``("hashes", [int | bytes], block_size or None)`` or ``("tokens", [int], block_size)``,
-    or a ``ServerError`` (400) that says what is wrong."""
+def _name(body: dict, name: str) -> Optional[str]:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _bad(f"'{name}' must be a string or null, got {_kind(value)} {quote(value, 40)}")
+    if len(value) > MAX_NAME:
+        raise _bad(f"'{name}' is {len(value)} characters; at most {MAX_NAME}")
+    return value
+
+
+def check_request(body: dict) -> tuple[str, list, Optional[int], Optional[str], Optional[str]]:
+    """``("hashes", [int | bytes], block_size or None, None, None)`` or ``("tokens", [int],
+    block_size, lora_name, cache_salt)``, or a ``ServerError`` (400) that says what is wrong."""
     unknown = sorted(k for k in body if k not in FIELDS)
     if "model" in unknown:
         raise _bad("'model' is not supported: block hashes (and token chains) are matched whatever model stored "
                    "them; leave 'model' out")
     if unknown:
         raise _bad(f"unknown field {quote(unknown[0], 60)}; a lookup has 'block_hashes', or 'token_ids' and "
-                   "'block_size'")
+                   "'block_size' (and 'lora_name', 'cache_salt')")
     if ("block_hashes" in body) == ("token_ids" in body):
         raise _bad("send either 'block_hashes' or 'token_ids' (with 'block_size'), not "
                    + ("both" if "token_ids" in body else "neither"))
     if "block_hashes" in body:
+        named = [k for k in ("lora_name", "cache_salt") if k in body]
+        if named:
+            raise _bad(f"'{named[0]}' goes with 'token_ids' only: block hashes already include the LoRA and "
+                       "the cache salt")
         size = _block_size(body, required=False)
         values = _list(body, "block_hashes", MAX_BLOCKS, "hashes")
-        return "hashes", [_hash(i, v) for i, v in enumerate(values)], size
+        return "hashes", [_hash(i, v) for i, v in enumerate(values)], size, None, None
+    lora, salt = _name(body, "lora_name"), _name(body, "cache_salt")
     size = _block_size(body, required=True)
     tokens = _list(body, "token_ids", MAX_TOKENS, "tokens")
     for i, t in enumerate(tokens):
@@ -164,7 +184,7 @@ def check_request(body: dict) -> tuple[str, list, Optional[int]]:
     if blocks > MAX_BLOCKS:
         raise _bad(f"{len(tokens)} tokens are {blocks} blocks of {size}; a lookup takes at most {MAX_BLOCKS} "
                    f"blocks: send the first {MAX_BLOCKS * size} tokens")
-    return "tokens", tokens, size
+    return "tokens", tokens, size, lora, salt
 
 
 def _hash(i: int, value: Any) -> Any:
@@ -238,11 +258,12 @@ def _walk(index: Any, hashes: list, tiers: list[str]) -> tuple[dict[str, int], i
     return per_tier, whole
 
 
-def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Optional[int]) -> dict[str, Any]:
+def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Optional[int],
+           lora: Optional[str] = None, salt: Optional[str] = None) -> dict[str, Any]:
     """The ``POST`` answer's counts for a checked request (``check_request``)."""
     if kind == "tokens":
         blocks = len(values) // block_size
-        forms = [index.hashes_of_tokens(values, block_size)]   # the index's own hashes, as far as it knows them
+        forms = [index.hashes_of_tokens(values, block_size, lora, salt)]   # the index's own hashes, as far as it knows them
     else:
         blocks = len(values)
         forms = hash_forms(values)
@@ -303,8 +324,7 @@ class KvLookup:
         raw = await request.read()          # already read by the endpoint, within its size limit
 
         def answer() -> dict[str, Any]:
-            kind, values, size = check_request(parse_body(raw))
-            return lookup(index, tiers, kind, values, size)
+            return lookup(index, tiers, *check_request(parse_body(raw)))
 
         async with self._turns:
             counts = await asyncio.get_running_loop().run_in_executor(None, answer)

@@ -163,3 +163,35 @@ def _normalise(events: list[dict]) -> list[dict]:
                      block_size=e["block_size"])
         out.append(d)
     return out
+
+
+def _lookup(port: int, **body) -> int:
+    import urllib.request
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/kv/lookup", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["leading_blocks"]
+
+
+def test_a_lookup_by_tokens_finds_a_salted_prompt_only_under_its_cache_salt(model, tmp, sockets):
+    """A real engine stores one prompt under ``cache_salt`` "alice" and one without: the
+    connector's adverts carry vLLM's own extra keys, and the server's lookup by tokens counts
+    each prompt's chunks under its own salt and none under another or none."""
+    http = _free_port()
+    server = ServerProcess(sockets, "--capacity", "256MiB", "--http-port", str(http))
+    try:
+        p = prompts()
+        events = _free_port()
+        Engine(model, server.url, tmp, [{"tokens": p["long"], "cache_salt": "alice"}, {"tokens": p["other"]}],
+               name="A", extra=("--kv-events", f"tcp://*:{events}")).results()
+        long_chunks, other_chunks = len(p["long"]) // CHUNK, len(p["other"]) // CHUNK
+        salted = dict(token_ids=p["long"], block_size=CHUNK)
+        plain = dict(token_ids=p["other"], block_size=CHUNK)
+        assert _lookup(http, **salted, cache_salt="alice") == long_chunks
+        assert _lookup(http, **salted) == 0
+        assert _lookup(http, **salted, cache_salt="bob") == 0
+        assert _lookup(http, **salted, cache_salt="alice", lora_name="x") == 0
+        assert _lookup(http, **plain) == other_chunks
+        assert _lookup(http, **plain, cache_salt="alice") == 0
+    finally:
+        assert server.stop() == 0, server.log()

@@ -176,6 +176,52 @@ def test_leading_blocks_by_token_ids_count_whole_blocks_of_whole_chunks(tmp_path
         assert http.leading(token_ids=[], block_size=BLOCK)[0] == 0
 
 
+def test_a_lookup_by_tokens_matches_only_the_lora_and_cache_salt_it_names(tmp_path):
+    """Four chunks of the same tokens, stored for no LoRA, LoRA "a", cache salt "s" and an image:
+    vLLM's hashes differ, its events' extra keys say why (``to_event_extra_keys``). A lookup by
+    tokens counts the chunk it names, and none for a LoRA or salt nobody stored; the image's
+    chunk only by its hashes (its tokens are placeholders that cannot name it)."""
+    import msgspec
+
+    tokens = tokens_of(0)
+    stored = {
+        "plain": (None, None),
+        "lora": ("a", [["a"], ["a"]]),
+        "salt": (None, [["s"], None]),
+        "lora+salt": ("a", [["a", "s"], ["a"]]),
+        "image": (None, [[["img0", 0]], [["img0", 2]]]),
+    }
+    hashes = {name: [(1 << 62) + 10 * i + j for j in range(PER_CHUNK)] for i, name in enumerate(stored)}
+    with serving(tmp_path) as (server, engine, http):
+        ads = []
+        for name, (lora, extra) in stored.items():
+            ad = advert(0, hashes=hashes[name], parent=None, tokens=tokens)
+            ads.append(msgspec.structs.replace(ad, lora_name=lora,
+                                               extra_keys=msgspec.msgpack.encode(extra) if extra else None))
+        engine.store(ads)
+
+        def by_tokens(**named: Any) -> int:
+            return http.leading(token_ids=tokens, block_size=BLOCK, **named)[0]
+
+        assert by_tokens() == 2
+        assert by_tokens(lora_name="a") == 2
+        assert by_tokens(cache_salt="s") == 2
+        assert by_tokens(lora_name="a", cache_salt="s") == 2
+        assert by_tokens(lora_name=None, cache_salt=None) == 2
+        assert by_tokens(lora_name="b") == 0
+        assert by_tokens(cache_salt="t") == 0
+        assert by_tokens(cache_salt="img0") == 0
+        for name in stored:
+            assert http.leading(block_hashes=hashes[name])[0] == 2, name
+        # each named lookup found its own chunk's hashes: evict nothing, but ask for a longer
+        # prompt whose second chunk chains only under the LoRA chunk
+        engine.store([advert(1, hashes=[(1 << 61) + j for j in range(PER_CHUNK)], parent=hashes["lora"][-1],
+                             tokens=tokens_of(1))])
+        longer = tokens + tokens_of(1)
+        assert http.leading(token_ids=longer, block_size=BLOCK, lora_name="a")[0] == 2   # ("a" not on chunk 1)
+        assert http.leading(token_ids=longer, block_size=BLOCK)[0] == 2
+
+
 def test_bytes_hashes_match_as_hex_and_int_hashes_match_the_hex_of_the_bytes_they_came_from(tmp_path):
     digests = [hashlib.sha256(b"block %d" % j).digest() for j in range(4)]
     others = [hashlib.sha256(b"other %d" % j).digest() for j in range(2)]
@@ -287,6 +333,13 @@ BAD = [
     (_j({"token_ids": [1 << 31], "block_size": 2}), "token_ids[0] must be a 32-bit integer token id, got "
                                                     "2147483648, out of range"),
     (_j({"token_ids": [-(1 << 31) - 1], "block_size": 2}), "out of range"),
+    (_j({"token_ids": [1, 2], "block_size": 2, "lora_name": 7}), "'lora_name' must be a string or null, got integer"),
+    (_j({"token_ids": [1, 2], "block_size": 2, "cache_salt": ["s"]}), "'cache_salt' must be a string or null, got "
+                                                                      "array"),
+    (_j({"token_ids": [1, 2], "block_size": 2, "cache_salt": "s" * 5000}), "'cache_salt' is 5000 characters; at "
+                                                                          "most 4096"),
+    (_j({"block_hashes": [1], "lora_name": "a"}), "'lora_name' goes with 'token_ids' only"),
+    (_j({"block_hashes": [1], "cache_salt": None}), "'cache_salt' goes with 'token_ids' only"),
     # over the caps (the body limit is raised for these: --http-max-body-bytes 16MiB)
     (_j({"block_hashes": [0] * (kv_lookup.MAX_BLOCKS + 1)}), "'block_hashes' has 65537 hashes; a lookup takes "
                                                               "at most 65536"),
@@ -384,8 +437,7 @@ def test_a_lookup_of_the_most_blocks_is_quick():
     index = _index([(hashes[i:i + 1024], {"pool", "disk", "remote"}) for i in range(0, len(hashes), 1024)])
     started = time.monotonic()
     body = json.dumps({"block_hashes": [(1 << 63) + h for h in hashes]}).encode()
-    kind, values, size = kv_lookup.check_request(kv_lookup.parse_body(body))
-    r = kv_lookup.lookup(index, ["pool", "disk", "remote"], kind, values, size)
+    r = kv_lookup.lookup(index, ["pool", "disk", "remote"], *kv_lookup.check_request(kv_lookup.parse_body(body)))
     assert r["leading_blocks"] == 0                  # stored as small ints: none of the forms matches
     r = kv_lookup.lookup(index, ["pool", "disk", "remote"], "hashes", hashes, None)
     assert r["leading_blocks"] == kv_lookup.MAX_BLOCKS
