@@ -12,7 +12,8 @@ requests at once, each its share of the keys, read as the server's stack promote
 chunks (``LmshmSide.read``: a request's promotion on one of the server's 2 copier threads,
 headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by all requests,
 each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
-``--readers 1,2,4`` compares reader counts. Before that, unless ``--no-clients``, one thread
+``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
+its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read). Before that, unless ``--no-clients``, one thread
 reads the same values with each bare client (no header read, no check, runs of 16 where it
 pipelines): glide ``GET`` and ``Batch``, redis-py with hiredis (the ``bench`` extra), and the
 tier's own reader (``resp.py``), each followed by the copy into the slot it needs: the client
@@ -54,6 +55,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
 from lmshm.core.config import CoreConfig  # noqa: E402
+from lmshm.core.tiers import resp  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
 from lmshm.core.tiers.stack import READ_GROUP_BYTES, READ_GROUP_CHUNKS, TierStack  # noqa: E402
@@ -64,6 +66,8 @@ READERS = TierStack.__init__.__kwdefaults__["readers"]
 COPY_THREADS = CoreConfig().copy_threads
 
 BATCH = 32
+#: the reader's MSG_WAITALL threshold as shipped (``--no-waitall`` compares it with none)
+WAITALL = resp.WAITALL_FROM
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_remote_driver.py")
 
 
@@ -78,6 +82,8 @@ def main() -> None:
                     help=f"reader threads, a list to compare (default: the stack's {READERS})")
     ap.add_argument("--no-clients", action="store_true",
                     help="skip the bare clients' reads (the client choice: glide, redis-py + hiredis, resp)")
+    ap.add_argument("--no-waitall", action="store_true",
+                    help="also read with MSG_WAITALL off (resp.WAITALL_FROM past any value): the A/B of that choice")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_kib.split(",")]
@@ -98,7 +104,7 @@ def main() -> None:
         cpu: dict[str, dict[tuple[int, int], float]] = {}
         versions: dict = {}
         for kib in sizes:
-            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers)
+            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers, args.no_waitall)
             theirs = LMCacheSide(args.lmcache_python, url, kib, args.total_mib, concs) if args.lmcache_python else None
             try:
                 for _ in range(args.reps):      # one lmshm repetition, one LMCache repetition, ...
@@ -151,6 +157,7 @@ def bare_clients(url: str, side: "LmshmSide", reps: int) -> dict[str, tuple[floa
     from lmshm.core.tiers import resp
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     tier = side.tiers["lmshm unsigned"]
+    resp.WAITALL_FROM = WAITALL
     rkeys = [tier.remote_key(1, k) for k in side.keys]
     slots = [side.poolv[i * side.stride:(i + 1) * side.stride] for i in range(side.n)]
     glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, int(port))], request_timeout=10_000))
@@ -279,7 +286,8 @@ class LmshmSide:
     """Both tiers at one value size: the values written, the pool; ``rep`` times one read-back
     of each (tier, concurrency), ``finish`` checks the bytes, deletes the keys, gives medians."""
 
-    def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int]) -> None:
+    def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int],
+                 no_waitall: bool = False) -> None:
         self.size, self.concs = size, concs
         self.n = n = max(1, total // size)
         self.room = room = RemoteTier.head_room
@@ -300,8 +308,11 @@ class LmshmSide:
                  "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32))}
         self.tiers = tiers
         #: each tier once per reader count (the default count unnamed)
-        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r)
+        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r, WAITALL)
                          for name, tier in tiers.items() for r in readers}
+        if no_waitall:
+            self.variants.update({f"{name}, no WAITALL": (tier, r, 1 << 62) for name, (tier, r, _) in
+                                  list(self.variants.items())})
         self.jobs = [(name, c) for name in self.variants for c in concs]
         self.times: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
         self.cpu: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
@@ -323,7 +334,7 @@ class LmshmSide:
         first; fewer when a request is short, so that it still spreads over every reader),
         each run read by ``get_run_into`` into the slots of the pool (room included)."""
         n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
-        tier, nreaders = self.variants[variant]
+        tier, nreaders, resp.WAITALL_FROM = self.variants[variant]
         readers = self.pools[nreaders]
         failed: list[int] = []
 
