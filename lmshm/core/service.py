@@ -176,7 +176,7 @@ class Core:
             return RemoteTier(c.remote, prefix=c.remote_prefix, ttl_s=c.remote_ttl_s, timeout_s=c.remote_timeout_s,
                               secret=secret, username=os.environ.get("LMSHM_REMOTE_USERNAME", ""),
                               password=password, checksum=c.disk_checksum, ca_pem=ca,
-                              insecure_unsigned=c.remote_insecure_unsigned)
+                              insecure_unsigned=c.remote_insecure_unsigned, mac=c.remote_mac)
         except (OSError, ValueError, ImportError, UnicodeDecodeError) as exc:
             raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the remote tier: {exc}") from None
 

@@ -239,9 +239,14 @@ SETTINGS: tuple[Setting, ...] = (
             "more are not written, and counted as drops (default 256)", "N"),
     Setting("remote_secret_file", "--remote-secret-file", "LMSHM_REMOTE_SECRET_FILE", "remote_secret_file",
             "a file (the server's own, mode 600, at least 16 bytes; e.g. head -c 32 /dev/urandom > FILE) with a "
-            "secret shared by the servers of one deployment: every remote value carries a keyed BLAKE3 MAC under "
-            "it, checked before a byte reaches the pool, and a value without a valid one is a miss. Required with "
-            "--remote, unless --remote-insecure-unsigned", "PATH"),
+            "secret shared by the servers of one deployment: every remote value carries a MAC under it (see "
+            "--remote-mac), checked before a byte is served, and a value without a valid one is a miss. Required "
+            "with --remote, unless --remote-insecure-unsigned", "PATH"),
+    Setting("remote_mac", "--remote-mac", "LMSHM_REMOTE_MAC", "remote_mac",
+            "the MAC this server signs remote values with: aes-gmac (AES-GMAC under a key of each value's own, "
+            "derived from the secret; about 4x keyed BLAKE3's speed, the default) or blake3 (keyed BLAKE3, what "
+            "lmshm before 2026-12-04 reads: use it until every server of the deployment is upgraded). Values "
+            "signed either way are read", "NAME"),
     Setting("remote_insecure_unsigned", "--remote-insecure-unsigned", "LMSHM_REMOTE_INSECURE_UNSIGNED",
             "remote_insecure_unsigned",
             "use --remote without --remote-secret-file: values carry only a checksum, against accidents, so anyone "

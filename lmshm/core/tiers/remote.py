@@ -18,12 +18,13 @@ to trust whoever can write to the remote (one WARNING at start); both at once ar
 ``auto``), against accidents only. With a secret, a keyed BLAKE3 MAC (its key
 derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
 a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
-without the secret cannot make a value any reader accepts. Where a value is read: without a
-secret, straight into the reserved pool object and the room the pool keeps before it (a
-promotion's ``framed``), and checked there, as the disk tier checks its reads in the slot: a
-reserved object is invisible until the promotion commits it, and one that fails is freed. With a
-secret, into the reader thread's own buffer, and copied into the pool object only once the MAC
-checks: no unchecked byte ever reaches a pool slot. Reads go over the tier's own RESP
+without the secret cannot make a value any reader accepts. Where a value is read, signed or
+not: straight into the reserved pool object and the room the pool keeps before it (a
+promotion's ``framed``), and checked there (MAC or checksum), as the disk tier checks its reads
+in the slot: a reserved object is in the server's own memory, invisible until the promotion
+commits it after the check, and one that fails is freed, so no unchecked byte is ever served.
+A read without that room (``get_into`` with no ``framed``) goes into the reader thread's own
+buffer and is copied into the slot once it checks. Reads go over the tier's own RESP
 connections (``resp.py``, one per reader thread and node), not through glide: a ``GET`` reply
 is received straight into that buffer, one copy from the kernel; a promotion's run of chunks is
 asked for by ``GET``s sent at once (``get_run_into``), and headers by pipelined bounded
@@ -81,10 +82,16 @@ logger = logging.getLogger("lmshm.tiers.remote")
 
 MAGIC = b"LMSHMRV\0"
 VERSION = 3                 # 1: HMAC-SHA256, a MULTI write; 2: no header CRC. Their values are misses now
-MAC_NONE, MAC_BLAKE3 = 0, 2     # 1 was HMAC-SHA256 (version 1)
+MAC_NONE, MAC_BLAKE3, MAC_GMAC = 0, 2, 3    # 1 was HMAC-SHA256 (version 1)
 MAC_CONTEXT = "lmshm remote tier 2026-12 value MAC (keyed BLAKE3)"
+GMAC_CONTEXT = "lmshm remote tier 2026-12 per-value AES-GMAC key"
+#: --remote-mac: what a writer signs with; a reader with the secret accepts either
+MACS = {"aes-gmac": MAC_GMAC, "blake3": MAC_BLAKE3}
+GMAC_MAX = (1 << 31) - 1        # the cryptography package's AEAD input limit: larger values take BLAKE3
+_GMAC_IV = bytes(12)            # the per-value key is used once, so the IV may be fixed
 #: magic, version, checksum algorithm, MAC algorithm, uid, blocks, payload length, key length,
-#: layout length, key, layout digest, checksum; then the MAC (zeros without a secret).
+#: layout length, key, layout digest, checksum (with AES-GMAC: the value's random nonce; with
+#: BLAKE3: zeros); then the MAC (without a secret, the header's CRC-32 in its place).
 _HEAD = struct.Struct("<8sHBBIIQBBxx64s64s32s")
 _MAC_BYTES = 32
 _HEAD_CRC = struct.Struct("<I")     # without a secret: a CRC-32 of the header in the MAC's place
@@ -243,6 +250,24 @@ def mac_key(secret: bytes) -> bytes:
     return _blake3()(secret, derive_key_context=MAC_CONTEXT).digest()
 
 
+@functools.lru_cache(maxsize=8)
+def gmac_key(secret: bytes) -> bytes:
+    """The 32-byte BLAKE3 key from which each AES-GMAC value's own key is derived (BLAKE3's
+    key derivation under ``GMAC_CONTEXT``: not the BLAKE3 MAC's key)."""
+    return _blake3()(secret, derive_key_context=GMAC_CONTEXT).digest()
+
+
+def _gmac(secret: bytes, head: memoryview | bytes, payload: memoryview) -> bytes:
+    """AES-GMAC over ``payload`` under a key of its own: keyed BLAKE3 of the header (uid, key,
+    lengths, layout and the value's random nonce), so a header that differs in any byte gives
+    another, unknown key, and no key signs two payloads. Then GMAC (AES-256-GCM with no
+    plaintext, the payload as associated data; a fixed IV, the key being used once) is a
+    one-time MAC: 16 bytes, then 16 zeros. 18-23 GB/s on one core here against keyed BLAKE3's
+    5-6 (``bench/remote_readback.py``; docs/design/tiers.md)."""
+    vkey = _blake3()(head, key=gmac_key(secret)).digest()
+    return _aesgcm()(vkey).encrypt(_GMAC_IV, b"", payload).ljust(_MAC_BYTES, b"\0")
+
+
 def _mac(secret: bytes, head: memoryview | bytes, payload: memoryview) -> bytes:
     b3 = _blake3()
     # BLAKE3 hashes a large input on several threads (its own pool, the GIL released): 4.6 ->
@@ -253,13 +278,17 @@ def _mac(secret: bytes, head: memoryview | bytes, payload: memoryview) -> bytes:
 
 
 def encode_header(uid: int, key: bytes, meta: ChunkMeta, algorithm: int, secret: Optional[bytes],
-                  payload: memoryview) -> bytes:
+                  payload: memoryview, mac: int = MAC_GMAC) -> bytes:
     """The value's header for ``payload``: its checksum, or (with a secret) the MAC over both
-    (and no checksum: the MAC covers the payload already)."""
+    (``mac``: ``MAC_GMAC`` or ``MAC_BLAKE3``; no checksum: the MAC covers the payload)."""
     if secret is None:
         head = _HEAD.pack(MAGIC, VERSION, algorithm, MAC_NONE, uid, meta.blocks, meta.nbytes, len(key),
                           len(meta.layout), key, meta.layout, CHECKSUMS[algorithm][1](payload))
         return head + _HEAD_CRC.pack(zlib.crc32(head)).ljust(_MAC_BYTES, b"\0")
+    if mac == MAC_GMAC and len(payload) <= GMAC_MAX:
+        head = _HEAD.pack(MAGIC, VERSION, 0, MAC_GMAC, uid, meta.blocks, meta.nbytes, len(key),
+                          len(meta.layout), key, meta.layout, os.urandom(32))
+        return head + _gmac(secret, head, payload)
     head = _HEAD.pack(MAGIC, VERSION, 0, MAC_BLAKE3, uid, meta.blocks, meta.nbytes, len(key),
                       len(meta.layout), key, meta.layout, bytes(32))
     return head + _mac(secret, head, payload)
@@ -280,7 +309,7 @@ def decode_header(raw: bytes, uid: int, key: bytes) -> tuple[ChunkMeta, int, int
         raise BadValue("bad header CRC")    # with a MAC, the MAC covers the header
     if not 0 < klen <= MAX_KEY or llen > MAX_LAYOUT or vuid != uid or vkey[:klen] != key:
         raise BadValue("the header names another chunk")
-    if mac_algo == MAC_NONE and algo not in CHECKSUMS or mac_algo not in (MAC_NONE, MAC_BLAKE3):
+    if mac_algo == MAC_NONE and algo not in CHECKSUMS or mac_algo not in (MAC_NONE, MAC_BLAKE3, MAC_GMAC):
         raise BadValue("unknown checksum or MAC algorithm")
     return ChunkMeta(nbytes, layout[:llen], blocks), algo, mac_algo, digest, raw[_HEAD.size:HEADER_BYTES]
 
@@ -295,9 +324,13 @@ def check_value(value: bytes | memoryview, uid: int, key: bytes,
     view = memoryview(value)
     payload = view[HEADER_BYTES:]
     if secret is not None:
-        if mac_algo != MAC_BLAKE3:
+        if mac_algo == MAC_GMAC and len(payload) <= GMAC_MAX:
+            want = _gmac(secret, view[:_HEAD.size], payload)
+        elif mac_algo == MAC_BLAKE3:
+            want = _mac(secret, view[:_HEAD.size], payload)
+        else:
             raise BadValue("an unsigned value where a MAC is required")
-        if not hmac.compare_digest(_mac(secret, view[:_HEAD.size], payload), mac):
+        if not hmac.compare_digest(want, mac):
             raise BadValue("bad MAC")
     elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload).ljust(len(digest), b"\0") != digest:
         raise BadValue("bad checksum" if mac_algo == MAC_NONE else "a signed value and no secret to check it")
@@ -380,9 +413,11 @@ class RemoteTier(Tier):
 
     def __init__(self, url: str, *, prefix: str = "lmshm:", ttl_s: float = 0.0, timeout_s: float = 0.5,
                  secret: Optional[bytes] = None, username: str = "", password: str = "",
-                 checksum: str = "auto", ca_pem: Optional[bytes] = None, insecure_unsigned: bool = False) -> None:
+                 checksum: str = "auto", ca_pem: Optional[bytes] = None, insecure_unsigned: bool = False,
+                 mac: str = "aes-gmac") -> None:
         """``secret`` (the MAC's) is required, unless ``insecure_unsigned`` says to trust whoever
-        can write to the remote (a WARNING is logged); ``ValueError`` otherwise, and for both."""
+        can write to the remote (a WARNING is logged); ``ValueError`` otherwise, and for both.
+        ``mac`` (one of ``MACS``) is what this tier signs with; it reads either."""
         super().__init__()
         self.target = parse_url(url)
         if secret is None and not insecure_unsigned:
@@ -399,8 +434,13 @@ class RemoteTier(Tier):
         self.ttl_ms = int(ttl_s * 1000)
         self.timeout_s = timeout_s
         self.secret = secret
+        if mac not in MACS:
+            raise ValueError(f"--remote-mac {mac!r}: say one of {', '.join(MACS)}")
+        self.mac = MACS[mac]
         if secret is not None:
             mac_key(secret)                 # fails now, at start, if blake3 is not installed
+            if self.mac == MAC_GMAC:
+                _aesgcm()                   # and cryptography
         self.username = username or self.target.username
         self.password = password
         self.algorithm = checksum_algorithm(checksum)
@@ -542,10 +582,10 @@ class RemoteTier(Tier):
     def get_into(self, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
                  framed: Optional[memoryview] = None) -> bool:
         """The value read by one ``GET`` straight into a buffer (``resp``: its length is
-        checked before a byte of it is received): without a secret into ``framed`` (the
-        reserved, still invisible pool object and the room before it) and checked there, as the
-        disk tier checks its reads; with a secret into this thread's read buffer, and only a
-        value whose MAC checks is copied into the slot."""
+        checked before a byte of it is received): into ``framed`` (the reserved, still
+        invisible pool object and the room before it) and checked there (MAC or checksum), as
+        the disk tier checks its reads; without ``framed`` into this thread's read buffer, and
+        only a value that checks is copied into the slot."""
         rkey = self.remote_key(uid, key)
         t0 = time.monotonic()
         buf = self._value_buffer(meta, dest, framed)
@@ -564,7 +604,7 @@ class RemoteTier(Tier):
 
     def get_run_into(self, uid: int, jobs: Sequence[tuple[bytes, ChunkMeta, memoryview, Optional[memoryview]]]) -> int:
         """A run of chunks (a promotion's reader task) read by ``GET``s sent at once, one round
-        trip for the run: each value checked (and with a secret copied) as it arrives, while
+        trip for the run: each value checked (and, read without its room, copied) as it arrives, while
         the server sends the next. Up to the first that fails; then the connection, with the
         rest of the run's replies unread, is closed. A run a cluster spreads over several nodes
         is read chunk by chunk."""
@@ -616,12 +656,12 @@ class RemoteTier(Tier):
         return False
 
     def _value_buffer(self, meta: ChunkMeta, dest: memoryview, framed: Optional[memoryview]) -> Optional[memoryview]:
-        """Where a value is read: ``framed`` without a secret, else this thread's read buffer;
-        None when ``dest`` is not the chunk's size."""
+        """Where a value is read: ``framed`` (the slot and its room) when it has the value's
+        size, else this thread's read buffer; None when ``dest`` is not the chunk's size."""
         if len(dest) != meta.nbytes:
             return None
         size = HEADER_BYTES + meta.nbytes
-        if self.secret is None and framed is not None and len(framed) == size:
+        if framed is not None and len(framed) == size:
             return framed
         return self._read_buffer(size)
 
@@ -801,7 +841,7 @@ class RemoteTier(Tier):
         buf = getattr(self._local, "read", None)
         if buf is None or len(buf) < nbytes:
             # a mapping with huge pages asked for, as the pool's: the kernel's copy into it, the
-            # MAC over it and the copy out of it each take a TLB miss per 2 MiB, not per 4 KiB
+            # check over it and the copy out of it each take a TLB miss per 2 MiB, not per 4 KiB
             buf = mmap.mmap(-1, max(nbytes, 1 << 21))
             if hasattr(mmap, "MADV_HUGEPAGE"):
                 buf.madvise(mmap.MADV_HUGEPAGE)
@@ -831,7 +871,8 @@ class RemoteTier(Tier):
         else:
             value = self._staging(HEADER_BYTES + len(data))
             value[HEADER_BYTES:] = data
-        value[:HEADER_BYTES] = encode_header(uid, key, meta, self.algorithm, self.secret, value[HEADER_BYTES:])
+        value[:HEADER_BYTES] = encode_header(uid, key, meta, self.algorithm, self.secret, value[HEADER_BYTES:],
+                                             self.mac)
         g = self._glide
         expiry = g.ExpirySet(g.ExpiryType.MILLSEC, self.ttl_ms) if self.ttl_ms else None
         try:
@@ -916,6 +957,16 @@ def _blake3() -> Any:
         raise ImportError("--remote-secret-file needs the blake3 package (keyed BLAKE3 MACs): "
                           "pip install 'lmshm[remote]'") from None
     return blake3
+
+
+def _aesgcm() -> Any:
+    """AES-GCM of the ``cryptography`` package (the ``remote`` extra), for AES-GMAC values."""
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        raise ImportError("--remote-secret-file with --remote-mac aes-gmac (the default) needs the cryptography "
+                          "package: pip install 'lmshm[remote]', or --remote-mac blake3") from None
+    return AESGCM
 
 
 def _import_glide() -> Any:

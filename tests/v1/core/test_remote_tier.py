@@ -12,7 +12,7 @@ import time
 import pytest
 
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, SECRET_HOWTO, RemoteTier, check_value,
+from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, MACS, SECRET_HOWTO, RemoteTier, check_value,
                                      parse_url, read_ca_file, read_secret_file)
 from valkey_servers import command, free_port
 
@@ -21,9 +21,12 @@ META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
 SECRET = b"lmshm remote tier tests' secret!"     # 32 bytes, one for every process of a test
 
 
-def signing(signed: bool) -> dict:
-    """The tier's arguments for a signed tier (``SECRET``) or an unsigned one (the opt-out)."""
-    return {"secret": SECRET} if signed else {"insecure_unsigned": True}
+def signing(signed: bool | str) -> dict:
+    """The tier's arguments for a signed tier (``SECRET``; ``signed`` may name its MAC) or an
+    unsigned one (the opt-out)."""
+    if not signed:
+        return {"insecure_unsigned": True}
+    return {"secret": SECRET, **({"mac": signed} if isinstance(signed, str) else {})}
 
 
 def key(i: int) -> bytes:
@@ -51,7 +54,7 @@ def read(tier: RemoteTier, uid: int, k: bytes, framed: bool = False) -> bytes | 
     frame = memoryview(bytearray(b"\xee" * (HEADER_BYTES + meta.nbytes)))
     dest = frame[HEADER_BYTES:]
     if not tier.get_into(uid, k, meta, dest, frame if framed else None):
-        if not framed or tier.secret is not None:
+        if not framed:                  # read into the thread's buffer: nothing was copied
             assert bytes(frame) == b"\xee" * len(frame), "a refused value reached the slot or its room"
         return None
     return bytes(dest)
@@ -85,7 +88,7 @@ def test_the_ttl_is_set_on_every_value(valkey):
         tier.close()
 
 
-@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+@pytest.mark.parametrize("signed", [False, "aes-gmac", "blake3"], ids=["checksum", "aes-gmac", "blake3"])
 @pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
 @pytest.mark.parametrize("damage", ["truncated", "extended", "flipped payload", "flipped header", "garbage"])
 def test_a_damaged_value_is_a_miss_never_served(valkey, damage, framed, signed):
@@ -128,7 +131,7 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
         for writer in (unsigned, forger):
             assert writer.put(1, key(3), META, memoryview(payload(99)))
             assert read(signed, 1, key(3)) is None, "a value without a valid MAC was served"
-            # with the pool's room before the slot too: nothing unchecked reaches slot or room
+            # read into the slot and its room (an invisible reserved object): still not served
             assert read(signed, 1, key(3), framed=True) is None
         # a valid value moved to another key (or uid) is refused: the MAC covers uid and key
         assert signed.put(1, key(4), META, memoryview(good))
@@ -147,7 +150,46 @@ def test_with_a_secret_unsigned_forged_and_moved_values_are_misses(valkey, tmp_p
             t.close()
 
 
-def test_without_a_secret_a_framed_read_lands_in_the_slot_itself_and_with_one_after_the_mac(valkey):
+@pytest.mark.parametrize("mac", ["aes-gmac", "blake3"])
+def test_values_signed_with_either_mac_are_read_and_every_tampered_byte_is_refused(valkey, mac):
+    writer = tier_for(valkey.url, mac=mac)
+    reader = tier_for(valkey.url, mac="blake3" if mac == "aes-gmac" else "aes-gmac")   # reads either
+    forger = tier_for(valkey.url, secret=os.urandom(32), mac=mac)
+    try:
+        data = payload(7)
+        assert writer.put(1, key(7), META, memoryview(data))
+        rkey = writer.remote_key(1, key(7))
+        good = bytes(writer._get_client().get(rkey))
+        assert good[11] == MACS[mac], "the value is not signed with the MAC asked for"
+        assert read(reader, 1, key(7)) == data and read(writer, 1, key(7)) == data
+        # a second write of the same chunk: with AES-GMAC another nonce, so no key signs two payloads
+        assert writer.put(1, key(7), META, memoryview(data))
+        again = bytes(writer._get_client().get(rkey))
+        assert (again[160:192] != good[160:192]) if mac == "aes-gmac" else again == good
+        # one bit flipped in: the MAC algorithm, uid, length, key, layout, nonce, tag, the tag's zero
+        # pad, the payload's first and last byte; and the algorithm byte set to the other MAC, to none
+        flips = [11, 12, 20, 40, 100, 170, HEADER_BYTES - 32, HEADER_BYTES - 1, HEADER_BYTES, len(good) - 1]
+        bad = [good[:i] + bytes([good[i] ^ 1]) + good[i + 1:] for i in flips]
+        bad += [good[:11] + bytes([b]) + good[12:] for b in set(MACS.values()) - {MACS[mac]} | {0}]
+        # the header (and nonce) of this value with another payload, its tag kept or re-made by a forger
+        bad.append(good[:HEADER_BYTES] + payload(8))
+        assert forger.put(1, key(7), META, memoryview(payload(8)))
+        bad.append(bytes(forger._get_client().get(rkey)))
+        for value in bad:
+            assert command(valkey.port, "SET", rkey, value).startswith(b"+OK")
+            assert read(reader, 1, key(7)) is None and read(reader, 1, key(7), framed=True) is None
+        assert reader.stats.snapshot()["corrupt"] == 2 * len(bad)
+    finally:
+        for t in (writer, reader, forger):
+            t.close()
+
+
+def test_an_unknown_mac_is_refused_naming_the_choices(valkey):
+    with pytest.raises(ValueError, match="aes-gmac, blake3"):
+        tier_for(valkey.url, mac="hmac")
+
+
+def test_a_framed_read_lands_in_the_slot_itself_signed_or_not(valkey):
     plain, signed = tier_for(valkey.url, insecure_unsigned=True), tier_for(valkey.url, secret=os.urandom(32))
     try:
         data = payload(6)
@@ -155,18 +197,22 @@ def test_without_a_secret_a_framed_read_lands_in_the_slot_itself_and_with_one_af
             assert tier.put(1, key(6), META, memoryview(data))
             meta = tier.head(1, key(6))
             frame = memoryview(bytearray(HEADER_BYTES + META.nbytes))
-            if tier is plain:
-                def no_buffer(nbytes):
-                    raise AssertionError("the value went through a read buffer, not into the slot")
-                tier._read_buffer = no_buffer
+            def no_buffer(nbytes):
+                raise AssertionError("the value went through a read buffer, not into the slot")
+            tier._read_buffer = no_buffer
             assert tier.get_into(1, key(6), meta, frame[HEADER_BYTES:], frame)
             assert bytes(frame[HEADER_BYTES:]) == data
             stored = bytes(tier._get_client().get(tier.remote_key(1, key(6))))
-            # the header landed in the room (plain), or the room was never written (signed)
-            assert bytes(frame[:HEADER_BYTES]) == (stored[:HEADER_BYTES] if tier is plain else bytes(HEADER_BYTES))
-        # a missing key is a plain miss on both paths
+            assert bytes(frame[:HEADER_BYTES]) == stored[:HEADER_BYTES], "the header did not land in the room"
+            # a forged payload read the same way is refused there, and never served
+            forged = stored[:HEADER_BYTES] + bytes(b ^ 1 for b in stored[HEADER_BYTES:HEADER_BYTES + 64]) \
+                + stored[HEADER_BYTES + 64:]
+            command(valkey.port, "SET", tier.remote_key(1, key(6)), forged)
+            assert not tier.get_into(1, key(6), meta, frame[HEADER_BYTES:], frame)
+            assert tier.stats.snapshot()["corrupt"] == 1
+        # a missing key is a plain miss, not counted as corrupt
         assert plain.get_into(1, key(60), META, frame[HEADER_BYTES:], frame) is False
-        assert plain.stats.snapshot()["corrupt"] == 0
+        assert plain.stats.snapshot()["corrupt"] == 1
     finally:
         plain.close()
         signed.close()
@@ -549,9 +595,8 @@ def test_write_through_sends_header_and_chunk_from_the_pools_head_room_without_a
             assert bytes(pool.bytes.view[obj[OFFSET]:obj[OFFSET] + META.nbytes]) == datas[i], "a header overwrote a chunk"
             assert read(reader, 3, key(i)) == datas[i]
         # and back: another server's promotion reads each value into its pool, the room included
-        # (without a secret straight into the reserved object, never through a read buffer)
-        if not signed:
-            reader._read_buffer = no_staging
+        # (straight into the reserved object, signed or not, never through a read buffer)
+        reader._read_buffer = no_staging
         pool2 = Pool(8 << 20, head_room=reader.head_room)
         stack2 = TierStack(pool2, [reader], queue_limit=16, timeout_s=2.0)
         try:

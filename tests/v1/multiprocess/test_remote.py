@@ -268,6 +268,35 @@ def test_a_secret_and_the_insecure_opt_out_together_are_refused(start_server, va
     assert "contradict each other" in str(refused.value)
 
 
+def test_servers_signing_with_either_mac_serve_each_other_and_an_unknown_mac_is_refused(start_server, start_worker,
+                                                                                     valkey, tmp):
+    # a deployment upgrading one server at a time: the old MAC (blake3) and the new default read both
+    _, a, want = stored_by_one(start_server, start_worker, valkey.url, 2, "--remote-mac", "blake3")
+    new = start_server("--remote", valkey.url, *REMOTE)
+    b = start_worker(new.url)
+    assert lookup_and_retrieve(b, [key(0), key(1)], [5, 6]) == (2, want)
+    assert tiers(b)["remote"]["corrupt"] == 0
+    from lmshm.core.tiers.remote import MAC_BLAKE3, MAC_GMAC, RemoteTier
+    probe = RemoteTier(valkey.url, prefix="it:", insecure_unsigned=True)
+    try:
+        uid = os.getuid()
+        assert bytes(probe._get_client().get(probe.remote_key(uid, bytes.fromhex(key(0)))))[11] == MAC_BLAKE3
+        b.ok("fill_blocks", instance_id=b.iid, blocks=[7], seed=9)
+        b.ok("store", instance_id=b.iid, keys=[key(7)], blocks=[7], chunk_blocks=1)
+        wait_for(lambda: tiers(b)["remote"]["puts"] >= 1, timeout_s=20, what="write-through to the remote")
+        assert bytes(probe._get_client().get(probe.remote_key(uid, bytes.fromhex(key(7)))))[11] == MAC_GMAC
+    finally:
+        probe.close()
+    c = start_worker(start_server("--remote", valkey.url, *REMOTE, "--remote-mac", "blake3").url)
+    assert lookup_and_retrieve(c, [key(7)], [1]) == (1, b.ok("digest_blocks", instance_id=b.iid, blocks=[7])["digests"])
+    with pytest.raises(RuntimeError, match="did not start") as refused:
+        start_server("--remote", valkey.url, *REMOTE, "--remote-mac", "hmac")
+    assert "aes-gmac, blake3" in str(refused.value)
+    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    assert "--remote-mac" in build_arg_parser().format_help()
+    assert resolve_config(build_arg_parser().parse_args([]), {"LMSHM_REMOTE_MAC": "blake3"}).remote_mac == "blake3"
+
+
 def test_the_opt_out_is_a_setting_in_help_environment_and_toml(tmp):
     from lmshm.multiprocess.config import build_arg_parser, resolve_config
     assert "--remote-insecure-unsigned" in build_arg_parser().format_help()
