@@ -78,10 +78,10 @@ def main() -> None:
                 rb.rep()
         for name, per_conc in rb.finish().items():
             result["adapters"][name][str(kib)] = {str(c): r for c, r in per_conc.items()}
-        for name, per_conc in rb.cpu_per_gb().items():
-            result["cpu"][name][str(kib)] = {str(c): r for c, r in per_conc.items()}
             print(f"{name:7s} {kib:6d} KiB  " + "  ".join(f"c{c}: {r:.2f} GB/s" for c, r in per_conc.items()),
                   file=sys.stderr)
+        for name, per_conc in rb.cpu_per_gb().items():
+            result["cpu"][name][str(kib)] = {str(c): r for c, r in per_conc.items()}
     print(json.dumps(result))
 
 

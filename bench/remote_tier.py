@@ -13,10 +13,11 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    fallback for a pool without the room, a copy of header and payload into a staging buffer)
    and its read as a promotion's (``head``: one ``GETRANGE`` of the header; ``get_into``: one
    ``GETRANGE`` of the value into a pool-like object with the room before it, and the check
-   there; with a MAC into the reader's buffer, the check, then the copy into the object; "header
+   there, signed or not; "header
    ahead": ``get_into`` alone, as for all but one chunk in 32 of a LOOKUP, whose headers come in
    one batch), without a secret (``--remote-insecure-unsigned``; the checksum: xxh3-128
-   if ``xxhash`` is installed, else CRC-32) and with one (keyed BLAKE3, the default), and the ratio tier /
+   if ``xxhash`` is installed, else CRC-32) and with one (AES-GMAC, the default, and keyed
+   BLAKE3, ``--remote-mac blake3``), and the ratio tier /
    bare client. Bare references that separate the costs: for SET, format 1's write as a bare
    transaction (``MULTI``, ``SET`` of a 224-byte header, ``APPEND`` of the payload, ``EXEC``)
    and the copy into a warm staging buffer followed by one ``SET`` (the tier's write without
@@ -26,7 +27,7 @@ tests do: no persistence, no maxmemory) and stops it at the end. Prints medians,
    ``GET`` received straight into a given buffer (the tier's read without header and check).
 
 4. (after 3) **a LOOKUP promoting 32 chunks** of 256 KiB through a real ``TierStack`` (signed, as
-   ``--remote`` is by default: the MAC checked in the reader's buffer, then copied), with the
+   ``--remote`` is by default: the MAC checked in the slot), with the
    headers read ahead in one batch and with one header per round trip; then on a 3-master
    cluster on loopback (started here; ``--no-cluster`` skips it), which is asked one header
    per round trip.
@@ -124,7 +125,8 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     secret = os.urandom(32)
     plain = RemoteTier(url, prefix="bench:", timeout_s=10, insecure_unsigned=True)    # logs its WARNING
     signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
-    tiers = {"tier (checksum)": plain, "tier (BLAKE3 MAC)": signed}
+    blake3 = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret, mac="blake3")
+    tiers = {"tier (checksum)": plain, "tier (AES-GMAC)": signed, "tier (BLAKE3 MAC)": blake3}
     from lmshm.core.tiers import resp
     resp_conn = resp.Connection(host, port, timeout_s=10)
     from lmshm.core.tiers.disk import CHECKSUMS
@@ -237,6 +239,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     glide.close()
     plain.close()
     signed.close()
+    blake3.close()
 
 
 def promotion(url: str, reps: int, chunks: int = 32, size: int = 256 << 10) -> None:

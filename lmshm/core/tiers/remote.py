@@ -15,10 +15,13 @@ it as a hit: wrong KV, fed to every engine. So ``RemoteTier`` refuses to be made
 (``NO_SECRET`` says how to make one), unless ``--remote-insecure-unsigned`` says, explicitly,
 to trust whoever can write to the remote (one WARNING at start); both at once are refused. Unsigned
 (that opt-out), the payload carries a checksum (xxh3-128 or CRC-32, as the disk tier's
-``auto``), against accidents only. With a secret, a keyed BLAKE3 MAC (its key
-derived from the secret by BLAKE3's key derivation) covers the header (uid and key included, so
-a valid value moved to another key fails) and the payload, and no checksum is computed: a writer
-without the secret cannot make a value any reader accepts. Where a value is read, signed or
+``auto``), against accidents only. With a secret, a MAC covers the header (uid and key
+included, so a valid value moved to another key fails) and the payload, and no checksum is
+computed: a writer without the secret cannot make a value any reader accepts. The MAC is
+``--remote-mac``'s: AES-GMAC (the default, ``_gmac``: a key of the value's own, keyed BLAKE3 of
+its header, which holds a random nonce, then GMAC of the payload under it) or keyed BLAKE3
+(``_mac``; the only one before 2026-12-04), each under a key derived from the secret by BLAKE3's
+key derivation with its own context; a reader with the secret accepts either. Where a value is read, signed or
 not: straight into the reserved pool object and the room the pool keeps before it (a
 promotion's ``framed``), and checked there (MAC or checksum), as the disk tier checks its reads
 in the slot: a reserved object is in the server's own memory, invisible until the promotion
