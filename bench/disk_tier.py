@@ -25,7 +25,8 @@ Prints medians of:
    then the timed LOOKUP + RETRIEVE: ratios are medians of the per-rep ratios.
    ``--chunk-kib N[,M...]``: chunks of one block of N KiB instead (256 KiB, 2-16 MiB...), each
    size in turn; ``--compare-tree DIR``: the promotion also through a server run from another
-   lmshm tree (a before/after in one run);
+   lmshm tree (a before/after in one run); ``--restart-args ARGS``: also through this tree's
+   server restarted with those extra arguments (``--prefault-pool``: the fresh-pool remedy);
 4. ``ops``: small chunks (``--ops-kib``, default 64) through ``DiskTier`` itself, put (O_DIRECT
    from page-aligned memory) and read back (page cache): microseconds per operation, the cost
    of reaching each file from the tier's directory fds; ``--compare-with FILE`` runs another
@@ -219,13 +220,13 @@ def read_files_fresh(paths: list[str]) -> float:
 
 
 def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
-               trees: Optional[list[tuple[str, Optional[str]]]] = None) -> dict[str, float]:
+               trees: Optional[list[tuple[str, Optional[str], tuple[str, ...]]]] = None) -> dict[str, float]:
     """STORE and write-through, then LOOKUP with promotion from cold files and RETRIEVE, through
     a real server. ``chunk_bytes``: one block of that many bytes (all layers) per chunk (default:
     16 blocks of 2 MiB, 32 MiB). ``trees``: ``(label, directory of another lmshm tree or None
-    for this one)``; the promotion part runs a server of each, one after the other, each on its
-    own cold files."""
-    trees = trees or [("", None)]
+    for this one, extra server arguments)``; the promotion part runs a server of each, one
+    after the other, each on its own cold files."""
+    trees = trees or [("", None, ())]
     tokens, chunk_blocks = (chunk_bytes // (LAYERS * HEADS * DIM * 2), 1) if chunk_bytes else (TOKENS, CHUNK_BLOCKS)
     chunk_bytes = LAYERS * chunk_blocks * HEADS * tokens * DIM * 2
     chunks = request_bytes // chunk_bytes
@@ -278,13 +279,13 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
     rest = iter(keysets[reps:])
     buf = mmap.mmap(-1, HEADER_BYTES + chunk_bytes)
     view = memoryview(buf)
-    for label, tree in trees:
+    for label, tree, extra in trees:
         warm_sets = [next(rest) for _ in range(2)]
         fresh_keys = next(rest)
         for path in paths.values():         # the headers an earlier server's index rebuild read, too
             drop_cache(path)
         fresh, fresh_rebuilt, scan, baseline, promote, retrieve = [], [], [], [], [], []
-        with BenchServer(*args, quiet=True, cwd=tree) as server, MPClient(server.url, timeout_s=120) as client:
+        with BenchServer(*args, *extra, quiet=True, cwd=tree) as server, MPClient(server.url, timeout_s=120) as client:
             t_start = time.perf_counter()
             # the reference for the first LOOKUP: the same cold read, into memory as fresh as a
             # new pool's (read before the registration starts the pool's populate-ahead thread)
@@ -470,6 +471,9 @@ def main() -> None:
                          "comma-separated list of sizes run one after the other (default 0: 16-block chunks of 32 MiB)")
     ap.add_argument("--compare-tree", default="",
                     help="end-to-end part: also promote through a server of this other lmshm tree (after this one's)")
+    ap.add_argument("--restart-args", default="",
+                    help="end-to-end part: also promote through a server of this tree restarted with these extra "
+                         "arguments (after the others'), e.g. --restart-args=--prefault-pool")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
@@ -489,7 +493,10 @@ def main() -> None:
             for name, v in files(where, data, args.reps).items():
                 print(f"  {name:<61} {v:6.2f}")
         if "end-to-end" in parts:
-            trees = [("this", None), ("compared", args.compare_tree)] if args.compare_tree else None
+            trees = [("this", None, ())] + ([("compared", args.compare_tree, ())] if args.compare_tree else [])
+            if args.restart_args:
+                trees.append((f"this, {args.restart_args}", None, tuple(args.restart_args.split())))
+            trees = trees if len(trees) > 1 else None
             for kib in [int(k) for k in args.chunk_kib.split(",")]:
                 size = f"{kib} KiB chunks" if kib else "32 MiB chunks (16 blocks)"
                 for name, v in end_to_end(where, n, args.reps, kib << 10, trees).items():
