@@ -9,7 +9,7 @@ written with ``RemoteTier.put`` from pool-like objects with the header's room be
 (``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and two with
 (the MAC: AES-GMAC, the default, and keyed BLAKE3, ``--remote-mac blake3``). A read-back is
 a promotion's reads of all of them: with ``concurrency`` requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
-chunks (``LmshmSide.read``: a request's promotion on one of the server's 2 copier threads,
+chunks (``LmshmSide.read``: a request's promotion on one of the server's 4 promoter threads,
 headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by all requests,
 each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
 ``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
@@ -56,7 +56,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
-from lmshm.core.config import CoreConfig  # noqa: E402
+from lmshm.core import dataplane  # noqa: E402
 from lmshm.core.tiers import resp  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
@@ -64,8 +64,9 @@ from lmshm.core.tiers.stack import READ_GROUP_BYTES, READ_GROUP_CHUNKS, TierStac
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
 READERS = TierStack.__init__.__kwdefaults__["readers"]
-#: the server's copier threads (--copy-threads' default): a LOOKUP's promotion runs on one
-COPY_THREADS = CoreConfig().copy_threads
+#: the server's promoter threads: a LOOKUP's promotion runs on one (before 2026-12-04 on one
+#: of the --copy-threads, 2)
+PROMOTE_THREADS = dataplane.PROMOTE_THREADS
 
 BATCH = 32
 #: the reader's MSG_WAITALL threshold as shipped (``--no-waitall`` compares it with none)
@@ -307,7 +308,7 @@ class LmshmSide:
         touch(self.pool)
         self.srcv, self.poolv = memoryview(self.src), memoryview(self.pool)
         self.pools = {r: cf.ThreadPoolExecutor(r, thread_name_prefix="lmshm-tier-read") for r in readers}
-        self.copiers = cf.ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="lmshm-copier")
+        self.copiers = cf.ThreadPoolExecutor(PROMOTE_THREADS, thread_name_prefix="lmshm-promote")
         tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
                  "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32)),
                  # the MAC before 2026-12-04 (--remote-mac blake3), against the default AES-GMAC
@@ -338,7 +339,7 @@ class LmshmSide:
 
     def read(self, variant: str, conc: int) -> float:
         """All values read back by ``conc`` requests at once, each its share, as the server's
-        stack promotes them (``TierStack.promote``, on one of ``COPY_THREADS`` copier threads,
+        stack promotes them (``TierStack.promote``, on one of ``PROMOTE_THREADS`` promoter threads,
         so at most that many requests promote at a time; the rest wait): a request asks ``heads`` for 32 keys at
         a time and hands its chunks to the stack's ``READERS`` reader threads (shared by all
         requests) in runs of up to ``READ_GROUP_CHUNKS`` chunks (``READ_GROUP_BYTES`` past the

@@ -533,8 +533,8 @@ def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, ch
 class OrderedExecutor:
     """Jobs run on ``threads`` worker threads; jobs of one key run one at a time, in order."""
 
-    def __init__(self, threads: int) -> None:
-        self._threads = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="lmshm-copy")
+    def __init__(self, threads: int, name: str = "lmshm-copy") -> None:
+        self._threads = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
         self._lock = threading.Lock()
         self._queues: dict[Hashable, collections.deque] = {}
         self._closed = False

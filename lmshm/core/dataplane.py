@@ -57,14 +57,20 @@ class DataPlaneError(ServerError):
 
 
 class Deferred:
-    """A handler's answer when a copier job will reply later."""
+    """A handler's answer when a job will reply later: on ``executor`` (an ``OrderedExecutor``;
+    None: the data plane's copier threads)."""
 
-    __slots__ = ("session", "job", "cancel")
+    __slots__ = ("session", "job", "cancel", "executor")
 
     def __init__(self, session: Hashable, job: Callable[[bytes, bytes], None],
-                 cancel: Callable[[bytes, bytes], None]) -> None:
-        self.session, self.job, self.cancel = session, job, cancel
+                 cancel: Callable[[bytes, bytes], None], executor: Any = None) -> None:
+        self.session, self.job, self.cancel, self.executor = session, job, cancel, executor
 
+
+#: LOOKUPs that promote from the tiers at once, each on a thread of its own (``DataPlane.promoter``),
+#: not on the copier threads: a promotion waits for its tier up to the tier's timeout, and on a
+#: copier thread that wait held up other sessions' STOREs and RETRIEVEs
+PROMOTE_THREADS = 4
 
 #: A request's sender stops waiting ``wait_s`` after sending; the server takes 10 % of it and
 #: this much off, for the trips and a loop turn, when it decides whether a copy is too late.
@@ -121,6 +127,7 @@ class DataPlane:
         self.through_files = through_files  # named shm: preadv/pwritev (SIGBUS-safe), else memmove
         # the tiers below the pool (core/tiers): written through after STORE, promoted by LOOKUP
         self.tiers = TierStack(self.pool, tiers, queue_limit=tier_queue, timeout_s=tier_timeout_s) if tiers else None
+        self.promoter = OrderedExecutor(PROMOTE_THREADS, "lmshm-promote") if tiers else None
         #: KV events (core/kv_events): which advertised chunks each tier can serve
         self.kv = kv_index if kv_index is not None else KvIndex(max_chunks=0)
         if self.kv.enabled:
@@ -719,16 +726,17 @@ class DataPlane:
                                  f"LOOKUP: uid {uid} holds {self.max_leases_per_uid} leases over all its sessions, the "
                                  "server's limit (lmshm-server --max-leases-per-uid); RELEASE or RETRIEVE them")
         ttl = min(req.ttl_s or self.lease_ttl_s, self.lease_ttl_s)
-        if (self.tiers is not None and self.copier.pending(session.id) < self.max_inflight
+        if (self.tiers is not None and self.promoter.pending(session.id) < self.max_inflight
                 and not self.pool.all_visible(uid, req.keys)):
             return self._lookup_tiers(session, req, uid, ttl)
         hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
         return protocol.LookupReply(hits, lease, ttl if hits else 0.0)
 
     def _lookup_tiers(self, session: Any, req: protocol.Lookup, uid: int, ttl: float) -> Deferred:
-        """A LOOKUP with tiers below the pool: on a copier thread, promote the chunks found only
-        below (at most ``tier_timeout_s``), then pin the pool's leading chunks under a lease.
-        A LOOKUP waits at most that long for a tier, and never on the loop."""
+        """A LOOKUP with tiers below the pool: on a promoter thread (``PROMOTE_THREADS``; a
+        session's LOOKUPs in order), promote the chunks found only below (at most
+        ``tier_timeout_s``), then pin the pool's leading chunks under a lease. A LOOKUP waits at
+        most that long for a tier, never on the loop, and never holds a copier thread."""
         deadline = time.monotonic() + self.tiers.timeout_s
 
         def job(identity: bytes, rid: bytes) -> None:
@@ -745,7 +753,11 @@ class DataPlane:
         def cancel(identity: bytes, rid: bytes) -> None:
             self._reply(identity, rid, _error(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down"))
 
-        return Deferred(session.id, job, cancel)
+        return Deferred(session.id, job, cancel, self.promoter)
+
+    def busy(self) -> bool:
+        """A copy or a promotion is queued or running (a hint)."""
+        return not self.copier.idle() or (self.promoter is not None and not self.promoter.idle())
 
     def release(self, session: Any, req: protocol.Release) -> protocol.ReleaseReply:
         return protocol.ReleaseReply(self.pool.release_lease(req.lease, session.peer.uid))
@@ -776,8 +788,10 @@ class DataPlane:
                                  cuda_events_dropped=self.events.dropped_early, late=self.late_requests, tiers=tiers)
 
     def shutdown(self) -> None:
-        """Cancel queued copies, wait for running ones, drop the pool."""
+        """Cancel queued copies and promotions, wait for running ones, drop the pool."""
         self.copier.shutdown()
+        if self.promoter is not None:
+            self.promoter.shutdown()
         if self.tiers is not None and not self.tiers.close():
             return                          # a tier's thread is stuck on the pool's bytes: keep it mapped
         if self._cuda_sync is not None:

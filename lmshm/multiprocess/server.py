@@ -346,7 +346,7 @@ class ZmqEndpoint:
         ``run``: whether there is any such work."""
         kv = self.core.kv_index
         queued = kv.queued
-        if not queued or (queued < IDLE_BACKLOG and not self.dataplane.copier.idle()):
+        if not queued or (queued < IDLE_BACKLOG and self.dataplane.busy()):
             return False
         if run:
             kv.drain(IDLE_ENTRIES)
@@ -431,8 +431,8 @@ class ZmqEndpoint:
             reply = self._dispatch(identity, body, problem)
             if isinstance(reply, Deferred):
                 self._deferred_t0[(identity, request_id)] = (self._request_name, started)
-                self.dataplane.copier.submit(reply.session, lambda: reply.job(identity, request_id),
-                                             lambda: reply.cancel(identity, request_id))
+                (reply.executor or self.dataplane.copier).submit(reply.session, lambda: reply.job(identity, request_id),
+                                                                 lambda: reply.cancel(identity, request_id))
                 return
             self.metrics.observe("zmq", self._request_name, _code_of(reply), time.monotonic() - started)
             data = codec.encode(reply)

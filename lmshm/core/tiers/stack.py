@@ -9,8 +9,8 @@
   that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
   evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
   disk cost dropped writes, never a full pool.
-- ``promote(uid, keys, deadline)``, for a LOOKUP (on a copier thread, never on an endpoint's
-  loop): the leading chunks that every rank has in the pool or in some tier; the ones only in
+- ``promote(uid, keys, deadline)``, for a LOOKUP (on a promoter thread, never on an endpoint's
+  loop or a copier thread): the leading chunks that every rank has in the pool or in some tier; the ones only in
   a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
   commit; up to ``READ_GROUP_CHUNKS`` consecutive chunks per reader task, so that 256 KiB
   chunks do not pay a future and a thread wake-up each) and kept pinned until the LOOKUP has

@@ -10,13 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from harness import wait_for
-from valkey_servers import secret_file
+from valkey_servers import command, secret_file
 
 TIMEOUT_S = 0.3
 REMOTE = ("--remote-timeout", str(TIMEOUT_S), "--remote-prefix", "it:")
@@ -155,6 +156,43 @@ def test_a_silent_or_dead_valkey_is_a_miss_within_the_timeout_and_recovers(start
                 break
             time.sleep(0.2)
         assert (n, got) == (2, want2)
+
+
+def test_lookups_waiting_on_a_paused_remote_hold_up_no_other_sessions_copies(start_server, start_worker, valkey):
+    _, _, want = stored_by_one(start_server, start_worker, valkey.url, 8)
+    server = start_server("--remote", valkey.url, "--remote-timeout", "4", "--remote-prefix", "it:")
+    c = start_worker(server.url)                # an engine whose chunks are in this server's pool
+    ic = c.ok("register_kv")["instance_id"]
+    c.ok("fill_blocks", instance_id=ic, blocks=[0, 1], seed=5)
+    mine = c.ok("digest_blocks", instance_id=ic, blocks=[0, 1])["digests"]
+    c.ok("store", instance_id=ic, keys=[key(100), key(101)], blocks=[0, 1], chunk_blocks=1)
+    wait_for(lambda: tiers(c)["remote"]["puts"] >= 2, timeout_s=20, what="write-through to the remote")
+    lookers = [start_worker(server.url) for _ in range(3)]      # more LOOKUPs than copier threads (2)
+    answers: dict[int, tuple[float, dict]] = {}
+
+    def look(i: int) -> None:
+        t0 = time.monotonic()
+        found = lookers[i].ok("lookup", keys=[[key(j) for j in range(2 * i, 2 * i + 2)]])
+        answers[i] = (time.monotonic() - t0, found)
+
+    assert command(valkey.port, "CLIENT", "PAUSE", "2500", "ALL").startswith(b"+OK")    # silent, not failing
+    threads = [threading.Thread(target=look, args=(i,)) for i in range(len(lookers))]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)                             # every LOOKUP is waiting on the remote by now
+    t0 = time.monotonic()
+    found = c.ok("lookup", keys=[[key(100), key(101)]])         # in the pool: answered on the loop
+    c.ok("retrieve", instance_id=ic, keys=[key(100), key(101)], blocks=[4, 5], chunk_blocks=1, lease=found["lease"])
+    c.ok("store", instance_id=ic, keys=[key(102)], blocks=[0], chunk_blocks=1)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    assert c.ok("digest_blocks", instance_id=ic, blocks=[4, 5])["digests"] == mine
+    assert took < 1.0, f"another session's RETRIEVE and STORE waited {took:.2f} s behind LOOKUPs on a paused remote"
+    assert sorted(answers) == [0, 1, 2] and all(f["hits"] == 2 for _, f in answers.values()), answers
+    assert min(t for t, _ in answers.values()) > 1.5, f"the LOOKUPs did not wait on the remote: {answers}"
+    w = lookers[0]
+    assert lookup_and_retrieve(w, [key(0), key(1)], [0, 1]) == (2, want[:2])
 
 
 def test_through_a_cluster_a_node_down_costs_misses_for_its_slots_only(start_server, start_worker, valkey_cluster):
