@@ -352,6 +352,12 @@ class ZmqEndpoint:
             kv.drain(IDLE_ENTRIES)
         return kv.queued > 0
 
+    def _kv_events_apply(self, queued: int) -> int:
+        """How many queued index entries a KV_EVENTS read applies before it reads: none while a
+        copy or a promotion runs or waits (its reply would wait for this loop) and fewer than
+        ``IDLE_BACKLOG`` are queued, as for ``_idle``; else up to ``KV_EVENTS_APPLY``."""
+        return 0 if queued < IDLE_BACKLOG and self.dataplane.busy() else KV_EVENTS_APPLY
+
     def _has_session(self, identity: bytes) -> bool:
         return identity in self.sessions
 
@@ -686,9 +692,10 @@ class ZmqEndpoint:
     def _kv_events(self, identity: bytes, req: protocol.KvEvents) -> Any:
         """A connector reads the KV events of its own uid (the kernel's) and namespaces."""
         session = self._verified(identity, "KV_EVENTS")
-        log = self.core.kv_index.log
+        kv = self.core.kv_index
+        log = kv.log
         records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
-                                         max_bytes=KV_EVENTS_REPLY_BYTES, apply=KV_EVENTS_APPLY)
+                                         max_bytes=KV_EVENTS_REPLY_BYTES, apply=self._kv_events_apply(kv.queued))
         return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
 
     # ---- session ends -------------------------------------------------------------------

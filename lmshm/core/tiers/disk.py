@@ -81,7 +81,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import msgspec
 import numpy as np
@@ -135,6 +135,32 @@ def _crc32(data: memoryview) -> bytes:
 CHECKSUMS: dict[int, tuple[str, Callable[[memoryview], bytes]]] = {1: ("blake2b", _blake2b), 2: ("xxh3", _xxh3),
                                                                     3: ("crc32", _crc32)}
 _BY_NAME = {name: number for number, (name, _) in CHECKSUMS.items()}
+
+
+def _xxh3_stream() -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    return h.update, h.digest
+
+
+def _blake2b_stream() -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
+    h = hashlib.blake2b(digest_size=32)
+    return h.update, h.digest
+
+
+def _crc32_stream() -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
+    crc = 0
+
+    def update(data: memoryview) -> None:
+        nonlocal crc
+        crc = zlib.crc32(data, crc)
+    return update, lambda: struct.pack("<I", crc)
+
+
+#: each checksum of ``CHECKSUMS`` taken piece by piece: ``(update, digest)``, the same bytes
+CHECKSUM_STREAMS: dict[int, Callable[[], tuple[Callable[[memoryview], Any], Callable[[], bytes]]]] = {
+    1: _blake2b_stream, 2: _xxh3_stream, 3: _crc32_stream}
 
 
 def checksum_algorithm(name: str) -> int:

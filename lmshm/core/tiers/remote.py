@@ -75,11 +75,11 @@ import time
 import urllib.parse
 import zlib
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lmshm.core.tiers import resp
 from lmshm.core.tiers.base import ChunkMeta, Tier
-from lmshm.core.tiers.disk import CHECKSUMS, MAX_KEY, MAX_LAYOUT, checksum_algorithm
+from lmshm.core.tiers.disk import CHECKSUM_STREAMS, CHECKSUMS, MAX_KEY, MAX_LAYOUT, checksum_algorithm
 
 logger = logging.getLogger("lmshm.tiers.remote")
 
@@ -317,27 +317,99 @@ def decode_header(raw: bytes, uid: int, key: bytes) -> tuple[ChunkMeta, int, int
     return ChunkMeta(nbytes, layout[:llen], blocks), algo, mac_algo, digest, raw[_HEAD.size:HEADER_BYTES]
 
 
-def check_value(value: bytes | memoryview, uid: int, key: bytes,
-                secret: Optional[bytes]) -> tuple[ChunkMeta, memoryview]:
+def _kind(secret: Optional[bytes], algo: int, mac_algo: int, nbytes: int) -> int:
+    """What checks a value with these header fields: ``MAC_GMAC`` or ``MAC_BLAKE3`` (with a
+    secret), ``MAC_NONE`` (its checksum, ``algo``; without one); ``BadValue`` for a value that
+    cannot pass (unsigned where a MAC is required, signed and no secret to check it)."""
+    if secret is not None:
+        if mac_algo == MAC_GMAC and nbytes <= GMAC_MAX:
+            return MAC_GMAC
+        if mac_algo == MAC_BLAKE3:
+            return MAC_BLAKE3
+        raise BadValue("an unsigned value where a MAC is required")
+    if mac_algo != MAC_NONE:
+        raise BadValue("a signed value and no secret to check it")
+    return MAC_NONE
+
+
+def check_value(value: bytes | memoryview, uid: int, key: bytes, secret: Optional[bytes],
+                taken: Optional[bytes] = None) -> tuple[ChunkMeta, memoryview]:
     """The chunk's meta and payload in ``value``, checked; ``BadValue`` on any doubt. With a secret
-    only a value with a valid MAC passes (an unsigned one is refused: it could be anyone's)."""
+    only a value with a valid MAC passes (an unsigned one is refused: it could be anyone's).
+    ``taken``: the payload's MAC or checksum as ``_Streamed`` took it while the value arrived
+    (computed here if None)."""
     meta, algo, mac_algo, digest, mac = decode_header(value, uid, key)
     if len(value) != HEADER_BYTES + meta.nbytes:
         raise BadValue(f"{len(value)} bytes where the header says {HEADER_BYTES + meta.nbytes}")
     view = memoryview(value)
     payload = view[HEADER_BYTES:]
-    if secret is not None:
-        if mac_algo == MAC_GMAC and len(payload) <= GMAC_MAX:
-            want = _gmac(secret, view[:_HEAD.size], payload)
-        elif mac_algo == MAC_BLAKE3:
-            want = _mac(secret, view[:_HEAD.size], payload)
-        else:
-            raise BadValue("an unsigned value where a MAC is required")
-        if not hmac.compare_digest(want, mac):
-            raise BadValue("bad MAC")
-    elif mac_algo != MAC_NONE or CHECKSUMS[algo][1](payload).ljust(len(digest), b"\0") != digest:
-        raise BadValue("bad checksum" if mac_algo == MAC_NONE else "a signed value and no secret to check it")
+    kind = _kind(secret, algo, mac_algo, len(payload))
+    if kind == MAC_GMAC:
+        want = taken if taken is not None else _gmac(secret, view[:_HEAD.size], payload)
+    elif kind == MAC_BLAKE3:
+        want = taken if taken is not None else _mac(secret, view[:_HEAD.size], payload)
+    else:
+        want = taken if taken is not None else CHECKSUMS[algo][1](payload)
+        mac = digest
+    if not hmac.compare_digest(want.ljust(len(mac), b"\0"), mac):
+        raise BadValue("bad checksum" if kind == MAC_NONE else "bad MAC")
     return meta, payload
+
+
+class _Streamed:
+    """A value's MAC or checksum taken as it is received (``resp.Connection.reply_into``'s
+    ``progress``), each piece while it is still in the CPU's cache: the value's header (its
+    first bytes) says which, as ``check_value`` decides; ``taken`` is then what
+    ``check_value`` would compute over the payload, or None (the header did not say, or the
+    value did not arrive whole), and ``check_value`` decides on the value alone. It only reads
+    the buffer: nothing here is trusted until ``check_value`` has compared it."""
+
+    __slots__ = ("buf", "secret", "done", "update", "final", "result")
+
+    def __init__(self, buf: memoryview, secret: Optional[bytes]) -> None:
+        self.buf, self.secret = buf, secret
+        self.done = 0                       # payload bytes up to here are taken (0: not started)
+        self.update: Optional[Callable[[memoryview], Any]] = None
+        self.final: Optional[Callable[[], bytes]] = None
+        self.result: Optional[bytes] = None
+
+    def __call__(self, filled: int) -> None:
+        if self.update is None:
+            if self.done or filled < HEADER_BYTES:
+                return
+            self.done = HEADER_BYTES
+            try:
+                self._start()
+            except (BadValue, ValueError, struct.error):
+                pass
+            if self.update is None:
+                return                      # check_value will say what is wrong
+        if filled > self.done:
+            self.update(self.buf[self.done:filled])
+            self.done = filled
+
+    def _start(self) -> None:
+        _, _, algo, mac_algo, _, _, nbytes, *_ = _HEAD.unpack_from(self.buf, 0)
+        if nbytes != len(self.buf) - HEADER_BYTES:
+            return
+        kind = _kind(self.secret, algo, mac_algo, nbytes)
+        head = self.buf[:_HEAD.size]
+        if kind == MAC_GMAC:
+            enc = _gcm()(_blake3()(head, key=gmac_key(self.secret)).digest())
+            self.update, self.final = enc.authenticate_additional_data, lambda: (enc.finalize(), enc.tag)[1]
+        elif kind == MAC_BLAKE3:
+            mac = _blake3()(head, key=mac_key(self.secret))
+            self.update, self.final = mac.update, mac.digest
+        elif algo in CHECKSUM_STREAMS:
+            self.update, self.final = CHECKSUM_STREAMS[algo]()
+
+    @property
+    def taken(self) -> Optional[bytes]:
+        if self.final is None or self.done != len(self.buf):
+            return None
+        if self.result is None:
+            self.result = self.final()
+        return self.result
 
 
 class Breaker:
@@ -594,8 +666,9 @@ class RemoteTier(Tier):
         buf = self._value_buffer(meta, dest, framed)
         if buf is None:
             return False
+        stream = self._stream(buf)
         try:
-            found = self._get(rkey, buf)
+            found = self._get(rkey, buf, stream)
         except _Skip:
             return False
         except BadValue as exc:
@@ -603,7 +676,7 @@ class RemoteTier(Tier):
         if not found:                       # expired or evicted since head: a plain miss
             self._gone(uid, key)
             return False
-        return self._checked(uid, key, rkey, meta, buf, dest, buf is not framed, t0)
+        return self._checked(uid, key, rkey, meta, buf, dest, buf is not framed, t0, stream)
 
     def get_run_into(self, uid: int, jobs: Sequence[tuple[bytes, ChunkMeta, memoryview, Optional[memoryview]]]) -> int:
         """A run of chunks (a promotion's reader task) read by ``GET``s sent at once, one round
@@ -630,8 +703,9 @@ class RemoteTier(Tier):
             buf = self._value_buffer(meta, dest, framed)
             ok = False
             try:
-                if buf is not None and conn.reply_into(buf):
-                    ok = self._checked(uid, key, rkeys[i], meta, buf, dest, buf is not framed, t0)
+                stream = self._stream(buf)
+                if buf is not None and conn.reply_into(buf, stream):
+                    ok = self._checked(uid, key, rkeys[i], meta, buf, dest, buf is not framed, t0, stream)
                 elif buf is not None:
                     self._gone(uid, key)
             except resp.WrongLength as exc:
@@ -668,12 +742,18 @@ class RemoteTier(Tier):
             return framed
         return self._read_buffer(size)
 
+    def _stream(self, buf: Optional[memoryview]) -> Optional[_Streamed]:
+        """A ``_Streamed`` for a value read into ``buf`` in more than one piece (``resp.PIECE``);
+        None for a shorter one: it is still in the cache when it has all arrived."""
+        return _Streamed(buf, self.secret) if buf is not None and len(buf) > resp.PIECE else None
+
     def _checked(self, uid: int, key: bytes, rkey: bytes, meta: ChunkMeta, buf: memoryview, dest: memoryview,
-                 copy: bool, t0: float) -> bool:
+                 copy: bool, t0: float, stream: Optional[_Streamed] = None) -> bool:
         """The value read into ``buf`` checked (and with ``copy``, read elsewhere than into the
-        slot, copied there): True, or a miss (counted and refused when unsound)."""
+        slot, copied there): True, or a miss (counted and refused when unsound). ``stream``:
+        what took its MAC or checksum as it arrived."""
         try:
-            got, payload = check_value(buf, uid, key, self.secret)
+            got, payload = check_value(buf, uid, key, self.secret, stream.taken if stream is not None else None)
             if got != meta:
                 raise BadValue("the value changed since it was looked up")
         except OtherVersion:
@@ -686,7 +766,7 @@ class RemoteTier(Tier):
         return True
 
     # ---- reads: RESP on the tier's own connections (resp.py) ------------------------------
-    def _get(self, rkey: bytes, buf: memoryview) -> bool:
+    def _get(self, rkey: bytes, buf: memoryview, stream: Optional[_Streamed] = None) -> bool:
         """``rkey``'s value in ``buf``: True, False when it is missing (or not a string);
         ``BadValue`` when it is of another length, ``_Skip`` after a counted failure. A cluster's
         ``MOVED`` is followed once."""
@@ -696,7 +776,7 @@ class RemoteTier(Tier):
         node = self._node(rkey)
         for attempt in range(2):
             try:
-                n = self._conn(node).get_into(rkey, buf)
+                n = self._conn(node).get_into(rkey, buf, stream)
             except resp.WrongLength as exc:
                 self.breaker.success(group)
                 raise BadValue(f"{exc.nbytes} bytes where the header says {len(buf)}") from None
@@ -960,6 +1040,17 @@ def _blake3() -> Any:
         raise ImportError("--remote-secret-file needs the blake3 package (keyed BLAKE3 MACs): "
                           "pip install 'lmshm[remote]'") from None
     return blake3
+
+
+def _gcm() -> Callable[[bytes], Any]:
+    """An AES-256-GCM encryptor under a key with ``_GMAC_IV``, fed the payload as associated
+    data piece by piece (``_Streamed``): its tag is ``_gmac``'s MAC."""
+    try:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    except ImportError:
+        _aesgcm()                           # the same message
+        raise
+    return lambda key: Cipher(algorithms.AES(key), modes.GCM(_GMAC_IV)).encryptor()
 
 
 def _aesgcm() -> Any:

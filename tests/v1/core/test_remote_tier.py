@@ -711,6 +711,66 @@ def test_a_large_value_reads_back_equal_and_damage_anywhere_or_another_length_is
         tier.close()
 
 
+@pytest.mark.parametrize("how", ["xxh3", "blake2b", "crc32", "aes-gmac", "blake3"])
+def test_a_mac_or_checksum_taken_piece_by_piece_is_the_one_taken_whole_and_damage_still_fails(how):
+    from lmshm.core.tiers.disk import checksum_algorithm
+    from lmshm.core.tiers.remote import BadValue, MACS, _Streamed, encode_header
+    secret = SECRET if how in MACS else None
+    data = memoryview(os.urandom((3 << 20) + 17))
+    meta = ChunkMeta(len(data), b"L" * 16, 1)
+    head = encode_header(1, key(1), meta, 2 if secret else checksum_algorithm(how), secret, data,
+                         mac=MACS.get(how, MACS["aes-gmac"]))
+    value = memoryview(bytearray(head + bytes(data)))
+    for step in (1000, 400 << 10, len(value)):              # pieces of any size, the header's included
+        stream = _Streamed(value, secret)
+        for filled in [*range(0, len(value), step), len(value)]:
+            stream(filled)
+        assert stream.taken is not None, "the header named a MAC or checksum that was not taken"
+        assert bytes(check_value(value, 1, key(1), secret, stream.taken)[1]) == bytes(data)
+    half = _Streamed(value, secret)
+    half(len(value) // 2)
+    assert half.taken is None                               # cut short: nothing to compare
+    value[len(value) // 2] ^= 1
+    stream = _Streamed(value, secret)
+    stream(len(value))
+    with pytest.raises(BadValue):
+        check_value(value, 1, key(1), secret, stream.taken)
+
+
+@pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
+def test_a_run_of_large_values_is_checked_a_piece_at_a_time_as_it_arrives(valkey, signed):
+    """Values longer than ``resp.PIECE`` are received in pieces, and their MAC or checksum is
+    taken on each piece right after it arrived (still in the CPU's cache), not over the whole
+    value afterwards; damage in any piece is still refused."""
+    from lmshm.core.tiers import remote, resp
+    tier = tier_for(valkey.url, timeout_s=5, **signing(signed))
+    meta = ChunkMeta(nbytes=3 * resp.PIECE + 100, layout=b"L" * 16, blocks=2)
+    updates: list[int] = []
+    real = remote._Streamed._start
+
+    def counting(self):
+        real(self)
+        inner = self.update
+        self.update = lambda piece: updates.append(len(piece)) or inner(piece)
+    try:
+        datas = [os.urandom(meta.nbytes) for _ in range(3)]
+        for i, data in enumerate(datas):
+            assert tier.put(1, key(70 + i), meta, memoryview(data))
+        frames = [memoryview(bytearray(HEADER_BYTES + meta.nbytes)) for _ in range(3)]
+        jobs = [(key(70 + i), meta, f[HEADER_BYTES:], f) for i, f in enumerate(frames)]
+        remote._Streamed._start = counting
+        assert tier.get_run_into(1, jobs) == 3
+        assert [bytes(f[HEADER_BYTES:]) for f in frames] == datas
+        assert len(updates) >= 3 * 4 and max(updates) <= resp.PIECE, updates
+        assert sum(updates) == 3 * meta.nbytes
+        command(valkey.port, "SETRANGE", tier.remote_key(1, key(71)), str(HEADER_BYTES + 2 * resp.PIECE + 9), b"!")
+        assert tier.get_run_into(1, jobs) == 1              # stops at the damage in its third piece
+        assert tier.stats.snapshot()["corrupt"] == 1
+    finally:
+        remote._Streamed._start = real
+        tier.close()
+
+
 def test_a_cluster_slot_map_gone_stale_is_followed_by_moved_and_reread(valkey_cluster):
     tier = tier_for(valkey_cluster.url)
     try:
