@@ -179,6 +179,7 @@ class ZmqEndpoint:
         self._on_stopping = on_stopping
         self._stopping = False
         self._deferred_t0: dict[tuple[bytes, bytes], tuple[str, float]] = {}
+        self._active_at = 0.0       # when the loop last took a request other than KV_EVENTS
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
             protocol.Hello: self._hello,
             protocol.RegisterKVCache: self._register,
@@ -353,10 +354,15 @@ class ZmqEndpoint:
         return kv.queued > 0
 
     def _kv_events_apply(self, queued: int) -> int:
-        """How many queued index entries a KV_EVENTS read applies before it reads: none while a
-        copy or a promotion runs or waits (its reply would wait for this loop) and fewer than
-        ``IDLE_BACKLOG`` are queued, as for ``_idle``; else up to ``KV_EVENTS_APPLY``."""
-        return 0 if queued < IDLE_BACKLOG and self.dataplane.busy() else KV_EVENTS_APPLY
+        """How many queued index entries a KV_EVENTS read applies before it reads: none while
+        other requests keep the loop busy (one came within ``IDLE_QUIET_S``, or a copy or a
+        promotion runs or waits: their replies would wait for this loop) and fewer than
+        ``IDLE_BACKLOG`` are queued, as for ``_idle``; else up to ``KV_EVENTS_APPLY``. So during
+        a burst of STOREs a reader sees their events once the loop is idle, or once the
+        backlog passes ``IDLE_BACKLOG``."""
+        if queued < IDLE_BACKLOG and (time.monotonic() - self._active_at < IDLE_QUIET_S or self.dataplane.busy()):
+            return 0
+        return KV_EVENTS_APPLY
 
     def _has_session(self, identity: bytes) -> bool:
         return identity in self.sessions
@@ -463,6 +469,8 @@ class ZmqEndpoint:
             return protocol.ErrorReply(ErrorCode.INVALID_ARG, clip(str(exc), MAX_REPLY_MESSAGE))
         name = type(request).__name__
         self._request_name = name
+        if not isinstance(request, protocol.KvEvents):
+            self._active_at = time.monotonic()
         try:
             if self._stopping:
                 raise _Refusal(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down")

@@ -502,6 +502,28 @@ def test_a_bounded_read_applies_that_many_entries_and_the_next_read_the_rest():
     assert kv.queued == 0 and [r.event.block_hashes for r in records] == [hashes_of(c) for c in range(25, 100)]
 
 
+def test_a_kv_events_read_applies_nothing_while_requests_keep_the_loop_busy_unless_the_backlog_is_long():
+    """The rule a KV_EVENTS read follows on the loop (``ZmqEndpoint._kv_events_apply``): a read
+    that came between two STOREs of a burst applied 256 entries and the next STORE waited for
+    them; now it applies none while a request came within IDLE_QUIET_S or a copy or promotion
+    runs, unless IDLE_BACKLOG entries are queued (then the backlog is worked off as before)."""
+    import types
+
+    from lmshm.multiprocess import server
+    apply = server.ZmqEndpoint._kv_events_apply
+    busy = {"now": False}
+    loop = types.SimpleNamespace(_active_at=0.0, dataplane=types.SimpleNamespace(busy=lambda: busy["now"]))
+    assert apply(loop, 10) == server.KV_EVENTS_APPLY                 # idle: apply, as every reader does
+    loop._active_at = time.monotonic()
+    assert apply(loop, 10) == 0                                       # a STORE just came
+    assert apply(loop, server.IDLE_BACKLOG) == server.KV_EVENTS_APPLY
+    loop._active_at = time.monotonic() - 2 * server.IDLE_QUIET_S
+    busy["now"] = True
+    assert apply(loop, 10) == 0                                       # a copy runs: its reply waits for the loop
+    busy["now"] = False
+    assert apply(loop, 10) == server.KV_EVENTS_APPLY
+
+
 def test_a_lookup_by_tokens_follows_chunks_described_in_any_order():
     kv = KvIndex()
     for c in (2, 0, 1):                                              # the child first, its parent last
