@@ -14,6 +14,8 @@ headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by 
 each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
 ``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
 its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read);
+``--whole-check`` adds each tier once more with values received whole and checked after they
+arrived, as before 2026-12-05 (``resp.PIECE`` past any value: no ``_Streamed``);
 ``--signed-copy`` adds the signed tier read as before 2026-12-04 (into the reader thread's
 buffer, copied into the slot after the MAC checks: a job without ``framed``). Before that, unless ``--no-clients``, one thread
 reads the same values with each bare client (no header read, no check, runs of 16 where it
@@ -71,6 +73,8 @@ PROMOTE_THREADS = dataplane.PROMOTE_THREADS
 BATCH = 32
 #: the reader's MSG_WAITALL threshold as shipped (``--no-waitall`` compares it with none)
 WAITALL = resp.WAITALL_FROM
+#: the piece a value is received and checked in, as shipped (``--whole-check``: none)
+PIECE = resp.PIECE
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_remote_driver.py")
 
 
@@ -87,6 +91,9 @@ def main() -> None:
                     help="skip the bare clients' reads (the client choice: glide, redis-py + hiredis, resp)")
     ap.add_argument("--no-waitall", action="store_true",
                     help="also read with MSG_WAITALL off (resp.WAITALL_FROM past any value): the A/B of that choice")
+    ap.add_argument("--whole-check", action="store_true",
+                    help="also receive values whole and check them after (resp.PIECE past any value): the A/B of "
+                         "checking each piece as it arrives")
     ap.add_argument("--signed-copy", action="store_true",
                     help="also read signed values through the reader's buffer and a copy (no framed slot): the A/B of reading them into the slot")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
@@ -109,7 +116,8 @@ def main() -> None:
         cpu: dict[str, dict[tuple[int, int], float]] = {}
         versions: dict = {}
         for kib in sizes:
-            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers, args.no_waitall, args.signed_copy)
+            mine = LmshmSide(url, kib << 10, args.total_mib << 20, concs, readers, args.no_waitall, args.signed_copy,
+                             args.whole_check)
             theirs = LMCacheSide(args.lmcache_python, url, kib, args.total_mib, concs) if args.lmcache_python else None
             try:
                 for _ in range(args.reps):      # one lmshm repetition, one LMCache repetition, ...
@@ -162,7 +170,7 @@ def bare_clients(url: str, side: "LmshmSide", reps: int) -> dict[str, tuple[floa
     from lmshm.core.tiers import resp
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     tier = side.tiers["lmshm unsigned"]
-    resp.WAITALL_FROM = WAITALL
+    resp.WAITALL_FROM, resp.PIECE = WAITALL, PIECE
     rkeys = [tier.remote_key(1, k) for k in side.keys]
     slots = [side.poolv[i * side.stride:(i + 1) * side.stride] for i in range(side.n)]
     glide = g.GlideClient.create(g.GlideClientConfiguration([g.NodeAddress(host, int(port))], request_timeout=10_000))
@@ -292,7 +300,7 @@ class LmshmSide:
     of each (tier, concurrency), ``finish`` checks the bytes, deletes the keys, gives medians."""
 
     def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int],
-                 no_waitall: bool = False, signed_copy: bool = False) -> None:
+                 no_waitall: bool = False, signed_copy: bool = False, whole_check: bool = False) -> None:
         self.size, self.concs = size, concs
         self.n = n = max(1, total // size)
         self.room = room = RemoteTier.head_room
@@ -316,14 +324,17 @@ class LmshmSide:
                                                     mac="blake3")}
         self.tiers = tiers
         #: each tier once per reader count (the default count unnamed)
-        #: name: (tier, reader count, resp.WAITALL_FROM, read into the framed slot)
-        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"): (tier, r, WAITALL, True)
-                         for name, tier in tiers.items() for r in readers}
+        #: name: (tier, reader count, resp.WAITALL_FROM, read into the framed slot, resp.PIECE)
+        self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"):
+                         (tier, r, WAITALL, True, PIECE) for name, tier in tiers.items() for r in readers}
         if no_waitall:
-            self.variants.update({f"{name}, no WAITALL": (tier, r, 1 << 62, True) for name, (tier, r, _, _) in
+            self.variants.update({f"{name}, no WAITALL": (tier, r, 1 << 62, True, p) for name, (tier, r, _, _, p) in
+                                  list(self.variants.items())})
+        if whole_check:
+            self.variants.update({f"{name}, whole check": (tier, r, w, f, 1 << 62) for name, (tier, r, w, f, _) in
                                   list(self.variants.items())})
         if signed_copy:
-            self.variants.update({f"{name}, buffer + copy": (tier, r, w, False) for name, (tier, r, w, _) in
+            self.variants.update({f"{name}, buffer + copy": (tier, r, w, False, p) for name, (tier, r, w, _, p) in
                                   list(self.variants.items()) if tier.secret is not None})
         self.jobs = [(name, c) for name in self.variants for c in concs]
         self.times: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
@@ -346,7 +357,7 @@ class LmshmSide:
         first; fewer when a request is short, so that it still spreads over every reader),
         each run read by ``get_run_into`` into the slots of the pool (room included)."""
         n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
-        tier, nreaders, resp.WAITALL_FROM, framed = self.variants[variant]
+        tier, nreaders, resp.WAITALL_FROM, framed, resp.PIECE = self.variants[variant]
         readers = self.pools[nreaders]
         failed: list[int] = []
 
