@@ -7,7 +7,8 @@ from being allocated, a bounded ``GETRANGE`` that the server copies once more. H
 reply's length comes first (``$N``): a value of another length than the header said is refused
 right there, before a byte of it is received, and the connection is closed (nothing is
 allocated for it); a value of the right length goes from the kernel straight into the buffer
-with ``recv_into``, one copy in all (docs/benchmarks.md, "Valkey read-back").
+with ``recv_into``, one copy in all (docs/benchmarks.md, "Valkey read-back"). A long value is
+received in pieces (``PIECE``) when the caller takes its checksum as it arrives (``progress``).
 
 Only what the tier needs: ``AUTH``, ``SELECT``, pipelined bounded ``GETRANGE``s of headers,
 ``GET`` into a buffer, and ``CLUSTER SLOTS``. Every reply is bounded (``MAX_REPLY`` bytes, and
@@ -259,7 +260,7 @@ class Connection:
         """Receive into ``piece``, a part of a value short of its end (so nothing past it may be
         received with it); how many bytes came: all of it, on a plain socket (MSG_WAITALL)."""
         try:
-            k = self.sock.recv_into(piece, 0, socket.MSG_WAITALL if self.kernel_timeouts else 0)
+            k = self.sock.recv_into(piece, 0, socket.MSG_WAITALL) if self.kernel_timeouts else self.sock.recv_into(piece)
         except BlockingIOError:
             raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
         if not k:

@@ -620,6 +620,9 @@ def test_a_tls_remote_is_reached_with_its_ca_file_and_a_certificate_nobody_vouch
         data = payload(3)
         assert tier.put(2, key(3), META, memoryview(data))
         assert read(tier, 2, key(3)) == data
+        big = os.urandom(BIG.nbytes)            # received in pieces (resp.PIECE), checked as they come
+        assert tier.put(2, key(5), BIG, memoryview(big))
+        assert read(tier, 2, key(5)) == big and read(tier, 2, key(5), framed=True) == big
     finally:
         tier.close()
     # the system's trust store does not know the test CA: refused, a miss, never a hang
