@@ -532,15 +532,19 @@ class KvIndex:
                     del self._by_tokens[tokens[i]]
 
     def _emit(self, chunk: _Chunk, tier: str, stored: bool) -> None:
+        # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
+        # GC's care at its first collection, where a list stays: a full log of lists made
+        # every full collection of the server walk 65,536 more objects (3.7 -> 13.7 ms in
+        # process; with tuples 4.5 ms)
         medium, locality = TIER_MEDIA.get(tier, ("STORAGE", "LOCAL"))
         if stored:
-            event: KvEvent = BlockStored(block_hashes=chunk.hashes, parent_block_hash=chunk.parent,
-                                         token_ids=_ints(chunk.tokens), block_size=chunk.block_size, lora_id=None,
+            event: KvEvent = BlockStored(block_hashes=tuple(chunk.hashes), parent_block_hash=chunk.parent,
+                                         token_ids=tuple(_ints(chunk.tokens)), block_size=chunk.block_size, lora_id=None,
                                          medium=medium, lora_name=chunk.lora, extra_keys=chunk.extra,
                                          group_idx=chunk.group, locality=locality)
             self.stored_events += 1
         else:
-            event = BlockRemoved(block_hashes=chunk.hashes, medium=medium, group_idx=chunk.group, locality=locality)
+            event = BlockRemoved(block_hashes=tuple(chunk.hashes), medium=medium, group_idx=chunk.group, locality=locality)
             self.removed_events += 1
         self.log.append(chunk.uid, chunk.space, chunk.model, event)
 

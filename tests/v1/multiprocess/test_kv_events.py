@@ -499,7 +499,7 @@ def test_a_bounded_read_applies_that_many_entries_and_the_next_read_the_rest():
     records, cursor, _ = kv.log.read(-1, 4096, apply=50)            # KV_EVENTS: server.KV_EVENTS_APPLY
     assert kv.queued == 150 and len(records) == 25
     records, _, _ = kv.log.read(cursor, 4096)
-    assert kv.queued == 0 and [r.event.block_hashes for r in records] == [hashes_of(c) for c in range(25, 100)]
+    assert kv.queued == 0 and [list(r.event.block_hashes) for r in records] == [hashes_of(c) for c in range(25, 100)]
 
 
 def test_a_kv_events_read_applies_nothing_while_requests_keep_the_loop_busy_unless_the_backlog_is_long():
