@@ -348,6 +348,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         server.stop()
         print(f"lmshm-server: {exc}", file=sys.stderr)
         return 1
+    # What the imports and the start made (torch's modules among them: about 170,000 objects)
+    # lives as long as the process: out of the cyclic GC's reach, so that a full collection,
+    # which holds every thread, no longer walks it (74 ms a collection before, in process).
+    # Here only, never in an application that embeds lmshm.Server: its objects are its own.
+    # Before the ready line, so that whoever waits for it finds the gauge.
+    gc.collect()
+    gc.freeze()
+    server.metrics.add_gauge("lmshm_gc_frozen_objects", "Objects made before the server said it was ready, "
+                             "kept out of the cyclic GC's collections (gc.freeze)", gc.get_freeze_count)
     extra = "".join(f", {name} on {host}:{port}" for name, host, port in (
         ("HTTP", config.http_host, server.http_port), ("gRPC", config.grpc_host, server.grpc_port)) if port is not None)
     events = server.kv_events
@@ -356,14 +365,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             f" (replay {events.replay_endpoint})" if events.replay_endpoint else "")
     print(f"lmshm-server listening on {server.url} (fd socket {server.fd_socket}{extra}, "
           f"isolated_ipc={'on' if config.isolated_ipc else 'off'}, pid {os.getpid()})", flush=True)
-    # What the imports and the start made (torch's modules among them: about 170,000 objects)
-    # lives as long as the process: out of the cyclic GC's reach, so that a full collection,
-    # which holds every thread, no longer walks it (74 ms a collection before, in process).
-    # Here only, never in an application that embeds lmshm.Server: its objects are its own.
-    gc.collect()
-    gc.freeze()
-    server.metrics.add_gauge("lmshm_gc_frozen_objects", "Objects made before serving began, kept out of the "
-                             "cyclic GC's collections (gc.freeze)", gc.get_freeze_count)
     server.serve_forever(restore_signals=False)
     return 0
 
