@@ -140,12 +140,14 @@ _BY_NAME = {name: number for number, (name, _) in CHECKSUMS.items()}
 def _xxh3_stream() -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
     import xxhash
 
-    h = xxhash.xxh3_128()
-    return h.update, h.digest
+    return _hasher(xxhash.xxh3_128())
 
 
 def _blake2b_stream() -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
-    h = hashlib.blake2b(digest_size=32)
+    return _hasher(hashlib.blake2b(digest_size=32))
+
+
+def _hasher(h: Any) -> tuple[Callable[[memoryview], Any], Callable[[], bytes]]:
     return h.update, h.digest
 
 

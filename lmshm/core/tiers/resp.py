@@ -181,18 +181,15 @@ class Connection:
             got = min(len(self._pending), n)
             buf[:got] = self._pending[:got]
             del self._pending[:got]
-            if progress is None:
-                while got < n:
-                    self._timeout()
-                    got += self._recv_value(buf[got:])
-            else:
+            if progress is not None:
                 progress(got)
-                while got < n:
-                    self._timeout()
-                    if n - got > PIECE:
-                        got += self._recv_piece(buf[got:got + PIECE])
-                    else:
-                        got += self._recv_value(buf[got:])
+            while got < n:
+                self._timeout()
+                if progress is not None and n - got > PIECE:
+                    got += self._recv_piece(buf[got:got + PIECE])
+                else:
+                    got += self._recv_value(buf[got:])
+                if progress is not None:
                     progress(got)
             self._crlf()
         except ErrorReply:
