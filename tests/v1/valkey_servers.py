@@ -82,6 +82,15 @@ def command(port: int, *args: str | bytes, timeout_s: float = 2.0) -> bytes:
         return data
 
 
+def flip_byte(port: int, rkey: bytes, offset: int) -> None:
+    """Damage one byte of ``rkey``'s value in place: it is read and written back with its bits
+    flipped, so the value always changes (writing a fixed byte over random data left it as it
+    was once in 256 runs)."""
+    reply = command(port, "GETRANGE", rkey, str(offset), str(offset))
+    assert reply.startswith(b"$1\r\n"), reply
+    assert command(port, "SETRANGE", rkey, str(offset), bytes([reply[4] ^ 0xFF])).startswith(b":"), rkey
+
+
 class ValkeyServer:
     """One valkey-server process on 127.0.0.1; see the module docstring."""
 

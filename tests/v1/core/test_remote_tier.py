@@ -14,7 +14,7 @@ import pytest
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, MACS, SECRET_HOWTO, RemoteTier, check_value,
                                      parse_url, read_ca_file, read_secret_file)
-from valkey_servers import command, free_port
+from valkey_servers import command, flip_byte, free_port
 
 TIMEOUT_S = 0.3
 META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
@@ -766,7 +766,7 @@ def test_a_run_of_large_values_is_checked_a_piece_at_a_time_as_it_arrives(valkey
         assert [bytes(f[HEADER_BYTES:]) for f in frames] == datas
         assert len(updates) >= 3 * 4 and max(updates) <= resp.PIECE, updates
         assert sum(updates) == 3 * meta.nbytes
-        command(valkey.port, "SETRANGE", tier.remote_key(1, key(71)), str(HEADER_BYTES + 2 * resp.PIECE + 9), b"!")
+        flip_byte(valkey.port, tier.remote_key(1, key(71)), HEADER_BYTES + 2 * resp.PIECE + 9)
         assert tier.get_run_into(1, jobs) == 1              # stops at the damage in its third piece
         assert tier.stats.snapshot()["corrupt"] == 1
     finally:
@@ -929,7 +929,7 @@ def test_a_run_of_chunks_is_asked_for_at_once_and_read_up_to_the_first_unsound_o
             assert tier.get_run_into(1, jobs([key(i) for i in range(6)])) == 6
             assert sent == [6], "the run was not asked for in one round trip"
             assert [bytes(f[HEADER_BYTES:]) for f in frames] == datas
-            command(valkey.port, "SETRANGE", tier.remote_key(1, key(3)), str(HEADER_BYTES + 5), b"!")
+            flip_byte(valkey.port, tier.remote_key(1, key(3)), HEADER_BYTES + 5)
             assert tier.get_run_into(1, jobs([key(i) for i in range(6)])) == 3      # stops at the damage
             assert tier.stats.snapshot()["corrupt"] == 1
             assert tier.get_run_into(1, jobs([key(0), key(1), key(60), key(2)])) == 2   # stops at a missing key
