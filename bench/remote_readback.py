@@ -8,10 +8,13 @@ persistence) unless ``--remote`` names one. For each value size, ``total-mib`` o
 written with ``RemoteTier.put`` from pool-like objects with the header's room before them
 (``framed``), by a tier without a secret (``insecure_unsigned``: the checksum) and two with
 (the MAC: AES-GMAC, the default, and keyed BLAKE3, ``--remote-mac blake3``). A read-back is
-a promotion's reads of all of them: with ``concurrency`` requests at once, each its share of the keys, read as the server's stack promotes a LOOKUP's
-chunks (``LmshmSide.read``: a request's promotion on one of the server's 4 promoter threads,
-headers 32 at a time, runs of chunks on the stack's 4 reader threads, shared by all requests,
-each run one ``get_run_into``) into one preallocated pool (touched beforehand), room included.
+a promotion's reads of all of them: with ``concurrency`` requests at once, each its share of
+the keys, read by the server's own code (``LmshmSide.read``: ``TierStack.promote`` of the
+request's keys, as a LOOKUP runs it, on one of the server's 4 promoter threads: headers 32 at a
+time, runs of chunks on the stack's 4 reader threads, shared by all requests, each run one
+``get_run_into``, committed into a ``Pool`` made as the server makes it, room included, its
+pages faulted in beforehand and emptied before each read-back). Before 2026-12-05 (later) the
+bench did those steps itself, without the pool's reservations, commits and pins.
 ``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
 its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read);
 ``--whole-check`` adds each tier once more with values received whole and checked after they
@@ -23,8 +26,8 @@ pipelines): glide ``GET`` and ``Batch``, redis-py with hiredis (the ``bench`` ex
 tier's own reader (``resp.py``), each followed by the copy into the slot it needs: the client
 choice.
 Each repetition runs every (tier, concurrency) once in a shuffled order, after one untimed
-read each; after the last, the pool is cleared, read once more and compared with what was
-written. Then, with ``--lmcache-python``, bench/lmcache_remote_driver.py measures LMCache's
+read each; after the last, each is read once more and what it committed to the pool is
+compared with what was written. Then, with ``--lmcache-python``, bench/lmcache_remote_driver.py measures LMCache's
 ``valkey`` and ``resp`` (C++) L2 adapters on the same server, the same size, total and
 repetitions, in that interpreter (its own virtual environment; the driver's docstring says
 what it does), kept running for the size: one lmshm repetition, then one LMCache repetition
@@ -60,9 +63,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from lmshm.core import dataplane  # noqa: E402
 from lmshm.core.tiers import resp  # noqa: E402
+from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
-from lmshm.core.tiers.stack import READ_GROUP_BYTES, READ_GROUP_CHUNKS, TierStack  # noqa: E402
+from lmshm.core.tiers.stack import READ_GROUP_CHUNKS, TierStack  # noqa: E402
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
 READERS = TierStack.__init__.__kwdefaults__["readers"]
@@ -296,7 +300,7 @@ def touch(buf) -> None:
 
 
 class LmshmSide:
-    """Both tiers at one value size: the values written, the pool; ``rep`` times one read-back
+    """Both tiers at one value size: the values written, the pools; ``rep`` times one read-back
     of each (tier, concurrency), ``finish`` checks the bytes, deletes the keys, gives medians."""
 
     def __init__(self, url: str, size: int, total: int, concs: list[int], readers: list[int],
@@ -307,15 +311,15 @@ class LmshmSide:
         self.stride = stride = room + size
         self.meta = ChunkMeta(size, b"bench-layout", 1)
         self.keys = [b"readback-%d-%d" % (size, i) for i in range(n)]
+        self.index = {k: i for i, k in enumerate(self.keys)}
         self.src = bytearray(n * stride)
         for i in range(n):
             self.src[i * stride + room:(i + 1) * stride] = os.urandom(size)
-        self.pool = mmap.mmap(-1, n * stride)         # as the server's pool: huge pages asked for
+        self.pool = mmap.mmap(-1, n * stride)         # the bare clients' slots: huge pages asked for
         if hasattr(mmap, "MADV_HUGEPAGE"):
             self.pool.madvise(mmap.MADV_HUGEPAGE)
         touch(self.pool)
         self.srcv, self.poolv = memoryview(self.src), memoryview(self.pool)
-        self.pools = {r: cf.ThreadPoolExecutor(r, thread_name_prefix="lmshm-tier-read") for r in readers}
         self.copiers = cf.ThreadPoolExecutor(PROMOTE_THREADS, thread_name_prefix="lmshm-promote")
         tiers = {"lmshm unsigned": RemoteTier(url, prefix="bench-u:", timeout_s=10, insecure_unsigned=True),
                  "lmshm signed": RemoteTier(url, prefix="bench-s:", timeout_s=10, secret=os.urandom(32)),
@@ -323,8 +327,13 @@ class LmshmSide:
                  "lmshm signed, blake3": RemoteTier(url, prefix="bench-b:", timeout_s=10, secret=os.urandom(32),
                                                     mac="blake3")}
         self.tiers = tiers
-        #: each tier once per reader count (the default count unnamed)
-        #: name: (tier, reader count, resp.WAITALL_FROM, read into the framed slot, resp.PIECE)
+        # the server's pool (its room before every object, its pages faulted in beforehand), and
+        # without the room for --signed-copy; emptied before each read-back
+        capacity = n * cost_of(size, room, Pool.__init__.__kwdefaults__["align"]) + (4 << 20)
+        self.pools = {True: Pool(capacity, head_room=room, prefault=True)}
+        if signed_copy:
+            self.pools[False] = Pool(capacity, prefault=True)
+        #: name: (tier, reader count, resp.WAITALL_FROM, the pool keeps the room, resp.PIECE)
         self.variants = {(name if r == READERS and len(readers) == 1 else f"{name}, {r} readers"):
                          (tier, r, WAITALL, True, PIECE) for name, tier in tiers.items() for r in readers}
         if no_waitall:
@@ -336,10 +345,13 @@ class LmshmSide:
         if signed_copy:
             self.variants.update({f"{name}, buffer + copy": (tier, r, w, False, p) for name, (tier, r, w, _, p) in
                                   list(self.variants.items()) if tier.secret is not None})
+        self.stacks = {(id(tier), r, f): TierStack(self.pools[f], [tier], queue_limit=1, timeout_s=10, readers=r)
+                       for tier, r, _, f, _ in self.variants.values()}
         self.jobs = [(name, c) for name in self.variants for c in concs]
         self.times: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
         self.cpu: dict[tuple[str, int], list[float]] = {j: [] for j in self.jobs}
         self.last_cpu = 0.0
+        self.last_objs: list[tuple] = []
         self.shuffle = random.Random(size)
         for tier in tiers.values():
             for i, k in enumerate(self.keys):
@@ -349,39 +361,27 @@ class LmshmSide:
             self.read(name, c)                  # untimed: the client connected, threads warm
 
     def read(self, variant: str, conc: int) -> float:
-        """All values read back by ``conc`` requests at once, each its share, as the server's
-        stack promotes them (``TierStack.promote``, on one of ``PROMOTE_THREADS`` promoter threads,
-        so at most that many requests promote at a time; the rest wait): a request asks ``heads`` for 32 keys at
-        a time and hands its chunks to the stack's ``READERS`` reader threads (shared by all
-        requests) in runs of up to ``READ_GROUP_CHUNKS`` chunks (``READ_GROUP_BYTES`` past the
-        first; fewer when a request is short, so that it still spreads over every reader),
-        each run read by ``get_run_into`` into the slots of the pool (room included)."""
-        n, room, stride, keys, poolv = self.n, self.room, self.stride, self.keys, self.poolv
+        """All values read back by ``conc`` requests at once, each its share of the keys, by the
+        server's own promotion: ``TierStack.promote`` of the request's keys (a LOOKUP), on one of
+        ``PROMOTE_THREADS`` promoter threads (so at most that many requests promote at a time;
+        the rest wait), into the server's ``Pool`` (emptied first, untimed; its pages are
+        faulted in): ``heads`` 32 at a time, then runs of up to ``READ_GROUP_CHUNKS`` chunks on
+        the stack's reader threads, one ``get_run_into`` each."""
+        n, keys = self.n, self.keys
         tier, nreaders, resp.WAITALL_FROM, framed, resp.PIECE = self.variants[variant]
-        readers = self.pools[nreaders]
+        stack = self.stacks[(id(tier), nreaders, framed)]
+        empty(stack.pool)
         failed: list[int] = []
+        objs: list[tuple] = []
 
         def request(lo: int, hi: int) -> None:
-            per_run = max(1, min(READ_GROUP_CHUNKS, (hi - lo) // (2 * nreaders)))
-            runs: list = []
-            for b in range(lo, hi, BATCH):
-                batch = keys[b:min(b + BATCH, hi)]
-                metas = tier.heads(1, batch)
-                if None in metas:
-                    failed.append(b + metas.index(None))
-                    break
-                jobs: list = []
-                for j, meta in enumerate(metas, start=b):
-                    slot = poolv[j * stride:(j + 1) * stride]
-                    jobs.append((keys[j], meta, slot[room:], slot if framed else None))
-                    if len(jobs) >= per_run or (len(jobs) > 1 and len(jobs) * self.meta.nbytes > READ_GROUP_BYTES):
-                        runs.append((jobs[0][0], len(jobs), readers.submit(tier.get_run_into, 1, jobs)))
-                        jobs = []
-                if jobs:
-                    runs.append((jobs[0][0], len(jobs), readers.submit(tier.get_run_into, 1, jobs)))
-            for first, count, fut in runs:
-                if fut.result() < count:
-                    failed.append(keys.index(first))
+            held = stack.promote(1, [keys[lo:hi]], time.monotonic() + 60)
+            try:
+                objs.extend(held.held)
+                if len(held.held) < hi - lo:
+                    failed.append(lo + len(held.held))
+            finally:
+                held.release()
         bounds = [n * t // conc for t in range(conc + 1)]
         c0, t0 = time.process_time(), time.perf_counter()
         for f in [self.copiers.submit(request, bounds[t], bounds[t + 1]) for t in range(conc)]:
@@ -389,7 +389,9 @@ class LmshmSide:
         took = time.perf_counter() - t0
         self.last_cpu = time.process_time() - c0
         if failed:
-            raise RuntimeError(f"{len(failed)} of {n} values not read back (first: {failed[0]})")
+            raise RuntimeError(f"{variant} x{conc}: {len(failed)} requests short (first at {failed[0]}): "
+                               f"{tier.stats.snapshot()}")
+        self.last_objs = objs
         return took
 
     def rep(self) -> None:
@@ -399,20 +401,23 @@ class LmshmSide:
             self.cpu[(name, c)].append(self.last_cpu)
 
     def finish(self) -> dict[str, dict[int, float]]:
-        n, room, stride = self.n, self.room, self.stride
+        room, stride = self.room, self.stride
         try:
             for name, c in self.jobs:           # what the last read left is what was written
-                touch(self.pool)
                 self.read(name, c)
-                bad = sum(self.poolv[i * stride + room:(i + 1) * stride] != self.srcv[i * stride + room:(i + 1) * stride]
-                          for i in range(n))
-                if bad:
-                    raise RuntimeError(f"{name} x{c}: {bad} of {n} values read back wrong")
+                pool = self.stacks[(id(self.variants[name][0]), self.variants[name][1], self.variants[name][3])].pool
+                bad = 0
+                for obj in self.last_objs:
+                    i = self.index[obj[KEY]]
+                    bad += pool.bytes.view[obj[OFFSET]:obj[OFFSET] + obj[NBYTES]] != \
+                        self.srcv[i * stride + room:(i + 1) * stride]
+                if bad or len(self.last_objs) != self.n:
+                    raise RuntimeError(f"{name} x{c}: {bad} of {len(self.last_objs)} values read back wrong")
         finally:
             self.close()
         out: dict[str, dict[int, float]] = {}
         for (name, c), ts in self.times.items():
-            out.setdefault(name, {})[c] = n * self.size / statistics.median(ts) / 1e9
+            out.setdefault(name, {})[c] = self.n * self.size / statistics.median(ts) / 1e9
         return out
 
     def cpu_per_gb(self) -> dict[str, dict[int, float]]:
@@ -431,8 +436,21 @@ class LmshmSide:
             finally:
                 tier.close()
         self.tiers = {}
-        for pool in [*self.pools.values(), self.copiers]:
-            pool.shutdown(wait=True)
+        for stack in self.stacks.values():
+            stack._closed = True                # its threads end; the tiers are closed above
+            stack._readers.shutdown(wait=True)
+        self.stacks = {}
+        self.copiers.shutdown(wait=True)
+        for pool in self.pools.values():
+            pool.release()
+        self.pools = {}
+
+
+def empty(pool: Pool) -> None:
+    """Evict every object of ``pool`` (the bench's read-backs start from an empty pool)."""
+    with pool._lock:
+        while pool._evict_one():
+            pass
 
 
 if __name__ == "__main__":
