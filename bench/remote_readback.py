@@ -52,21 +52,22 @@ import json
 import mmap
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _server import empty_pool, valkey_url  # noqa: E402
 
 from lmshm.core import dataplane  # noqa: E402
 from lmshm.core.tiers import resp  # noqa: E402
 from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of  # noqa: E402
 from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
 from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
-from lmshm.core.tiers.stack import READ_GROUP_CHUNKS, TierStack  # noqa: E402
+from lmshm.core.tiers.stack import TierStack  # noqa: E402
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
 READERS = TierStack.__init__.__kwdefaults__["readers"]
@@ -107,15 +108,7 @@ def main() -> None:
     readers = [int(r) for r in args.readers.split(",")]
     print(f"load average {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} at the start; "
           f"{args.total_mib} MiB per size, {args.reps} repetitions, medians", flush=True)
-    server = None
-    scratch = tempfile.mkdtemp(prefix="lmshm-bench-valkey-")
-    try:
-        if args.remote:
-            url = args.remote
-        else:
-            from valkey_servers import ValkeyServer
-            server = ValkeyServer(scratch)
-            url = server.url
+    with valkey_url(args.remote) as url:
         rows: dict[str, dict[tuple[int, int], float]] = {}
         cpu: dict[str, dict[tuple[int, int], float]] = {}
         versions: dict = {}
@@ -151,10 +144,6 @@ def main() -> None:
                 for name, by_size in got.get("cpu", {}).items():
                     cpu.setdefault(f"LMCache {name}", {}).update(
                         {(kib, int(c)): r for c, r in by_size[str(kib)].items()})
-    finally:
-        if server is not None:
-            server.close()
-        shutil.rmtree(scratch, ignore_errors=True)
     table(rows, sizes, concs)
     cols = [(kib, c) for kib in sizes for c in concs]
     print("\nthe reading process's CPU per GB read back, ms (its threads: lmshm's readers, LMCache's workers)")
@@ -370,7 +359,7 @@ class LmshmSide:
         n, keys = self.n, self.keys
         tier, nreaders, resp.WAITALL_FROM, framed, resp.PIECE = self.variants[variant]
         stack = self.stacks[(id(tier), nreaders, framed)]
-        empty(stack.pool)
+        empty_pool(stack.pool)
         failed: list[int] = []
         objs: list[tuple] = []
 
@@ -437,20 +426,12 @@ class LmshmSide:
                 tier.close()
         self.tiers = {}
         for stack in self.stacks.values():
-            stack._closed = True                # its threads end; the tiers are closed above
-            stack._readers.shutdown(wait=True)
+            stack.close()                       # its threads end (its tier is closed above)
         self.stacks = {}
         self.copiers.shutdown(wait=True)
         for pool in self.pools.values():
             pool.release()
         self.pools = {}
-
-
-def empty(pool: Pool) -> None:
-    """Evict every object of ``pool`` (the bench's read-backs start from an empty pool)."""
-    with pool._lock:
-        while pool._evict_one():
-            pass
 
 
 if __name__ == "__main__":
