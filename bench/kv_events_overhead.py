@@ -2,7 +2,8 @@
 
     .venv/bin/python bench/kv_events_overhead.py [--sessions 6] [--rounds 12] [--stores 12] [--lookups 30]
                                                  [--no-reader] [--on-index N] [--no-adverts] [--list-tokens]
-                                                 [--threads] [--sizes "64 KiB,2 MiB"]
+                                                 [--threads] [--sizes "64 KiB,2 MiB"] [--pace-ms MS]
+                                                 [--interleave] [--reader-every-ms 50]
 
 Three lmshm-servers with the same flags (``--capacity``, default 256 MiB, so that STOREs evict
 from the first round on, and every eviction is a ``BlockRemoved``) except one: *on* keeps the
@@ -24,7 +25,8 @@ Timed from the client, request to reply:
 - LOOKUP of the 16 keys of the request just stored (all hits, a lease), then RELEASE (not timed).
 
 With ``--reader`` (the default) a separate process reads the *on* server's events with
-KV_EVENTS every 20 ms, as each engine's connector does once per scheduler step.
+KV_EVENTS every 50 ms, as each engine's connector does (``EventFeed.every_s``;
+``--reader-every-ms``; the runs in docs/benchmarks.md before 2026-12-05 read every 20 ms).
 
 Rounds rotate (and reverse) the order of the servers and rotate the chunk sizes; each round's
 median is taken per (size, server, request). Identical servers differ by more than 2 % on a
@@ -37,6 +39,17 @@ and the other threads' (copier, copy splitter, pool populate, clock). Work a ser
 when it is idle happens while the client talks to the other servers, outside those blocks: the
 second table adds the loop's CPU from the end of a server's block to the start of its next (and
 0.5 s after the last) to the STOREs' and LOOKUPs' own, per STORE ("all told").
+
+``--interleave`` takes the three servers' requests in turn, one request each (the order
+rotating), instead of one server's block of ``--stores`` after another's: with ``--pace-ms``,
+each server's requests meet the same moments of the machine, and the deferred work falls
+inside the blocks.
+
+``--pace-ms MS`` sleeps MS before each timed request, as an engine computes a step between two
+of its requests (a decode step of a small model is 10-30 ms): the server is idle between
+requests, as next to an engine, and the index applies its queue then. Back to back (the
+default) the server is saturated, and everything it defers is paid by the next request or,
+on these two vCPUs, by the other servers.
 
 Splitting what *on* costs: ``--on-index 0 --no-reader`` sends the adverts to a server that
 indexes nothing (their wire and decoding cost); ``--no-adverts --no-reader``, the index with
@@ -55,6 +68,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -78,7 +92,7 @@ print("ready", flush=True)
 while True:
     r = c.kv_events([sys.argv[2].encode()], after=cursor, limit=4096)
     cursor, n = r.cursor, n + len(r.events)
-    time.sleep(0.02)
+    time.sleep(float(sys.argv[3]))
 """
 
 
@@ -172,11 +186,19 @@ def run(args: argparse.Namespace) -> dict:
     flags = ["--capacity", args.capacity]
     off = ["--kv-events-index", "0"]
     on = [] if args.on_index is None else ["--kv-events-index", str(args.on_index)]
+    pace = args.pace_ms / 1e3
+
+    def paced(request: Any, case: str) -> float:
+        """``request(case)``'s time, ``--pace-ms`` after the last request ended (an engine step)."""
+        if pace:
+            time.sleep(pace)
+        return request(case)
     with BenchServer(*flags, *on, quiet=True) as on_server, BenchServer(*flags, *off, quiet=True) as off_server, \
             BenchServer(*flags, *off, quiet=True) as control_server:
         reader = None
         if args.reader:
-            reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode()],
+            reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode(),
+                                       str(args.reader_every_ms / 1e3)],
                                       stdout=subprocess.PIPE, text=True)
             assert reader.stdout.readline().strip() == "ready"
         sides = {"on": Side(on_server.url, args.adverts, args.list_tokens), "off": Side(off_server.url, False),
@@ -204,25 +226,56 @@ def run(args: argparse.Namespace) -> dict:
                     acc = cpu.setdefault((case, mode, "after"), [0, 0])
                     acc[0] += now - then
                     acc[1] += args.stores
+            def interleaved(i: int, case: str) -> None:
+                """One size's block with the servers' requests taken in turn, one each (the order
+                rotating), so that each server's requests meet the same moments of the machine."""
+                t0 = {m: thread_ns(pids[m]) for m in MODES}
+                for m in MODES:
+                    after(m, t0[m]["loop"])
+                times: dict[tuple[str, str], list[float]] = {}
+                marks = []
+                for what, n in (("store", args.stores), ("lookup", args.lookups)):
+                    for j in range(n):
+                        k = (i + j) % 3
+                        for m in MODES[k:] + MODES[:k]:
+                            times.setdefault((m, what), []).append(paced(getattr(sides[m], what), case))
+                    marks.append({m: thread_ns(pids[m]) for m in MODES})
+                for m in MODES:
+                    t1, t2 = marks
+                    for name, ns in t1[m].items():
+                        acc = threads.setdefault((case, m, name), [0, 0])
+                        acc[0] += ns - t0[m].get(name, 0)
+                        acc[1] += args.stores
+                    c0, c1, c2 = (sum(x[m].values()) for x in (t0, t1, t2))
+                    for what, ns, n in (("store", c1 - c0, args.stores), ("lookup", c2 - c1, args.lookups)):
+                        acc = cpu.setdefault((case, m, what), [0, 0])
+                        acc[0] += ns
+                        acc[1] += n
+                        per_round.setdefault((case, m, what), []).append(statistics.median(times[(m, what)]))
+                    last[m] = (case, t2[m]["loop"])
+
             for i in range(args.rounds):
                 order = list(MODES[i % 3:] + MODES[:i % 3])
                 if i // 3 % 2:
                     order.reverse()
                 rot = cases[i % len(cases):] + cases[:i % len(cases)]
                 for case in rot:
+                    if args.interleave:
+                        interleaved(i, case)
+                        continue
                     for mode in order:
                         side = sides[mode]
                         t0 = thread_ns(pids[mode])
                         c0 = sum(t0.values())
                         after(mode, t0["loop"])
-                        stores = [side.store(case) for _ in range(args.stores)]
+                        stores = [paced(side.store, case) for _ in range(args.stores)]
                         t1 = thread_ns(pids[mode])
                         c1 = sum(t1.values())
                         for name, ns in t1.items():
                             acc = threads.setdefault((case, mode, name), [0, 0])
                             acc[0] += ns - t0.get(name, 0)
                             acc[1] += args.stores
-                        lookups = [side.lookup(case) for _ in range(args.lookups)]
+                        lookups = [paced(side.lookup, case) for _ in range(args.lookups)]
                         t2 = thread_ns(pids[mode])
                         c2 = sum(t2.values())
                         for what, ns, n in (("store", c1 - c0, args.stores), ("lookup", c2 - c1, args.lookups)):
@@ -317,6 +370,14 @@ def main() -> None:
                     help="the on server's STOREs carry adverts (default on; off: the index's cost without any)")
     ap.add_argument("--list-tokens", action="store_true",
                     help="adverts carry their token ids as a list of ints (a 3.7 client), not packed")
+    ap.add_argument("--pace-ms", type=float, default=0.0, metavar="MS",
+                    help="sleep MS before each timed request, as an engine computes a step between two "
+                         "(default 0: back to back, the server saturated)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="take the servers' requests in turn, one each, rather than in blocks of --stores "
+                         "(with --pace-ms: every server's requests see the same moments of a noisy machine)")
+    ap.add_argument("--reader-every-ms", type=float, default=50.0, metavar="MS",
+                    help="the reader's KV_EVENTS interval (default 50: LmshmConnector's, EventFeed.every_s)")
     ap.add_argument("--threads", action="store_true", help="also print server CPU per STORE by kind of thread")
     ap.add_argument("--sizes", default=",".join(CASES), help="chunk sizes to run (default all: %(default)s)")
     args = ap.parse_args()
@@ -331,11 +392,13 @@ def main() -> None:
     adverts = (", adverts" + (" with a list of token ids" if args.list_tokens else "")) if args.adverts else \
         ", no adverts"
     what = ("index" if args.on_index is None else f"--kv-events-index {args.on_index}") + adverts + \
-        (", a KV_EVENTS reader" if args.reader else "")
+        (f", a KV_EVENTS reader every {args.reader_every_ms:g} ms" if args.reader else "") + \
+        (", requests interleaved" if args.interleave else "")
     print(f"# KV events on ({what}) against off "
           f"(--kv-events-index 0, no adverts) and a second off server (A/A control); {args.sessions} sessions of "
           f"fresh servers x {args.rounds} rounds of {args.stores} STOREs and {args.lookups} LOOKUPs per size and "
-          f"server; {CHUNKS} chunks a request; --capacity {args.capacity}")
+          f"server; {CHUNKS} chunks a request; --capacity {args.capacity}"
+          + (f"; {args.pace_ms:g} ms before each request" if args.pace_ms else "; back to back"))
     print(f"# load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; {time.monotonic() - t0:.0f} s; "
           f"pool evictions per server in the last session {sessions[-1]['evictions']}")
     print(table(sessions))

@@ -663,3 +663,10 @@ def test_the_event_log_trims_its_oldest_and_reports_the_loss_to_a_reader_behind(
     assert lost and records[0].n == 25 and cursor == 40
     assert log.read(40, 100) == ([], 40, False)
     assert log.read(1 << 40, 100) == ([], 40, False)
+    assert log.trimmed == 24
+    # a batch at once (how the index appends a drained batch's records): numbered in order,
+    # trimmed to the capacity in one go
+    log.extend([(2, SPACE, "m", None, f"q{i}") for i in range(20)])
+    records, cursor, lost = log.read(40, 100)
+    assert lost and cursor == 60 and log.trimmed == 44 and log.oldest == 45
+    assert [(r.n, r.uid, r.pod) for r in records] == [(45 + i, 2, f"q{i + 4}") for i in range(16)]
