@@ -88,6 +88,7 @@ import numpy as np
 
 from lmshm.core.messages import TierInfo
 from lmshm.core.tiers.base import ChunkMeta, SeenOnce, Tier
+from lmshm.platform import openat2
 
 logger = logging.getLogger("lmshm.tiers.disk")
 
@@ -296,18 +297,22 @@ def _read_page() -> memoryview:
 
 
 def read_file(name: str, uid: int, key: bytes, meta: Optional[ChunkMeta], dest: memoryview, *,
-              mac_key: bytes, dir_fd: Optional[int] = None, direct: bool = False) -> None:
+              mac_key: bytes, dir_fd: Optional[int] = None, direct: bool = False, fd: Optional[int] = None) -> None:
     """Fill ``dest`` with the payload of the chunk file ``name`` (in the directory ``dir_fd``, or
     a path if None; never through a link) after checking that it is the chunk ``(uid, key)`` of
     ``meta`` (any, if None), of ``len(dest)`` bytes, with a header made under ``mac_key``;
     ``BadFile`` if it is not, or is damaged; OSError if it cannot be read. ``direct``: with
     ``O_DIRECT``, straight into ``dest`` (``direct_ok`` must hold), the checksum then taken on
-    ``dest`` where it lies; an ``EINVAL`` from the file system (no direct I/O there) raises."""
-    fd = os.open(name, _READ_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
+    ``dest`` where it lies; an ``EINVAL`` from the file system (no direct I/O there) raises.
+    ``fd``: the file opened already (so, with ``O_DIRECT`` when ``direct``), closed here."""
+    if fd is None:
+        fd = os.open(name, _READ_FLAGS | (os.O_DIRECT if direct else 0), dir_fd=dir_fd)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise BadFile("not a regular file")
+        if st.st_uid != os.geteuid():
+            raise BadFile(f"a file of uid {st.st_uid}, not of this server's")
         done = 0
         if direct:
             # header and payload in one read, the payload straight into dest: one I/O per chunk
@@ -530,6 +535,9 @@ class DiskTier(Tier):
         self.used = 0
         self.direct = True          # O_DIRECT writes where the chunk allows (direct_ok); off if refused
         self.direct_reads = True    # O_DIRECT reads into the pool object where it allows (direct_ok); off if refused
+        # a chunk file opened by one openat2 below DIR/<uid>/<xx> (None: not available here)
+        self._open_below = openat2.opener(_READ_FLAGS)
+        self._open_below_direct = openat2.opener(_READ_FLAGS | os.O_DIRECT) if self._open_below else None
         self._dir_fds: dict[tuple, int] = {}    # DIR/<uid>, DIR/<uid>/<xx>: open until closed and idle
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self._max_cached = MAX_CACHED_DIRS if soft == resource.RLIM_INFINITY else min(MAX_CACHED_DIRS, soft // 8)
@@ -907,21 +915,28 @@ class DiskTier(Tier):
         started = time.monotonic()
         leaf = None
         try:
-            leaf = self._leaf(uid, h, False)
             direct = self.direct_reads and direct_ok(dest)
-            try:
-                read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf, direct=direct)
-            except OSError as exc:
-                if not direct or exc.errno != errno.EINVAL:
-                    raise
-                self.direct_reads = False       # this file system has no direct I/O: buffered from now on
-                logger.info("lmshm: disk tier: %s refuses O_DIRECT reads (%s); reading through the page cache",
-                            self.directory, exc)
-                read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf)
+            fd = self._open_below_xx(uid, h, direct)
+            if fd is not None:
+                try:
+                    read_file(h, uid, key, meta, dest, mac_key=self._mac_key, fd=fd, direct=direct)
+                except OSError as exc:
+                    if not direct or exc.errno != errno.EINVAL:
+                        raise
+                    fd = None               # O_DIRECT refused at the read: _read_in turns it off
+            if fd is None:
+                leaf = self._leaf(uid, h, False)
+                self._read_in(leaf, h, uid, key, meta, dest, direct)
         except BadFile as exc:
             logger.warning("lmshm: disk tier: %s is damaged (%s); deleted it, a miss", self.path_of(uid, key), exc)
             self._forget(uid, key, entry)
-            _unlink(h, leaf)
+            if leaf is None:
+                try:
+                    leaf = self._leaf(uid, h, False)
+                except OSError:
+                    pass
+            if leaf is not None:
+                _unlink(h, leaf)
             self.stats.add(corrupt=1)
             return False
         except OSError as exc:
@@ -941,6 +956,44 @@ class DiskTier(Tier):
             self._leave()
         self.stats.timed_read(time.monotonic() - started, meta.nbytes)
         return True
+
+    def _open_below_xx(self, uid: int, h: str, direct: bool) -> Optional[int]:
+        """The chunk file ``<yy>/<h>`` opened for reading below the cached fd of
+        ``DIR/<uid>/<xx>`` by one ``openat2`` that follows no link (``platform.openat2``); None
+        where that is not available or refused anything but a missing file (then the step by
+        step path, ``_leaf``, says what is wrong, and checks and fixes the leaf directory)."""
+        open_below = self._open_below_direct if direct else self._open_below
+        if open_below is None:
+            return None
+        ufd, own_u = self._cached_dir((uid,), self._dirfd, str(uid), False)
+        try:
+            xfd, own_x = self._cached_dir((uid, h[0:2]), ufd, h[0:2], False)
+        finally:
+            if own_u:
+                os.close(ufd)
+        try:
+            return open_below(xfd, f"{h[2:4] or '00'}/{h}")
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise
+            return None
+        finally:
+            if own_x:
+                os.close(xfd)
+
+    def _read_in(self, leaf: int, h: str, uid: int, key: bytes, meta: ChunkMeta, dest: memoryview,
+                 direct: bool) -> None:
+        """``read_file`` of the chunk in the directory ``leaf``; a file system that refuses
+        ``O_DIRECT`` turns direct reads off for good and is read through the page cache."""
+        try:
+            read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf, direct=direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self.direct_reads = False       # this file system has no direct I/O: buffered from now on
+            logger.info("lmshm: disk tier: %s refuses O_DIRECT reads (%s); reading through the page cache",
+                        self.directory, exc)
+            read_file(h, uid, key, meta, dest, mac_key=self._mac_key, dir_fd=leaf)
 
     def _forget(self, uid: int, key: bytes, entry: _Entry) -> None:
         with self._lock:

@@ -412,10 +412,17 @@ def test_a_chunk_on_whole_pages_is_written_direct_and_others_through_the_page_ca
         tier.close()
 
 
+@pytest.mark.parametrize("opener", ["openat2", "step by step"])
 @pytest.mark.parametrize("damage", ["none", "flip-payload", "truncate", "other-key"])
-def test_a_read_into_whole_pages_is_direct_and_checked_there(disk_dir, monkeypatch, damage):
+def test_a_read_into_whole_pages_is_direct_and_checked_there(disk_dir, monkeypatch, damage, opener):
+    """Reads open the chunk file by one ``openat2`` below the cached ``<uid>/<xx>`` fd where the
+    kernel has it (``platform.openat2``), else by ``os.open`` in its checked leaf directory."""
     import mmap
     tier = DiskTier(str(disk_dir), 1 << 22)
+    if opener == "step by step":
+        tier._open_below = tier._open_below_direct = None
+    else:
+        assert tier._open_below_direct is not None, "openat2 is refused on this machine"
     try:
         meta3 = ChunkMeta(3 * 4096, META.layout, 1)
         for k, seed in ((b"page", 1), (b"else", 2)):
@@ -433,6 +440,12 @@ def test_a_read_into_whole_pages_is_direct_and_checked_there(disk_dir, monkeypat
         real_open = os.open
         monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (p == path.name and opened.append(flags))
                             or real_open(p, flags, *a, **kw))
+        for name in ("_open_below", "_open_below_direct"):
+            real = getattr(tier, name)
+            if real is not None:
+                flags = os.O_DIRECT if name == "_open_below_direct" else 0
+                setattr(tier, name, lambda fd, rel, real=real, flags=flags: (
+                    rel.endswith("/" + path.name) and opened.append(flags)) or real(fd, rel))
         dest = mmap.mmap(-1, meta3.nbytes)                 # page-aligned, as a pool object with a disk tier
         assert tier.get_into(0, b"page", meta3, memoryview(dest)) == (damage == "none")
         assert [bool(f & os.O_DIRECT) for f in opened] == [True]
@@ -443,6 +456,10 @@ def test_a_read_into_whole_pages_is_direct_and_checked_there(disk_dir, monkeypat
         # a file system that refuses O_DIRECT: read through the page cache, never direct again
         monkeypatch.setattr(os, "open", lambda p, flags, *a, **kw: (_ for _ in ()).throw(
             OSError(errno.EINVAL, "Invalid argument")) if flags & os.O_DIRECT else real_open(p, flags, *a, **kw))
+        if tier._open_below_direct is not None:
+            def refused(fd, rel):
+                raise OSError(errno.EINVAL, "Invalid argument")
+            tier._open_below_direct = refused
         dest[:] = bytes(meta3.nbytes)
         assert tier.get_into(0, b"else", meta3, memoryview(dest)) and dest[:] == payload(2, meta3.nbytes)
         assert not tier.direct_reads and tier.contains(0, [b"else"]) == 1

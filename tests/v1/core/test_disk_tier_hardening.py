@@ -160,6 +160,55 @@ def test_a_planted_symlink_below_the_directory_is_never_followed(shared, where):
     assert real.is_symlink()                      # left alone (logged), not removed through
 
 
+@pytest.mark.parametrize("openat2", ["openat2", "step by step"])
+@pytest.mark.parametrize("swap", ["leaf link", "file link", "leaf not ours"])
+def test_a_leaf_swapped_after_a_chunk_was_indexed_is_never_read_through(shared, openat2, swap):
+    """A chunk's directory ``DIR/<uid>/<xx>/<yy>`` (or its file) replaced, while the tier runs,
+    by a link to the valid file moved elsewhere, or by a directory of another uid holding it
+    (a file of that uid, its header and MAC still good): the chunk is a miss, counted, and
+    nothing there is read into the pool, written or unlinked. Reads open the file by one
+    ``openat2`` that follows no link; without it, step by step."""
+    d = shared / "disk"
+    d.mkdir(mode=0o700)
+    outside = shared / "outside"
+    outside.mkdir()
+    key = bytes.fromhex("abcd") * 8
+    tier = DiskTier(str(d), 1 << 20)
+    if openat2 == "step by step":
+        tier._open_below = tier._open_below_direct = None
+    else:
+        assert tier._open_below is not None, "openat2 is refused on this machine"
+    try:
+        assert tier.put(0, key, META, memoryview(payload(1)))
+        assert tier.wait_scan(10) and tier.contains(0, [key]) == 1
+        leaf = d / "0" / "ab" / "cd"
+        name = key.hex()
+        if swap == "leaf link":
+            shutil.move(leaf, outside / "tree")
+            leaf.symlink_to(outside / "tree")
+        elif swap == "file link":
+            shutil.move(leaf / name, outside / name)
+            (leaf / name).symlink_to(outside / name)
+        else:
+            shutil.move(leaf, outside / "tree")
+            leaf.mkdir(mode=0o700)
+            shutil.copy2(outside / "tree" / name, leaf / name)
+            os.chown(leaf / name, NOBODY, NOBODY)
+            os.chown(leaf, NOBODY, NOBODY)
+        before = sorted((p, p.stat().st_mtime_ns) for p in outside.rglob("*"))
+        dest = bytearray(META.nbytes)
+        assert not tier.get_into(0, key, META, memoryview(dest)) and bytes(dest) == bytes(META.nbytes)
+        s = tier.stats.snapshot()
+        assert s["errors"] + s["corrupt"] == 1 and tier.contains(0, [key]) == 0
+        assert sorted((p, p.stat().st_mtime_ns) for p in outside.rglob("*")) == before
+    finally:
+        tier.close()
+    if swap == "leaf link":
+        assert leaf.is_symlink()                  # left alone (logged), not removed through
+    if swap == "file link":                      # the link itself removed (as a damaged file), not its target
+        assert not os.path.lexists(leaf / name) and (outside / name).exists()
+
+
 # ---- 4b: the modes of what the tier makes ----------------------------------------------------
 
 @pytest.mark.parametrize("umask", [0, 0o022])

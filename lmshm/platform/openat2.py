@@ -1,0 +1,69 @@
+"""``openat2(2)`` (Linux 5.6+) through ctypes: a path below a directory fd opened in one system
+call that follows no link on the way (``RESOLVE_NO_SYMLINKS``) and cannot leave the directory
+(``RESOLVE_BENEATH``) or its mount (``RESOLVE_NO_XDEV``).
+
+The disk tier reads a chunk file ``<yy>/<name>`` below its cached ``DIR/<uid>/<xx>`` fd this
+way: one call where opening and checking ``<yy>`` first took three (``openat``, ``fstat``,
+``close``), each of them a turn at the GIL given up and taken back by a reader thread among the
+promotion's others. Python's ``os`` has no ``openat2``; ``opener`` is None where the kernel,
+the C library or a seccomp filter refuses it (``ENOSYS``, ``EPERM``), and the tier keeps its
+step-by-step path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from typing import Callable, Optional
+
+RESOLVE_NO_XDEV = 0x01
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_NO_SYMLINKS = 0x04
+RESOLVE_BENEATH = 0x08
+#: every link refused, nothing above the directory fd, nothing on another mount
+STRICT = RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+
+#: openat2's number where it is the generic one (the architectures lmshm runs on)
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "ppc64le": 437, "s390x": 437, "riscv64": 437}
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def opener(flags: int, resolve: int = STRICT) -> Optional[Callable[[int, str], int]]:
+    """``open_below(dir_fd, path) -> fd`` (``flags``, ``resolve``; ``OSError`` with the errno
+    the kernel gave), or None where ``openat2`` is not available. Tried once here, on ``/``."""
+    number = _SYS_OPENAT2.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        syscall = libc.syscall
+    except (OSError, AttributeError):
+        return None
+    syscall.restype = ctypes.c_long
+    syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
+    address, size = ctypes.addressof(how), ctypes.sizeof(how)
+
+    def open_below(dir_fd: int, path: str) -> int:
+        fd = syscall(number, dir_fd, path.encode(), address, size)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+        return fd
+    open_below.how = how            # type: ignore[attr-defined]  # kept alive with the function
+
+    probe = _OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, resolve)
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = syscall(number, root, b".", ctypes.addressof(probe), ctypes.sizeof(probe))
+        if fd < 0:
+            return None             # ENOSYS, EPERM (seccomp), E2BIG: whatever it is, the slow path
+        os.close(fd)
+    finally:
+        os.close(root)
+    return open_below
