@@ -64,10 +64,12 @@ import argparse
 import gc
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -177,6 +179,26 @@ def thread_ns(pid: int) -> dict[str, int]:
     return out
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_seconds(port: int) -> dict[str, tuple[float, int]]:
+    """``request -> (seconds, count)`` of the server's ZeroMQ requests so far, arrival to answer
+    (``lmshm_request_seconds`` on its /metrics)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, list] = {}
+    for m in re.finditer(r'^lmshm_request_seconds_(sum|count)\{endpoint="zmq",request="(\w+)"\} (\S+)$', text, re.M):
+        acc = out.setdefault(m.group(2), [0.0, 0])
+        if m.group(1) == "sum":
+            acc[0] = float(m.group(3))
+        else:
+            acc[1] = int(float(m.group(3)))
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
 def cpu_ns(pid: int) -> int:
     """CPU time the process's threads have run, in ns."""
     return sum(thread_ns(pid).values())
@@ -193,8 +215,13 @@ def run(args: argparse.Namespace) -> dict:
         if pace:
             time.sleep(pace)
         return request(case)
-    with BenchServer(*flags, *on, quiet=True) as on_server, BenchServer(*flags, *off, quiet=True) as off_server, \
-            BenchServer(*flags, *off, quiet=True) as control_server:
+    ports = {m: free_port() for m in MODES} if args.server_time else {}
+
+    def http(mode: str) -> list[str]:
+        return ["--http-port", str(ports[mode]), "--http-host", "127.0.0.1"] if ports else []
+    with BenchServer(*flags, *on, *http("on"), quiet=True) as on_server, \
+            BenchServer(*flags, *off, *http("off"), quiet=True) as off_server, \
+            BenchServer(*flags, *off, *http("off-2"), quiet=True) as control_server:
         reader = None
         if args.reader:
             reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode(),
@@ -205,6 +232,7 @@ def run(args: argparse.Namespace) -> dict:
                  "off-2": Side(control_server.url, False)}
         pids = {"on": on_server.pid, "off": off_server.pid, "off-2": control_server.pid}
         cpu: dict[tuple[str, str, str], list[int]] = {}     # [ns, requests] of the server, per block
+        served: dict[tuple[str, str, str], list[float]] = {}  # the server's own mean time, per block
         threads: dict[tuple[str, str, str], list[int]] = {}  # (size, server, thread kind): [ns, STOREs]
         try:
             for mode, side in sides.items():         # warm-up: fill the pools, so rounds evict
@@ -232,6 +260,7 @@ def run(args: argparse.Namespace) -> dict:
                 t0 = {m: thread_ns(pids[m]) for m in MODES}
                 for m in MODES:
                     after(m, t0[m]["loop"])
+                s0 = {m: server_seconds(ports[m]) for m in MODES} if ports else {}
                 times: dict[tuple[str, str], list[float]] = {}
                 marks = []
                 for what, n in (("store", args.stores), ("lookup", args.lookups)):
@@ -241,6 +270,12 @@ def run(args: argparse.Namespace) -> dict:
                             times.setdefault((m, what), []).append(paced(getattr(sides[m], what), case))
                     marks.append({m: thread_ns(pids[m]) for m in MODES})
                 for m in MODES:
+                    if ports:
+                        s1 = server_seconds(ports[m])
+                        for what, name in (("store", "Store"), ("lookup", "Lookup")):
+                            (a0, n0), (a1, n1) = s0[m].get(name, (0.0, 0)), s1.get(name, (0.0, 0))
+                            if n1 > n0:
+                                served.setdefault((case, m, what), []).append((a1 - a0) / (n1 - n0))
                     t1, t2 = marks
                     for name, ns in t1[m].items():
                         acc = threads.setdefault((case, m, name), [0, 0])
@@ -296,7 +331,7 @@ def run(args: argparse.Namespace) -> dict:
                 reader.kill()
                 reader.wait()
             gc.collect()
-    return {"per_round": per_round, "evictions": evictions, "cpu": cpu, "threads": threads}
+    return {"per_round": per_round, "evictions": evictions, "cpu": cpu, "threads": threads, "served": served}
 
 
 def table(sessions: list[dict]) -> str:
@@ -336,6 +371,22 @@ def table(sessions: list[dict]) -> str:
         cpu_all.append(f"| {case} | {statistics.median(total['off']):.0f} µs | {statistics.median(total['on']):.0f} µs "
                        f"| {later['off']:.0f} µs | {later['on']:.0f} µs | **{t_on:.3f}** | {t_aa:.3f} |")
     return "\n".join(lines + cpu_all)
+
+
+def served_table(sessions: list[dict]) -> str:
+    """The servers' own time per request (arrival to answer, their /metrics), per session the
+    median over blocks of the block's mean; on/off and off-2/off per session, their median."""
+    lines = ["| chunk | request | off (server's own) | on | **on/off** (min-max over sessions) | off-2/off |",
+             "|---|---|---|---|---|---|"]
+    for case in CASES:
+        for what in ("store", "lookup"):
+            med = {m: [statistics.median(r["served"][(case, m, what)]) for r in sessions] for m in MODES}
+            r_on = [a / b for a, b in zip(med["on"], med["off"])]
+            r_aa = [a / b for a, b in zip(med["off-2"], med["off"])]
+            lines.append(f"| {case} | {what.upper()} x{CHUNKS} | {statistics.median(med['off']) * 1e6:.0f} µs "
+                         f"| {statistics.median(med['on']) * 1e6:.0f} µs | **{statistics.median(r_on):.3f}** "
+                         f"({min(r_on):.2f}-{max(r_on):.2f}) | {statistics.median(r_aa):.3f} |")
+    return "\n".join(lines)
 
 
 def thread_table(sessions: list[dict]) -> str:
@@ -378,6 +429,9 @@ def main() -> None:
                          "(with --pace-ms: every server's requests see the same moments of a noisy machine)")
     ap.add_argument("--reader-every-ms", type=float, default=50.0, metavar="MS",
                     help="the reader's KV_EVENTS interval (default 50: LmshmConnector's, EventFeed.every_s)")
+    ap.add_argument("--server-time", action="store_true",
+                    help="with --interleave: also each server's own time per request, arrival to answer "
+                         "(its /metrics, served on a loopback --http-port)")
     ap.add_argument("--threads", action="store_true", help="also print server CPU per STORE by kind of thread")
     ap.add_argument("--sizes", default=",".join(CASES), help="chunk sizes to run (default all: %(default)s)")
     args = ap.parse_args()
@@ -402,6 +456,9 @@ def main() -> None:
     print(f"# load average {load:.2f} before, {os.getloadavg()[0]:.2f} after; {time.monotonic() - t0:.0f} s; "
           f"pool evictions per server in the last session {sessions[-1]['evictions']}")
     print(table(sessions))
+    if args.server_time and args.interleave:
+        print()
+        print(served_table(sessions))
     if args.threads:
         print()
         print(thread_table(sessions))
