@@ -219,17 +219,17 @@ def run(args: argparse.Namespace) -> dict:
 
     def http(mode: str) -> list[str]:
         return ["--http-port", str(ports[mode]), "--http-host", "127.0.0.1"] if ports else []
+    control = [*on, *args.control_args.split()] if args.control_on else off
     with BenchServer(*flags, *on, *http("on"), quiet=True) as on_server, \
             BenchServer(*flags, *off, *http("off"), quiet=True) as off_server, \
-            BenchServer(*flags, *off, *http("off-2"), quiet=True) as control_server:
-        reader = None
-        if args.reader:
-            reader = subprocess.Popen([sys.executable, "-c", READER, on_server.url, SPACE.decode(),
-                                       str(args.reader_every_ms / 1e3)],
-                                      stdout=subprocess.PIPE, text=True)
-            assert reader.stdout.readline().strip() == "ready"
+            BenchServer(*flags, *control, *http("off-2"), quiet=True) as control_server:
+        readers = []
+        for server in ([on_server] + ([control_server] if args.control_on else [])) if args.reader else []:
+            readers.append(subprocess.Popen([sys.executable, "-c", READER, server.url, SPACE.decode(),
+                                             str(args.reader_every_ms / 1e3)], stdout=subprocess.PIPE, text=True))
+            assert readers[-1].stdout.readline().strip() == "ready"
         sides = {"on": Side(on_server.url, args.adverts, args.list_tokens), "off": Side(off_server.url, False),
-                 "off-2": Side(control_server.url, False)}
+                 "off-2": Side(control_server.url, args.adverts and args.control_on, args.list_tokens)}
         pids = {"on": on_server.pid, "off": off_server.pid, "off-2": control_server.pid}
         cpu: dict[tuple[str, str, str], list[int]] = {}     # [ns, requests] of the server, per block
         served: dict[tuple[str, str, str], list[float]] = {}  # the server's own mean time, per block
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> dict:
         finally:
             for side in sides.values():
                 side.close()
-            if reader is not None:
+            for reader in readers:
                 reader.kill()
                 reader.wait()
             gc.collect()
@@ -432,6 +432,12 @@ def main() -> None:
     ap.add_argument("--server-time", action="store_true",
                     help="with --interleave: also each server's own time per request, arrival to answer "
                          "(its /metrics, served on a loopback --http-port)")
+    ap.add_argument("--control-on", action="store_true",
+                    help="make the third server a second *on* server (adverts, the index) with --control-args "
+                         "added: its column is then an A/B against *on*, not an A/A control")
+    ap.add_argument("--control-args", default="", metavar="ARGS",
+                    help="with --control-on: extra lmshm-server arguments of the third server "
+                         "(e.g. \"--kv-events-hold 0\")")
     ap.add_argument("--threads", action="store_true", help="also print server CPU per STORE by kind of thread")
     ap.add_argument("--sizes", default=",".join(CASES), help="chunk sizes to run (default all: %(default)s)")
     args = ap.parse_args()
