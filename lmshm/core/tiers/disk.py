@@ -612,15 +612,19 @@ class DiskTier(Tier):
             return have, False
         return fd, True
 
-    def _leaf(self, uid: int, h: str, create: bool) -> int:
-        """An fd (the caller's to close) of the chunk's directory ``DIR/<uid>/<xx>/<yy>``,
-        reached from DIR's fd without following anything; raises OSError (``Unsafe``)."""
+    def _xx_dir(self, uid: int, h: str, create: bool) -> tuple[int, bool]:
+        """``(fd of DIR/<uid>/<xx>, whether the caller closes it)``, from the cache."""
         ufd, own_u = self._cached_dir((uid,), self._dirfd, str(uid), create)
         try:
-            xfd, own_x = self._cached_dir((uid, h[0:2]), ufd, h[0:2], create)
+            return self._cached_dir((uid, h[0:2]), ufd, h[0:2], create)
         finally:
             if own_u:
                 os.close(ufd)
+
+    def _leaf(self, uid: int, h: str, create: bool) -> int:
+        """An fd (the caller's to close) of the chunk's directory ``DIR/<uid>/<xx>/<yy>``,
+        reached from DIR's fd without following anything; raises OSError (``Unsafe``)."""
+        xfd, own_x = self._xx_dir(uid, h, create)
         try:
             yy = h[2:4] or "00"
             return _open_subdir(xfd, yy, create, os.path.join(self.directory, str(uid), h[0:2], yy))
@@ -965,12 +969,7 @@ class DiskTier(Tier):
         open_below = self._open_below_direct if direct else self._open_below
         if open_below is None:
             return None
-        ufd, own_u = self._cached_dir((uid,), self._dirfd, str(uid), False)
-        try:
-            xfd, own_x = self._cached_dir((uid, h[0:2]), ufd, h[0:2], False)
-        finally:
-            if own_u:
-                os.close(ufd)
+        xfd, own_x = self._xx_dir(uid, h, False)
         try:
             return open_below(xfd, f"{h[2:4] or '00'}/{h}")
         except OSError as exc:
