@@ -212,12 +212,11 @@ class _Chunk(msgspec.Struct, gc=False):
         return -1
 
 
-def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, advert: Any,
-               born: Optional[float] = None) -> _Chunk:
+def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, advert: Any, born: float) -> _Chunk:
     extra = advert.extra_keys
     chunk = _Chunk(ident, uid, space, model, world, advert.group, tuple(advert.block_hashes),
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
-                   None if extra is None else _frozen(extra), time.monotonic() if born is None else born)
+                   None if extra is None else _frozen(extra), born)
     chunk.tkeys = token_keys(chunk)
     return chunk
 

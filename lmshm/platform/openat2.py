@@ -13,10 +13,11 @@ step-by-step path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import platform
 import sys
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -33,19 +34,38 @@ class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
 
-def opener(flags: int, resolve: int = STRICT) -> Optional[Callable[[int, str], int]]:
-    """``open_below(dir_fd, path) -> fd`` (``flags``, ``resolve``; ``OSError`` with the errno
-    the kernel gave), or None where ``openat2`` is not available. Tried once here, on ``/``."""
+@functools.lru_cache(maxsize=1)
+def _syscall() -> Optional[tuple[Any, int]]:
+    """``(libc's syscall, openat2's number)`` if the kernel opens ``.`` below ``/`` with it
+    (tried once per process), else None: ENOSYS, EPERM (seccomp), another architecture."""
     number = _SYS_OPENAT2.get(platform.machine())
     if not sys.platform.startswith("linux") or number is None:
         return None
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        syscall = libc.syscall
+        syscall = ctypes.CDLL(None, use_errno=True).syscall
     except (OSError, AttributeError):
         return None
     syscall.restype = ctypes.c_long
     syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
+    probe = _OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, STRICT)
+    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = syscall(number, root, b".", ctypes.addressof(probe), ctypes.sizeof(probe))
+        if fd < 0:
+            return None
+        os.close(fd)
+    finally:
+        os.close(root)
+    return syscall, number
+
+
+def opener(flags: int, resolve: int = STRICT) -> Optional[Callable[[int, str], int]]:
+    """``open_below(dir_fd, path) -> fd`` (``flags``, ``resolve``; ``OSError`` with the errno
+    the kernel gave), or None where ``openat2`` is not available (``_syscall``)."""
+    found = _syscall()
+    if found is None:
+        return None
+    syscall, number = found
     how = _OpenHow(flags | os.O_CLOEXEC, 0, resolve)
     address, size = ctypes.addressof(how), ctypes.sizeof(how)
 
@@ -56,14 +76,4 @@ def opener(flags: int, resolve: int = STRICT) -> Optional[Callable[[int, str], i
             raise OSError(err, os.strerror(err), path)
         return fd
     open_below.how = how            # type: ignore[attr-defined]  # kept alive with the function
-
-    probe = _OpenHow(os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, resolve)
-    root = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fd = syscall(number, root, b".", ctypes.addressof(probe), ctypes.sizeof(probe))
-        if fd < 0:
-            return None             # ENOSYS, EPERM (seccomp), E2BIG: whatever it is, the slow path
-        os.close(fd)
-    finally:
-        os.close(root)
     return open_below
