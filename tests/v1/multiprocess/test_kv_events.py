@@ -248,7 +248,9 @@ def test_disk_eviction_is_a_storage_removal_and_what_stays_advertised_is_on_disk
         written_through(e, "disk", c + 1)
     t = tiers(e)["disk"]
     assert t.evictions > 0
-    s = e.until(lambda s: sum(x[0] == "BlockRemoved" for x in s) == t.evictions, "a BlockRemoved per eviction")
+    # the tier's counters move before its events are read out: wait for the last chunk's too
+    s = e.until(lambda s: sum(x[0] == "BlockRemoved" for x in s) == t.evictions and stored(n - 1, "STORAGE") in s,
+                "a BlockRemoved per eviction and the last chunk's BlockStored on disk")
     s = summary(s)
     assert all(x[1:3] == ("STORAGE", "LOCAL") for x in s if x[0] == "BlockRemoved")   # the pool kept them all
     on_disk = {x[3] for x in s if x[1] == "STORAGE" and x[0] == "BlockStored"} - \
