@@ -35,6 +35,7 @@ import hashlib
 import logging
 import math
 import os
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -531,10 +532,19 @@ def scatter(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, ch
 
 
 class OrderedExecutor:
-    """Jobs run on ``threads`` worker threads; jobs of one key run one at a time, in order."""
+    """Jobs run on ``threads`` worker threads; jobs of one key run one at a time, in order.
+
+    The workers are this class's own, started with the first job and blocked on a
+    ``queue.SimpleQueue`` of keys that have jobs, not a ``ThreadPoolExecutor``: its ``submit``
+    (a future, a work item, a Python semaphore) cost the request loop about 24 µs a job here
+    against 5 for a ``SimpleQueue.put``, and its worker ran more Python (holding the GIL the
+    loop waits for to send the reply) after each job (docs/benchmarks.md, "Hand-overs")."""
 
     def __init__(self, threads: int, name: str = "lmshm-copy") -> None:
-        self._threads = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+        self._size = max(1, threads)
+        self._name = name
+        self._workers: list[threading.Thread] = []
+        self._ready: queue.SimpleQueue[Hashable | None] = queue.SimpleQueue()   # keys whose jobs wait
         self._lock = threading.Lock()
         self._queues: dict[Hashable, collections.deque] = {}
         self._closed = False
@@ -546,43 +556,63 @@ class OrderedExecutor:
             if self._closed:
                 start = False
             else:
-                queue = self._queues.get(key)
-                start = queue is None
+                queue_ = self._queues.get(key)
+                start = queue_ is None
                 if start:
-                    queue = self._queues[key] = collections.deque()
-                queue.append((job, cancel))
+                    queue_ = self._queues[key] = collections.deque()
+                queue_.append((job, cancel))
+                if start and len(self._workers) < self._size:
+                    self._start_worker()
         if self._closed:
             cancel()
         elif start:
-            self._threads.submit(self._drain, key)
+            self._ready.put(key)
+
+    def _start_worker(self) -> None:
+        """One more worker (under ``_lock``): the first jobs start them, up to ``threads``."""
+        worker = threading.Thread(target=self._work, name=f"{self._name}_{len(self._workers)}", daemon=True)
+        self._workers.append(worker)
+        worker.start()
 
     def pending(self, key: Hashable) -> int:
         with self._lock:
-            queue = self._queues.get(key)
-            return len(queue) if queue is not None else 0
+            queue_ = self._queues.get(key)
+            return len(queue_) if queue_ is not None else 0
 
     def idle(self) -> bool:
         """No job is queued or running (a hint: one may be submitted right after)."""
         return not self._queues
 
+    def _work(self) -> None:
+        while True:
+            key = self._ready.get()
+            if key is None:             # shutdown: each worker takes one, after the keys before it
+                return
+            self._drain(key)
+
     def _drain(self, key: Hashable) -> None:
         while True:
             with self._lock:
-                queue = self._queues[key]
-                if not queue:
+                queue_ = self._queues[key]
+                if not queue_:
                     del self._queues[key]
                     return
-                job, cancel = queue[0]
+                job, cancel = queue_[0]
                 closed = self._closed
             try:
                 (cancel if closed else job)()
             except Exception:  # noqa: BLE001 - jobs answer their own errors; this is a bug
                 logger.exception("lmshm: a copy job failed")
             with self._lock:
-                queue.popleft()
+                queue_.popleft()
 
     def shutdown(self) -> None:
         """Cancel queued jobs, wait for running ones."""
         with self._lock:
             self._closed = True
-        self._threads.shutdown(wait=True)
+            workers = list(self._workers)
+        for _ in workers:
+            self._ready.put(None)
+        for worker in workers:
+            if worker is not threading.current_thread():
+                worker.join()
