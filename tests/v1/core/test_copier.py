@@ -219,3 +219,62 @@ def test_a_block_dim_outside_the_tensor_is_a_clear_error():
         check_movable(["x"], [t], 2)
     with pytest.raises(LayoutError, match="same number of blocks"):
         check_movable(["a", "b"], [torch.zeros(4, 8), torch.zeros(8, 4)], 1)
+
+
+def test_the_ordered_executor_keeps_each_keys_order_starts_its_workers_with_jobs_and_cancels_at_shutdown():
+    """OrderedExecutor (the copier's and the promoter's): no thread before the first job, at
+    most ``threads``; a key's jobs one at a time in order while other keys' run beside them;
+    at shutdown the running job finishes, the queued ones are cancelled, the workers end."""
+    import threading
+    import time
+
+    from lmshm.core.copier import OrderedExecutor
+
+    ex = OrderedExecutor(2, "test-ordered")
+
+    def named() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("test-ordered")]
+
+    assert named() == []
+    ran: list[tuple[str, int]] = []
+    cancelled: list[tuple[str, int]] = []
+    gate, started = threading.Event(), threading.Event()
+    running: dict[str, int] = {}
+
+    def job(key: str, i: int):
+        def run() -> None:
+            running[key] = running.get(key, 0) + 1
+            assert running[key] == 1, "two jobs of one key at once"
+            if (key, i) == ("a", 0):
+                started.set()
+                assert gate.wait(10)
+            time.sleep(0.001)
+            ran.append((key, i))
+            running[key] -= 1
+        return run
+
+    for i in range(20):
+        for key in ("a", "b", "c"):
+            ex.submit(key, job(key, i), lambda key=key, i=i: cancelled.append((key, i)))
+    assert started.wait(10)
+    assert len(named()) == 2                      # three keys with jobs, two threads at most
+    assert ex.pending("a") == 20 and not ex.idle()
+    deadline = time.monotonic() + 10
+    while ex.pending("b") or ex.pending("c"):     # a's first job holds one worker; the other serves b and c
+        assert time.monotonic() < deadline, "b and c did not run beside a's held job"
+        time.sleep(0.01)
+    for key in ("b", "c"):
+        assert [i for k, i in ran if k == key] == list(range(20))
+
+    stopping = threading.Thread(target=ex.shutdown)
+    stopping.start()
+    time.sleep(0.05)
+    gate.set()                                    # the running job finishes; a's queued ones are cancelled
+    stopping.join(10)
+    assert not stopping.is_alive()
+    assert [i for k, i in ran if k == "a"] == [0]
+    assert sorted(cancelled) == [("a", i) for i in range(1, 20)]
+    assert named() == [] and ex.idle()
+    late: list[int] = []
+    ex.submit("d", lambda: late.append(1), lambda: late.append(0))
+    assert late == [0]                            # after shutdown: cancelled at once, on the caller
