@@ -553,20 +553,17 @@ class OrderedExecutor:
         """Queue ``job`` behind ``key``'s earlier jobs. ``cancel`` runs instead if the executor
         shuts down first."""
         with self._lock:
-            if self._closed:
-                start = False
-            else:
+            refused = self._closed
+            if not refused:
                 queue_ = self._queues.get(key)
-                start = queue_ is None
-                if start:
+                if queue_ is None:
                     queue_ = self._queues[key] = collections.deque()
+                    if len(self._workers) < self._size:
+                        self._start_worker()
+                    self._ready.put(key)    # under the lock: never behind shutdown's stop marks
                 queue_.append((job, cancel))
-                if start and len(self._workers) < self._size:
-                    self._start_worker()
-        if self._closed:
+        if refused:
             cancel()
-        elif start:
-            self._ready.put(key)
 
     def _start_worker(self) -> None:
         """One more worker (under ``_lock``): the first jobs start them, up to ``threads``."""
