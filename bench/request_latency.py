@@ -75,9 +75,12 @@ def main() -> None:
     ap.add_argument("--pace-ms", type=float, default=5.0, help="sleep before each request pair (default 5)")
     ap.add_argument("--capacity", default="1GiB")
     args = ap.parse_args()
-    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    try:
+        cases = [(int(kib), int(n)) for kib, n in (c.strip().split("x") for c in args.cases.split(","))]
+    except ValueError:
+        raise SystemExit(f"--cases is KIBxN[,KIBxN...], e.g. 64x1,256x16: {args.cases!r}") from None
     for kib, n in cases:
-        if kib % 64 or not 0 < n <= BLOCKS // 2:
+        if kib <= 0 or kib % 64 or not 0 < n <= BLOCKS // 2:
             raise SystemExit(f"a case is KIBxN with KIB a multiple of 64 and 1 <= N <= {BLOCKS // 2}: {kib}x{n}")
     trees = [("this", None)] + ([("compared", args.compare_tree)] if args.compare_tree else [])
     servers = [BenchServer("--capacity", args.capacity, quiet=True, cwd=tree) for _, tree in trees]

@@ -68,11 +68,11 @@ logger = logging.getLogger("lmshm.server")
 _refused_log = Throttle(logger)     # a peer's malformed messages: at most a line every 10 s
 
 TICK_S = 0.05
+WAKE_READ = 4096            # bytes of the wake-up pipe read at once (a byte per wake-up)
 #: KV event index entries (core/kv_events) the loop applies in one slice once it has been idle
 #: for IDLE_QUIET_S (what a request that arrives meanwhile waits: about 50 µs for a STORE's 16
 #: adverts, one entry, and residency reports); past IDLE_BACKLOG queued, also while copies run
 IDLE_ENTRIES = 16
-WAKE_READ = 4096            # bytes of the wake-up pipe read at once (a byte per wake-up)
 IDLE_QUIET_S = 0.001
 IDLE_BACKLOG = 4096
 #: A KV_EVENTS read applies at most this many first (about 1 ms): a reader polling during a
@@ -282,7 +282,7 @@ class ZmqEndpoint:
 
     def _drain_wakeups(self) -> None:
         # a read shorter than asked emptied the pipe: one system call per wake-up, not two and
-        # a BlockingIOError (30 -> about 15 µs here, on the way to every copy's reply)
+        # a BlockingIOError (30 -> 8 µs here, on the way to every copy's reply: docs/benchmarks.md)
         try:
             while len(os.read(self._wake_r, WAKE_READ)) == WAKE_READ:
                 pass
