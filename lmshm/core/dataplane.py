@@ -133,6 +133,7 @@ class DataPlane:
         if self.kv.enabled:
             kv = self.kv
             self.pool.on_resident = kv.recorder("pool")
+            self.pool.on_committed = kv.batch_recorder("pool")
             if self.tiers is not None:
                 for t in self.tiers.tiers:
                     record = kv.recorder(t.name)
@@ -243,16 +244,22 @@ class DataPlane:
 
     # ---- requests -----------------------------------------------------------------------
     def store(self, session: Any, req: protocol.Store) -> Deferred:
-        if req.adverts and len(req.adverts) != len(req.keys):
-            raise DataPlaneError(ErrorCode.INVALID_ARG, f"STORE: {len(req.adverts)} adverts for {len(req.keys)} keys "
+        try:
+            n = protocol.advert_count(req.adverts)
+        except ValueError as exc:
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"STORE: {exc}") from None
+        if n and n != len(req.keys):
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"STORE: {n} adverts for {len(req.keys)} keys "
                                                         "(one per key, or none)")
-        return self._copy_job(session, req, "STORE", self._store, self._store_cuda)
+        return self._copy_job(session, req, "STORE", self._store, self._store_cuda, n)
 
-    def _advertise(self, uid: int, reg: Any, req: protocol.Store) -> None:
-        """Tell the KV event index what a STORE's chunks are to their engine, before they
-        commit: queued (one append), checked and applied later (``KvIndex.drain``)."""
+    def _advertise(self, uid: int, reg: Any, req: protocol.Store, adverts: int) -> None:
+        """Tell the KV event index what a STORE's chunks are to their engine, before their copy
+        (on the loop): queued (one append) still encoded (copied out of the request's buffer),
+        decoded, checked and applied later (``KvIndex.drain``). A STORE that commits nothing
+        leaves its adverts unresident, and ``KvIndex.prune`` forgets them."""
         self.kv.describe(uid, req.space, reg.model_name, req.pod, reg.worker_rank, reg.world_size, req.keys,
-                         req.adverts, reg.instance_id)
+                         req.adverts.copy(), reg.instance_id, adverts)
 
     def _announce(self, uid: int, req: protocol.Store, result: Any) -> None:
         """After an advertised STORE's reply: its chunks may be held from before, without an
@@ -273,8 +280,9 @@ class DataPlane:
         return self._copy_job(session, req, "RETRIEVE", self._retrieve, self._retrieve_cuda)
 
     def _copy_job(self, session: Any, req: Any, what: str, on_cpu: Callable[..., Any],
-                  on_cuda: Callable[..., Any]) -> Deferred:
-        """Validate on the loop, hold the registration, and return the copier job."""
+                  on_cuda: Callable[..., Any], adverts: int = 0) -> Deferred:
+        """Validate on the loop, hold the registration, and return the copier job
+        (``adverts``: how many a STORE carries)."""
         reg = self._owned(session, req.instance_id, what)
         layout = self._layout(reg)
         self._check_blocks(what, layout, req.keys, req.block_ids, req.chunk_blocks)
@@ -282,12 +290,12 @@ class DataPlane:
         uid = session.peer.uid
         copy = on_cuda if layout.cuda_device >= 0 else on_cpu
         deadline = self._sender_deadline(req)
+        advertised = adverts > 0 and self.kv.enabled
+        if advertised:      # here, where the request's bytes are in this core's cache (13 µs on a copier)
+            self._advertise(uid, reg, req, adverts)
 
         def job(identity: bytes, rid: bytes) -> None:
-            advertised = what == "STORE" and bool(req.adverts) and self.kv.enabled
             try:
-                if advertised:
-                    self._advertise(uid, reg, req)
                 result = copy(session, reg, layout, uid, req, deadline)
                 self._run(identity, rid, result)
                 if advertised:
@@ -347,11 +355,12 @@ class DataPlane:
                 pending.clear()
                 return self._late("STORE", f"{copied // size if size else 0} earlier chunk(s) were stored, "
                                            "this batch was not")
-            for i, obj in pending[:done]:
-                self.pool.commit([obj])
+            if done:
+                objs = [obj for _, obj in pending[:done]]
+                self.pool.commit(objs)              # one hold of the pool's lock, one KV events report
                 if self.tiers is not None:
-                    self.tiers.write_through([obj])
-                copied += size
+                    self.tiers.write_through(objs)
+                copied += size * done
             self.pool.abort([obj for _, obj in pending[done:]])
             if exc is None:
                 pending.clear()

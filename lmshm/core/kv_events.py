@@ -25,8 +25,8 @@ The easy thing to get wrong: the pool and the disk tier call ``note`` under thei
 (the same locks their removals are told under, so a chunk is never announced after its
 removal), from any thread, and the queue keeps that order. So this module never calls back
 into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
-queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts: past them, whoever adds applies
-some), ``max_chunks`` adverts (a full index
+queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes: past them,
+whoever adds applies some), ``max_chunks`` adverts (a full index
 forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
 from, counted: the remote evicts without telling, so entries it alone held would otherwise
 stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
@@ -370,8 +370,9 @@ def event_bytes(event: Optional[KvEvent]) -> int:
     return 32
 
 
-#: Queued entries (a STORE's adverts, one residency note) past which the thread that queues
-#: one applies a batch itself: the queue's bound (its adverts are bounded by ``MAX_QUEUED_ADVERTS``).
+#: Queued entries (a STORE's adverts, one residency note, one commit's notes) past which the
+#: thread that queues one applies a batch itself: the queue's bound (the adverts and the
+#: commits' notes in it are bounded by ``MAX_QUEUED_ADVERTS``).
 MAX_QUEUED = 1 << 16
 MAX_QUEUED_ADVERTS = 1 << 16
 #: Entries applied under one hold of the index's lock (a few hundred µs at most).
@@ -428,17 +429,19 @@ class KvIndex:
 
     # ---- what a STORE says, what the pool and the tiers hold: queued --------------------
     def describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                 keys: Sequence[bytes], adverts: Sequence[Any], source: str = "") -> None:
+                 keys: Sequence[bytes], adverts: Any, source: str = "", count: Optional[int] = None) -> None:
         """Remember what each of a STORE's chunks is to its engine (queued before its copy
-        commits). ``adverts``: the request's (checked when applied: ``check_advert``, all or
-        none; ``source`` names the sender in the log line of a refusal), or ``CheckedAdvert``s."""
-        if not self.enabled or not adverts:
+        commits). ``adverts``: the request's, still encoded (``Store.adverts``, ``count`` of
+        them), or as ``Advert``s, or ``CheckedAdvert``s; decoded and checked when applied
+        (``check_advert``, all or none; ``source`` names the sender in the log line of a
+        refusal)."""
+        n = len(adverts) if count is None else count
+        if not self.enabled or not n:
             return
-        n = len(adverts)
         with self._count_lock:
             self._queued_adverts += n
             over = self._queued_adverts > MAX_QUEUED_ADVERTS
-        self._queue.append((uid, space, model, pod, rank, world, keys, adverts, source))
+        self._queue.append((uid, space, model, pod, rank, world, keys, adverts, source, n))
         if over or len(self._queue) > MAX_QUEUED:
             self.drain(4 * DRAIN_BATCH)
 
@@ -465,6 +468,23 @@ class KvIndex:
                 self.drain(4 * DRAIN_BATCH)
         return record
 
+    def batch_recorder(self, tier: str) -> Any:
+        """``record(pairs)``: each ``(uid, key)`` of ``pairs`` is now held in ``tier``, as
+        ``recorder``'s calls would say, in one queue entry (the pool's commit of a STORE's
+        chunks)."""
+        queue, by_key, append = self._queue, self._by_key, self._queue.append
+
+        def record(pairs: list) -> None:
+            if not by_key and not queue:
+                return
+            with self._count_lock:          # its reports count as adverts do (MAX_QUEUED_ADVERTS)
+                self._queued_adverts += len(pairs)
+                over = self._queued_adverts > MAX_QUEUED_ADVERTS
+            append((pairs, tier))
+            if over or len(queue) > MAX_QUEUED:
+                self.drain(4 * DRAIN_BATCH)
+        return record
+
     def drain(self, limit: Optional[int] = None) -> int:
         """Apply queued entries in order: all of them (at most what was queued when it began,
         so a producer as fast cannot keep it here), or ``limit``, ``DRAIN_BATCH`` under one
@@ -488,9 +508,14 @@ class KvIndex:
                     try:
                         if len(entry) == 4:
                             self._note(*entry)
+                        elif len(entry) == 2:
+                            pairs, tier = entry
+                            adverts += len(pairs)
+                            for uid, key in pairs:
+                                self._note(uid, key, tier, True)
                         else:
-                            adverts += len(entry[7])
-                            self._describe(*entry)
+                            adverts += entry[9]
+                            self._describe(*entry[:9])
                     except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
                         self.failed += 1
                         logger.exception("lmshm: applying a KV event index entry failed")
@@ -504,10 +529,12 @@ class KvIndex:
 
     # ---- applying them (under the index's lock) -----------------------------------------
     def _describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                  keys: Sequence[bytes], adverts: Sequence[Any], source: str) -> None:
+                  keys: Sequence[bytes], adverts: Any, source: str) -> None:
         try:
+            if isinstance(adverts, msgspec.Raw):
+                adverts = _unpack_adverts(adverts, len(keys))
             adverts = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in adverts]
-        except ValueError as exc:
+        except ValueError as exc:     # msgspec's DecodeError and ValidationError among them
             self.refused += 1
             logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(source, 60), exc)
             return
@@ -674,6 +701,17 @@ class KvIndex:
         self.drain()
         with self._lock:
             return {c.block_size for c in list(self._by_id.values())[:64]}
+
+
+def _unpack_adverts(adverts: msgspec.Raw, keys: int) -> list:
+    """A STORE's encoded adverts (``messages.Store.adverts``), decoded: ``ValueError`` when
+    they do not decode, or are not one per key."""
+    from lmshm.core.messages import unpack_adverts      # messages imports this module
+
+    out = unpack_adverts(adverts)
+    if len(out) != keys:
+        raise ValueError(f"{len(out)} adverts for {keys} keys")
+    return out
 
 
 class CheckedAdvert:

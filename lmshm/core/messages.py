@@ -174,10 +174,49 @@ class Store(Message, tag=int(MsgType.STORE)):
     # sender may reuse the blocks, so the server commits nothing it copied later than that.
     wait_s: WaitS = 0.0
     # 3.7, KV events: one Advert per key (or none: nothing is advertised), the engine's
-    # namespace (the same for every rank: KV_EVENTS reads by it) and its pod name for topics
-    adverts: Annotated[list[Advert], msgspec.Meta(max_length=MAX_KEYS)] = []
+    # namespace (the same for every rank: KV_EVENTS reads by it) and its pod name for topics.
+    # The adverts stay encoded (a msgpack array of Advert, ``pack_adverts``; the same bytes as
+    # the list): the server reads their count on the request's path (``advert_count``) and
+    # decodes them off it, when the KV event index applies its queue (``unpack_adverts``), so
+    # an advert that does not decode refuses that STORE's adverts (counted), never the STORE
+    adverts: msgspec.Raw = msgspec.Raw(b"\x90")    # an empty array (an empty Raw encodes as nothing)
     space: Space = b""
     pod: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
+_advert_encoder = msgspec.msgpack.Encoder()
+_advert_decoder = msgspec.msgpack.Decoder(Annotated[list[Advert], msgspec.Meta(max_length=MAX_KEYS)])
+
+
+def pack_adverts(adverts: Optional[list[Advert]]) -> msgspec.Raw:
+    """``Store.adverts`` for a list of ``Advert`` (none: an empty array)."""
+    return msgspec.Raw(_advert_encoder.encode(list(adverts) if adverts else []))
+
+
+def advert_count(adverts: msgspec.Raw) -> int:
+    """How many adverts ``Store.adverts`` holds, from its msgpack array header alone, or
+    ``ValueError`` when it is not an array of at most ``MAX_KEYS``."""
+    head = memoryview(adverts)
+    if not len(head):
+        return 0
+    tag = head[0]
+    if 0x90 <= tag <= 0x9F:
+        n = tag & 0x0F
+    elif tag == 0xDC and len(head) >= 3:
+        n = int.from_bytes(head[1:3], "big")
+    elif tag == 0xDD and len(head) >= 5:
+        n = int.from_bytes(head[1:5], "big")
+    else:
+        raise ValueError("adverts must be an array of Advert")
+    if n > MAX_KEYS:
+        raise ValueError(f"{n} adverts; at most {MAX_KEYS}")
+    return n
+
+
+def unpack_adverts(adverts: msgspec.Raw) -> list[Advert]:
+    """The ``Advert``s of ``Store.adverts``; ``msgspec.DecodeError`` (a ``ValidationError``
+    among them) when they are not well formed."""
+    return _advert_decoder.decode(adverts)
 
 
 class Lookup(Message, tag=int(MsgType.LOOKUP)):

@@ -348,6 +348,9 @@ class Pool:
         #: ``(uid, key, present)`` when an object becomes visible or is dropped (KV events:
         #: core/kv_events.KvIndex.note); called under the pool's lock, so it must not call back
         self.on_resident: Optional[Callable[[int, bytes, bool], None]] = None
+        #: ``([(uid, key), ...])``: the objects one ``commit`` made visible, in one call (a STORE's
+        #: chunks; its ``on_resident`` reports, batched); None: ``on_resident`` for each
+        self.on_committed: Optional[Callable[[list], None]] = None
         self._addr = 0
         self.huge_pages = False   # the kernel took MADV_HUGEPAGE for the pool
         self._buf: Any = None
@@ -613,6 +616,8 @@ class Pool:
             return Reservation.STORED, obj
 
     def commit(self, objs: Iterable[tuple]) -> None:
+        batch = self.on_committed
+        committed: list = []
         with self._lock:
             for obj in objs:
                 t = self._tenants.get(obj[UID])
@@ -624,8 +629,12 @@ class Pool:
                 self.objects += 1
                 self.stored += 1
                 self._make_ready(t, obj)
-                if self.on_resident is not None:
+                if batch is not None:
+                    committed.append((obj[UID], obj[KEY]))
+                elif self.on_resident is not None:
                     self.on_resident(obj[UID], obj[KEY], True)
+            if committed:
+                batch(committed)
 
     def abort(self, objs: Iterable[tuple]) -> None:
         with self._lock:

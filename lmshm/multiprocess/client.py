@@ -488,8 +488,9 @@ class MPClient:
         ``adverts`` (one ``protocol.Advert`` per key), ``space`` and ``pod``: what the chunks
         are to the engine, for the server's KV events (docs/design/kv-events.md)."""
         wait_s = _wait_s(self.timeout_s if timeout_s is None else timeout_s)
-        p = self.submit(protocol.Store(instance_id, keys, block_ids, chunk_blocks, event, wait_s=wait_s,
-                                       adverts=adverts or [], space=space, pod=pod), timeout_s)
+        msg = protocol.Store(instance_id, keys, block_ids, chunk_blocks, event, wait_s=wait_s,
+                             adverts=protocol.pack_adverts(adverts), space=space, pod=pod)
+        p = self.submit(msg, timeout_s)
         return p.result() if wait else p
 
     def retrieve(self, instance_id: str, keys: list[bytes], block_ids: list[int], chunk_blocks: int,

@@ -443,8 +443,15 @@ def test_hostile_adverts_are_stored_but_never_advertised_and_the_server_keeps_se
     assert e.client.lookup([[key(i) for i in range(len(HOSTILE))]]).hits == len(HOSTILE)   # stored, all of them
     with pytest.raises(InvalidArgument, match="2 adverts for 1 keys"):
         e.store(iid, [key(20)], [advert(20), advert(21)])
-    with pytest.raises(InvalidArgument):                 # the wire's limit: 1024 blocks an advert
-        e.store(iid, [key(21)], [advert(21, n=1025, token_ids=[])])
+    with pytest.raises(InvalidArgument, match="adverts must be an array"):
+        e.client.submit(protocol.Store(iid, [key(20)], [0], 1, adverts=msgspec.Raw(msgspec.msgpack.encode({"a": 1})),
+                                       space=e.space, pod=e.pod)).result()
+    # past the wire's limits (1024 blocks an advert), or not adverts at all: the adverts are
+    # decoded off the request's path, so the chunk is stored and they are refused (not advertised)
+    assert e.store(iid, [key(21)], [advert(21, n=1025, token_ids=[])]).results == [StoreResult.STORED]
+    garbage = protocol.Store(iid, [key(23)], [1], 1, adverts=msgspec.Raw(msgspec.msgpack.encode([[b"x", "y"]])),
+                             space=e.space, pod=e.pod)
+    assert e.client.submit(garbage).result().results == [StoreResult.STORED]
     at_limits = advert(22, n=1024, block_size=64, token_ids=[1] * 65536)
     assert e.store(iid, [key(22)], [at_limits]).results == [StoreResult.STORED]
     e.until(lambda s: s == [("BlockStored", "CPU", "LOCAL", hashes_of(22, 1)[0])], "the honest advert at the limits")
@@ -472,6 +479,48 @@ def test_packed_token_ids_and_a_3_7_clients_list_give_the_same_events(start_serv
     e.store(iid, [key(1)], [advert(1, token_ids=tokens)])
     e.until(lambda s: len(s) == 2, "both chunks advertised")
     assert [ev.token_ids for ev in e.seen] == [tokens, tokens]
+
+
+def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_applied():
+    """A STORE's adverts arrive and are queued as the request's msgpack bytes: the request's
+    path reads their count alone; the index decodes them when it applies its queue, and what
+    does not decode, or is not one advert per key, is refused there (never an exception)."""
+    two = protocol.pack_adverts([advert(0), advert(1)])
+    assert bytes(two) == msgspec.msgpack.encode([advert(0), advert(1)])     # the list's own bytes
+    assert [protocol.advert_count(protocol.pack_adverts([advert(0)] * n)) for n in (0, 1, 15, 16, 70_000 // 2)] == \
+        [0, 1, 15, 16, 35_000]
+    assert protocol.advert_count(protocol.Store("i", [], [], 1).adverts) == 0
+    for bad in (msgspec.msgpack.encode({"a": 1}), b"\xdc\x00", b"\xdd\x00\x01\x00\x01", b"\xc0"):
+        with pytest.raises(ValueError):
+            protocol.advert_count(msgspec.Raw(bad))
+    kv = KvIndex(records=64)
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(0), key(1)], two, "engine", 2)
+    assert kv.queued == 1
+    kv.batch_recorder("pool")([(1, key(0)), (1, key(1))])       # a commit of both: one entry
+    assert kv.queued == 2 and len(kv) == 2 and kv.leading(hashes_of(0) + hashes_of(1), ["pool"]) == {"pool": 4}
+    garbage = msgspec.Raw(msgspec.msgpack.encode([[b"x", "y"]]))
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(2)], garbage, "engine", 1)
+    kv.describe(1, SPACE, "m", "", 0, 1, [key(3)], protocol.pack_adverts([advert(3), advert(4)]), "engine", 1)
+    assert len(kv) == 2 and kv.refused == 2
+
+
+def test_a_pool_commit_reports_its_chunks_in_one_call_and_evictions_one_each():
+    from lmshm.core.pool import Pool, Reservation
+
+    pool = Pool(1 << 20)
+    seen: list = []
+    pool.on_resident = lambda uid, k, present: seen.append(("one", k, present))
+    pool.on_committed = lambda pairs: seen.append(("batch", list(pairs)))
+    try:
+        objs = [pool.reserve(1, key(i), 256 << 10, b"d", 1) for i in range(3)]
+        assert [outcome for outcome, _ in objs] == [Reservation.STORED] * 3
+        pool.commit([obj for _, obj in objs])
+        assert seen == [("batch", [(1, key(0)), (1, key(1)), (1, key(2))])]
+        outcome, obj = pool.reserve(1, key(3), 512 << 10, b"d", 1)      # room only once the oldest go
+        assert outcome == Reservation.STORED and seen[1:] == [("one", key(0), False), ("one", key(1), False)]
+        pool.abort([obj])
+    finally:
+        pool.release()
 
 
 def test_the_index_applies_what_it_queued_in_order_when_read_and_bounds_its_queue(monkeypatch):
