@@ -40,6 +40,9 @@ when it is idle happens while the client talks to the other servers, outside tho
 second table adds the loop's CPU from the end of a server's block to the start of its next (and
 0.5 s after the last) to the STOREs' and LOOKUPs' own, per STORE ("all told").
 
+``--control-on --control-tree DIR`` makes the third server a second *on* server run from another
+checkout: its column is then this tree against that one, in the same run.
+
 ``--interleave`` takes the three servers' requests in turn, one request each (the order
 rotating), instead of one server's block of ``--stores`` after another's: with ``--pace-ms``,
 each server's requests meet the same moments of the machine, and the deferred work falls
@@ -222,7 +225,7 @@ def run(args: argparse.Namespace) -> dict:
     control = [*on, *args.control_args.split()] if args.control_on else off
     with BenchServer(*flags, *on, *http("on"), quiet=True) as on_server, \
             BenchServer(*flags, *off, *http("off"), quiet=True) as off_server, \
-            BenchServer(*flags, *control, *http("off-2"), quiet=True) as control_server:
+            BenchServer(*flags, *control, *http("off-2"), quiet=True, cwd=args.control_tree or None) as control_server:
         readers = []
         for server in ([on_server] + ([control_server] if args.control_on else [])) if args.reader else []:
             readers.append(subprocess.Popen([sys.executable, "-c", READER, server.url, SPACE.decode(),
@@ -435,6 +438,9 @@ def main() -> None:
     ap.add_argument("--control-on", action="store_true",
                     help="make the third server a second *on* server (adverts, the index) with --control-args "
                          "added: its column is then an A/B against *on*, not an A/A control")
+    ap.add_argument("--control-tree", default="", metavar="DIR",
+                    help="run the third server from another lmshm checkout (with --control-on: the same "
+                         "events, an A/B of two trees in one run; `git archive` of the commit before, say)")
     ap.add_argument("--control-args", default="", metavar="ARGS",
                     help="with --control-on: extra lmshm-server arguments of the third server "
                          "(e.g. \"--kv-events-hold 0\")")

@@ -7,6 +7,10 @@
     python3 docs/design/experiments/store-phases-summary.py /tmp/trace
     git checkout lmshm/core/dataplane.py
 
+The patch applies to main from 020c750 on, where a STORE's adverts are queued on the request
+loop before the job is handed over: its "advertise" phase is then empty, and their cost is in
+"queue". (The patch as it was, against 52ece5a, is in git history.)
+
 Each server process wrote one line per STORE: advertised (1.0 or 0.0), then monotonic stamps:
 the copy job made (the request decoded and checked, on the loop), the job started (on a
 copier thread), the adverts queued, the copy job done, the reply handed to the loop, and within
