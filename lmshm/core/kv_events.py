@@ -25,8 +25,8 @@ The easy thing to get wrong: the pool and the disk tier call ``note`` under thei
 (the same locks their removals are told under, so a chunk is never announced after its
 removal), from any thread, and the queue keeps that order. So this module never calls back
 into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
-queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes: past them,
-whoever adds applies some), ``max_chunks`` adverts (a full index
+queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes,
+``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some), ``max_chunks`` adverts (a full index
 forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
 from, counted: the remote evicts without telling, so entries it alone held would otherwise
 stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
@@ -375,6 +375,10 @@ def event_bytes(event: Optional[KvEvent]) -> int:
 #: commits' notes in it are bounded by ``MAX_QUEUED_ADVERTS``).
 MAX_QUEUED = 1 << 16
 MAX_QUEUED_ADVERTS = 1 << 16
+#: Bytes of queued encoded adverts (a STORE's, as they came) past which, as past the above, the
+#: thread that queues more applies a batch itself: a peer's adverts may be 320 KiB each (the
+#: wire's limits), so the count alone would let the queue hold gigabytes
+MAX_QUEUED_ADVERT_BYTES = 64 << 20
 #: Entries applied under one hold of the index's lock (a few hundred µs at most).
 DRAIN_BATCH = 32
 
@@ -400,6 +404,7 @@ class KvIndex:
         self._queue: deque[tuple] = deque()
         self._pending: list[tuple] = []            # records of the batch being applied (drain)
         self._queued_adverts = 0                   # adverts in _queue (under _count_lock)
+        self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
         self._count_lock = threading.Lock()
         self._by_key: dict[tuple[int, bytes], _Chunk] = {}   # (uid, key) -> its chunk (rank: chunk.rank_of)
         # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
@@ -438,10 +443,12 @@ class KvIndex:
         n = len(adverts) if count is None else count
         if not self.enabled or not n:
             return
+        size = len(adverts) if isinstance(adverts, msgspec.Raw) else 0
         with self._count_lock:
             self._queued_adverts += n
-            over = self._queued_adverts > MAX_QUEUED_ADVERTS
-        self._queue.append((uid, space, model, pod, rank, world, keys, adverts, source, n))
+            self._queued_bytes += size
+            over = self._queued_adverts > MAX_QUEUED_ADVERTS or self._queued_bytes > MAX_QUEUED_ADVERT_BYTES
+        self._queue.append((uid, space, model, pod, rank, world, keys, adverts, source, n, size))
         if over or len(self._queue) > MAX_QUEUED:
             self.drain(4 * DRAIN_BATCH)
 
@@ -496,7 +503,7 @@ class KvIndex:
         todo = len(queue) if limit is None else min(limit, len(queue))
         done = 0
         while done < todo:
-            adverts = 0
+            adverts = size = 0
             with self._lock:
                 for _ in range(min(DRAIN_BATCH, todo - done)):
                     try:
@@ -515,6 +522,7 @@ class KvIndex:
                                 self._note(uid, key, tier, True)
                         else:
                             adverts += entry[9]
+                            size += entry[10]
                             self._describe(*entry[:9])
                     except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
                         self.failed += 1
@@ -525,6 +533,7 @@ class KvIndex:
             if adverts:
                 with self._count_lock:
                     self._queued_adverts -= adverts
+                    self._queued_bytes -= size
         return done
 
     # ---- applying them (under the index's lock) -----------------------------------------

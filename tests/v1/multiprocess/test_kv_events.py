@@ -481,7 +481,7 @@ def test_packed_token_ids_and_a_3_7_clients_list_give_the_same_events(start_serv
     assert [ev.token_ids for ev in e.seen] == [tokens, tokens]
 
 
-def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_applied():
+def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_applied(monkeypatch):
     """A STORE's adverts arrive and are queued as the request's msgpack bytes: the request's
     path reads their count alone; the index decodes them when it applies its queue, and what
     does not decode, or is not one advert per key, is refused there (never an exception)."""
@@ -502,6 +502,13 @@ def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_app
     kv.describe(1, SPACE, "m", "", 0, 1, [key(2)], garbage, "engine", 1)
     kv.describe(1, SPACE, "m", "", 0, 1, [key(3)], protocol.pack_adverts([advert(3), advert(4)]), "engine", 1)
     assert len(kv) == 2 and kv.refused == 2
+    # their bytes bound the queue too: past MAX_QUEUED_ADVERT_BYTES, whoever queues applies some
+    monkeypatch.setattr(kv_events, "MAX_QUEUED_ADVERT_BYTES", 64 << 10)
+    big = protocol.pack_adverts([advert(9, token_ids=list(range(2 * ENGINE_BLOCK)), extra_keys=bytes(60_000))])
+    for i in range(100):
+        kv.describe(1, SPACE, "m", "", 0, 1, [key(10 + i)], big, "engine", 1)
+        assert kv._queued_bytes <= (64 << 10) + len(big)
+    assert kv.queued < 100 and len(kv) == 2 and kv._queued_bytes == 0 and kv.refused == 102   # not msgpack extra keys
 
 
 def test_a_pool_commit_reports_its_chunks_in_one_call_and_evictions_one_each():
