@@ -134,6 +134,7 @@ class DataPlane:
             kv = self.kv
             self.pool.on_resident = kv.recorder("pool")
             self.pool.on_committed = kv.batch_recorder("pool")
+            kv.unpack_adverts = protocol.unpack_adverts
             if self.tiers is not None:
                 for t in self.tiers.tiers:
                     record = kv.recorder(t.name)

@@ -405,6 +405,9 @@ class KvIndex:
         self._pending: list[tuple] = []            # records of the batch being applied (drain)
         self._queued_adverts = 0                   # adverts in _queue (under _count_lock)
         self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
+        #: decodes a STORE's encoded adverts (``messages.unpack_adverts``, set by the data plane:
+        #: the messages import this module, so it cannot import them)
+        self.unpack_adverts: Optional[Any] = None
         self._count_lock = threading.Lock()
         self._by_key: dict[tuple[int, bytes], _Chunk] = {}   # (uid, key) -> its chunk (rank: chunk.rank_of)
         # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
@@ -541,7 +544,7 @@ class KvIndex:
                   keys: Sequence[bytes], adverts: Any, source: str) -> None:
         try:
             if isinstance(adverts, msgspec.Raw):
-                adverts = _unpack_adverts(adverts, len(keys))
+                adverts = self._unpack(adverts, len(keys))
             adverts = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in adverts]
         except ValueError as exc:     # msgspec's DecodeError and ValidationError among them
             self.refused += 1
@@ -574,6 +577,16 @@ class KvIndex:
                     by_key.pop((uid, old), None)
                 chunk.keys[rank] = key
             by_key[(uid, key)] = chunk
+
+    def _unpack(self, adverts: msgspec.Raw, keys: int) -> list:
+        """A STORE's encoded adverts, decoded by ``unpack_adverts``: ``ValueError`` when they do
+        not decode, or are not one per key."""
+        if self.unpack_adverts is None:
+            raise ValueError("encoded adverts, and no decoder for them")
+        out = self.unpack_adverts(adverts)
+        if len(out) != keys:
+            raise ValueError(f"{len(out)} adverts for {keys} keys")
+        return out
 
     def _note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
         chunk = self._by_key.get((uid, key))
@@ -710,17 +723,6 @@ class KvIndex:
         self.drain()
         with self._lock:
             return {c.block_size for c in list(self._by_id.values())[:64]}
-
-
-def _unpack_adverts(adverts: msgspec.Raw, keys: int) -> list:
-    """A STORE's encoded adverts (``messages.Store.adverts``), decoded: ``ValueError`` when
-    they do not decode, or are not one per key."""
-    from lmshm.core.messages import unpack_adverts      # messages imports this module
-
-    out = unpack_adverts(adverts)
-    if len(out) != keys:
-        raise ValueError(f"{len(out)} adverts for {keys} keys")
-    return out
 
 
 class CheckedAdvert:

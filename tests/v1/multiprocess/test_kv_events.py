@@ -494,6 +494,7 @@ def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_app
         with pytest.raises(ValueError):
             protocol.advert_count(msgspec.Raw(bad))
     kv = KvIndex(records=64)
+    kv.unpack_adverts = protocol.unpack_adverts          # as the data plane sets it
     kv.describe(1, SPACE, "m", "", 0, 1, [key(0), key(1)], two, "engine", 2)
     assert kv.queued == 1
     kv.batch_recorder("pool")([(1, key(0)), (1, key(1))])       # a commit of both: one entry
