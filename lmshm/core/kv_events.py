@@ -26,8 +26,8 @@ The easy thing to get wrong: the pool and the disk tier call ``note`` under thei
 removal), from any thread, and the queue keeps that order. So this module never calls back
 into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
 queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes,
-``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some), ``max_chunks`` adverts (a full index
-forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
+``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some),
+``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
 from, counted: the remote evicts without telling, so entries it alone held would otherwise
 stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
 reader behind them is told it lost some).
@@ -403,7 +403,7 @@ class KvIndex:
         self._lock = threading.Lock()
         self._queue: deque[tuple] = deque()
         self._pending: list[tuple] = []            # records of the batch being applied (drain)
-        self._queued_adverts = 0                   # adverts in _queue (under _count_lock)
+        self._queued_adverts = 0                   # adverts and batched notes in _queue (under _count_lock)
         self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
         #: decodes a STORE's encoded adverts (``messages.unpack_adverts``, set by the data plane:
         #: the messages import this module, so it cannot import them)
@@ -437,16 +437,18 @@ class KvIndex:
 
     # ---- what a STORE says, what the pool and the tiers hold: queued --------------------
     def describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                 keys: Sequence[bytes], adverts: Any, source: str = "", count: Optional[int] = None) -> None:
+                 keys: Sequence[bytes], adverts: Any, source: str = "", count: int = 0) -> None:
         """Remember what each of a STORE's chunks is to its engine (queued before its copy
-        commits). ``adverts``: the request's, still encoded (``Store.adverts``, ``count`` of
-        them), or as ``Advert``s, or ``CheckedAdvert``s; decoded and checked when applied
+        commits). ``adverts``: the request's, still encoded (``Store.adverts``, with ``count``:
+        how many, ``messages.advert_count``), or as ``Advert``s, or ``CheckedAdvert``s; decoded and checked when applied
         (``check_advert``, all or none; ``source`` names the sender in the log line of a
         refusal)."""
-        n = len(adverts) if count is None else count
+        if isinstance(adverts, msgspec.Raw):        # encoded: its length is bytes, not adverts
+            n, size = count or 0, len(adverts)
+        else:
+            n, size = len(adverts), 0
         if not self.enabled or not n:
             return
-        size = len(adverts) if isinstance(adverts, msgspec.Raw) else 0
         with self._count_lock:
             self._queued_adverts += n
             self._queued_bytes += size
