@@ -27,9 +27,9 @@ removal), from any thread, and the queue keeps that order. So this module never 
 into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
 queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes,
 ``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some),
-``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a ``BlockRemoved`` for each tier it was servable
-from, counted: the remote evicts without telling, so entries it alone held would otherwise
-stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
+``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a
+``BlockRemoved`` for each tier it was servable from, counted: the remote evicts without
+telling, so entries it alone held would otherwise stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
 reader behind them is told it lost some).
 """
 
