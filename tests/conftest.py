@@ -16,10 +16,20 @@ def lmshm_segments() -> set[str]:
         return set()
 
 
+def _is_segment(path: str) -> bool:
+    """Whether a mapped file or an fd's target is one of lmshm's segments: a named one in
+    /dev/shm, or a memfd. Only the segment's own name counts, never a directory above it: a
+    clone (and its venvs) may live in a folder whose name starts with "lmshm-"."""
+    name = path.rsplit("/", 1)[-1]
+    return (path.startswith(SHM_DIR + "/") or path.startswith("/memfd:")) and (
+        name.startswith("lmshm-") or name.startswith("memfd:lmshm-"))
+
+
 def lmshm_mappings() -> list[str]:
     """This process's mappings of lmshm segments (named shm or memfd)."""
     with open("/proc/self/maps") as f:
-        return [line.split(None, 5)[-1].strip() for line in f if "lmshm-" in line]
+        paths = [line.split(None, 5)[-1].strip() for line in f if len(line.split(None, 5)) == 6]
+    return [p for p in paths if _is_segment(p.removesuffix(" (deleted)"))]
 
 
 def lmshm_fds() -> list[str]:
@@ -30,7 +40,7 @@ def lmshm_fds() -> list[str]:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if "lmshm-" in target:
+        if _is_segment(target.removesuffix(" (deleted)")):
             out.append(f"{fd} -> {target}")
     return out
 
