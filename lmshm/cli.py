@@ -106,8 +106,11 @@ def format_status_table(status) -> str:
             + (f", {p.pins_capped} chunk(s) found but not pinned (per-uid caps)" if p.pins_capped else "")
             + (f", {p.failed} failed" if p.failed else "")
             + (f", {p.late} too late for their sender (not copied or not committed)" if getattr(p, "late", 0) else ""))
-        if p.cuda_pinned_bytes or p.cuda_quarantined or p.cuda_events_dropped:
+        path = getattr(p, "cuda_copy_path", "")
+        if p.cuda_pinned_bytes or p.cuda_quarantined or p.cuda_events_dropped or path:
             lines.append(f"cuda: {_human_bytes(p.cuda_pinned_bytes)} of the pool page-locked"
+                         + (f", copies {'in one cuMemcpyBatchAsync per request' if path == 'batch' else path}"
+                            f" ({p.cuda_copy_calls} driver call(s), {p.cuda_copy_pieces} piece(s))" if path else "")
                          + (f", {p.cuda_quarantined} request(s) past --cuda-timeout (their bytes held until the "
                             "GPU was done)" if p.cuda_quarantined else "")
                          + (f", {p.cuda_events_dropped} server event(s) let go early (per-session cap)"

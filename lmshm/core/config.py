@@ -38,6 +38,10 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # CUDA copies: how the pool is page-locked (lazy: in extents as used; start; off), and how
     # long a CUDA request's copies may take before it fails (its bytes are held until done)
     cuda_pin: str = "lazy"
+    # the extents it is pinned in (the driver refuses a copy across a pinned extent's edge: copies
+    # are cut there), and whether a request's copies go in one cuMemcpyBatchAsync (CUDA 12.8+)
+    cuda_pin_extent: Annotated[int, msgspec.Meta(ge=4096, le=1 << 40, multiple_of=4096)] = 256 << 20
+    cuda_copy_batch: bool = True
     cuda_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256

@@ -502,17 +502,111 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
     return (len(chunks), None) if bad is None else (bad, errors[bad])
 
 
-def cuda_copies(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,
-                *, store: bool, copy: Any, stream: Any) -> None:
-    """The copies of one chunk on a CUDA registration, queued with ``copy(dst, src, stream)``:
-    one per layer, run of the block, and run of consecutive block ids whose runs follow each other
-    in memory (``pieces``); both sides contiguous, so each is one async memcpy and the GPU side
-    needs no temporary buffer. The caller's stream orders them."""
-    runs = _runs(block_ids)
-    for plan, part in zip(layout.layers, _split(obj, layout, chunk_blocks)):
-        for o, k, n in pieces(plan, runs, chunk_blocks):
-            pool_side, kv_side = part[o:o + n], plan.flat[k:k + n]
-            copy(pool_side, kv_side, stream) if store else copy(kv_side, pool_side, stream)
+@dataclass(frozen=True)
+class CopyPlan:
+    """One request's CUDA copies as three equal-length ``uint64`` arrays: destination and source
+    addresses and byte counts, every piece contiguous on both sides (``plan_cuda_copies``)."""
+
+    dst: np.ndarray
+    src: np.ndarray
+    size: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.size.sum())
+
+
+@dataclass(frozen=True)
+class _Template:
+    """Per (layer, run of a block) -- a template entry -- the address of block 0's run in the KV
+    cache and the byte distance from one block to the next; per entry and position in a chunk,
+    the piece's offset in a chunk object and its bytes (``[entries, chunk_blocks]``)."""
+
+    kv0: np.ndarray
+    stride: np.ndarray
+    obj_off: np.ndarray
+    size: np.ndarray
+
+
+def _template(layout: BlockLayout, chunk_blocks: int) -> _Template:
+    cache = layout.__dict__.setdefault("_cuda_templates", {})   # frozen: cached by hand, like cached_property
+    t = cache.get(chunk_blocks)
+    if t is None:
+        kv0, stride, run, start, at = [], [], [], [], 0
+        for p in layout.layers:
+            g = p.geometry
+            for k, off in enumerate(g.offsets):
+                kv0.append(p.base + off)
+                stride.append(g.block_stride)
+                run.append(g.run)
+                start.append((at + k * g.run) * chunk_blocks)   # object: [layer][grid][block][run]
+            at += g.block_bytes
+        run_, pos = np.asarray(run, dtype=np.int64)[:, None], np.arange(chunk_blocks, dtype=np.int64)[None, :]
+        t = _Template(np.asarray(kv0, dtype=np.int64)[:, None], np.asarray(stride, dtype=np.int64)[:, None],
+                      np.asarray(start, dtype=np.int64)[:, None] + pos * run_,
+                      np.broadcast_to(run_, (len(run), chunk_blocks)))
+        cache[chunk_blocks] = t
+    return t
+
+
+def plan_cuda_copies(layout: BlockLayout, block_ids: Any, objs: Any, chunk_blocks: int, *, store: bool,
+                     pool_base: int = 0, extent: int = 0) -> CopyPlan:
+    """The copies of a request's chunks on a CUDA registration, computed with numpy, not a
+    Python loop per piece.
+
+    ``block_ids``: ``[chunks, chunk_blocks]`` (or flat, ``chunk_blocks`` per chunk); ``objs``:
+    each chunk object's address in the pool. The layout's template (one entry per layer and
+    run of a block, made once per chunk size) is broadcast against the block ids into
+    ``[chunk][layer, run][block]`` pieces; neighbouring pieces that follow each other on both
+    sides merge into one (a run of consecutive block ids in a K/V-first or block-outermost
+    layout; layers that lie back to back). With ``extent`` > 0 a piece is then cut where its
+    pool side crosses a multiple of ``extent`` from ``pool_base``: the pool is page-locked in
+    extents, and the driver refuses a copy whose host range is registered in part
+    (``cuda_sync.TorchCudaSync.pin``)."""
+    t = _template(layout, chunk_blocks)
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, 1, chunk_blocks)
+    obj = np.asarray(objs, dtype=np.int64).reshape(-1, 1, 1)
+    if len(obj) != len(ids):
+        raise ValueError(f"{len(obj)} chunk objects for {len(ids)} chunks of {chunk_blocks} blocks")
+    if ids.size and (ids.min() < 0 or ids.max() >= layout.num_blocks):
+        raise ValueError(f"block ids must lie in [0, {layout.num_blocks}), got {ids.min()}..{ids.max()}")
+    # [chunk, template entry, block]: the block axis last, so that consecutive ids are neighbours
+    kv = (t.kv0 + ids * t.stride).reshape(-1)
+    pool = (obj + t.obj_off).reshape(-1)
+    size = np.broadcast_to(t.size, (len(obj), *t.size.shape)).reshape(-1)
+    if len(size) > 1:
+        end = kv[:-1] + size[:-1]
+        joins = end == kv[1:]
+        joins &= (pool[:-1] + size[:-1]) == pool[1:]
+        if joins.any():
+            first = np.flatnonzero(np.concatenate(([True], ~joins)))
+            kv, pool, size = kv[first], pool[first], np.add.reduceat(size, first)
+    if extent > 0 and len(size):
+        rel = obj.reshape(-1) - pool_base          # only pieces of an object that crosses an edge can
+        if (rel // extent != (rel + layout.chunk_bytes(chunk_blocks) - 1) // extent).any():
+            kv, pool, size = _split_at_extents(kv, pool, size, pool_base, extent)
+    u = np.uint64
+    return CopyPlan(pool.view(u), kv.view(u), size.astype(u)) if store else \
+        CopyPlan(kv.view(u), pool.view(u), size.astype(u))
+
+
+def _split_at_extents(kv: np.ndarray, pool: np.ndarray, size: np.ndarray, base: int,
+                      extent: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut each piece where its pool side ``[pool, pool + size)`` crosses ``base + i * extent``."""
+    rel = pool - base
+    first = rel // extent
+    parts = (rel + size - 1) // extent - first + 1
+    if (parts == 1).all():
+        return kv, pool, size
+    idx = np.repeat(np.arange(len(size)), parts)
+    nth = np.arange(len(idx)) - np.repeat(np.cumsum(parts) - parts, parts)   # 0, 1, .. within a piece
+    lo = np.maximum(rel[idx], (first[idx] + nth) * extent)
+    hi = np.minimum(rel[idx] + size[idx], (first[idx] + nth + 1) * extent)
+    shift = lo - rel[idx]
+    return kv[idx] + shift, pool[idx] + shift, hi - lo
 
 
 def gather(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor, chunk_blocks: int,

@@ -33,10 +33,15 @@ Rules on the server side (``lmshm.core.dataplane``):
 - the server's events for default-mode replies live until their copies completed *and* at
   least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
   each reply's event at its next step, never opens a destroyed one;
-- the pool is page-locked (``cudaHostRegister``) in extents of ``PIN_EXTENT`` bytes as copies
-  first use them (``--cuda-pin lazy``, the default), or whole at start (``start``), or never
-  (``off``: copies are staged by the driver, slower). A pin that fails is the server's problem,
-  answered ``UNAVAILABLE``.
+- the pool is page-locked (``cudaHostRegister``) in extents of ``--cuda-pin-extent`` bytes
+  (``PIN_EXTENT``) as copies first use them (``--cuda-pin lazy``, the default), or whole at
+  start (``start``, still extent by extent), or never (``off``: copies are staged by the
+  driver, slower). The driver refuses a copy whose host range is registered in part, so copies
+  are cut at extent boundaries; a request pins its objects' extents before its stream waits on
+  the worker's signal. A pin that fails is the server's problem, answered ``UNAVAILABLE``;
+- a request's copies are planned with numpy (``copier.plan_cuda_copies``) and go to the driver
+  in one ``cuMemcpyBatchAsync`` (CUDA 12.8+), else one ``cuMemcpyAsync`` per piece
+  (``submit_copies``; ``--cuda-copy-batch off`` forces that).
 
 ``TorchCudaSync`` does this with ``torch.cuda`` and the driver gateway; the logic tests inject
 a fake with the same methods (``tests/v1/platform/cuda/fake_sync.py``). **Unverified on a GPU
@@ -66,9 +71,15 @@ FLAG_LAYER = "lmshm.flags"
 EVENT_MIN_AGE_S = 30.0
 #: ...and at most this many per session (the oldest completed ones go first past it).
 EVENT_CAP = 4096
-#: The pool is page-locked in extents of this many bytes, as copies first touch them.
+#: The pool is page-locked in extents of this many bytes, as copies first touch them
+#: (``--cuda-pin-extent``). The driver refuses a copy whose host range is registered in part,
+#: so every copy is cut at extent boundaries (``copier.plan_cuda_copies``).
 PIN_EXTENT = 256 << 20
 PIN_MODES = ("lazy", "start", "off")
+#: How a request's copies reach the driver: "batch" (one ``cuMemcpyBatchAsync`` per request,
+#: CUDA 12.8+) or "per-piece" (one ``cuMemcpyAsync`` per piece: older drivers, or
+#: ``--cuda-copy-batch off``).
+COPY_PATHS = ("batch", "per-piece")
 _U64 = (1 << 64) - 1
 
 
@@ -108,6 +119,35 @@ def parse_flag_token(token: bytes) -> Optional[tuple[int, int, str]]:
     return slot, seq, iid
 
 
+def extents(offset: int, nbytes: int, size: int, extent: int) -> range:
+    """The indices of the ``extent``-byte extents of a ``size``-byte pool that
+    ``[offset, offset + nbytes)`` touches."""
+    if size <= 0:
+        return range(0)
+    first, last = offset // extent, (offset + max(nbytes, 1) - 1) // extent
+    return range(first, min(last, (size - 1) // extent) + 1)
+
+
+def check_pin_extent(extent: int) -> int:
+    """``extent`` if it can be a pin extent (a positive multiple of 4 KiB), else ValueError."""
+    if extent <= 0 or extent % 4096:
+        raise ValueError(f"the pool's pin extent must be a positive multiple of 4 KiB, got {extent} bytes")
+    return extent
+
+
+def submit_copies(drv: Any, plan: Any, stream: int, device: int, batch: bool) -> int:
+    """Queue a request's copies (a ``copier.CopyPlan``) on ``stream``: one
+    ``cuMemcpyBatchAsync`` with ``batch``, else one ``cuMemcpyAsync`` per piece. Returns the
+    number of driver calls made."""
+    if not len(plan):
+        return 0
+    if batch:
+        drv.memcpy_batch_async(plan.dst, plan.src, plan.size, stream, device)
+        return 1
+    drv.memcpy_async_each(plan.dst, plan.src, plan.size, stream, device)
+    return len(plan)
+
+
 def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
     """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not. Sleeps between
     polls, from 20 us doubling to 1 ms: a host wait never spins a core."""
@@ -125,7 +165,7 @@ class TorchCudaSync:
     """The real gateway: streams per session, events through ``torch.cuda``, the driver's
     stream memory operations for flag words, extent-wise pool pinning."""
 
-    def __init__(self, pin: str = "lazy") -> None:
+    def __init__(self, pin: str = "lazy", pin_extent: int = PIN_EXTENT, copy_batch: bool = True) -> None:
         import torch
 
         from lmshm.platform.cuda.driver import get_driver
@@ -135,6 +175,11 @@ class TorchCudaSync:
         self._torch = torch
         self._drv = get_driver()
         self.pin_mode = pin
+        self.pin_extent = check_pin_extent(pin_extent)
+        self.copy_batch = copy_batch        # False: per-piece copies even where the driver batches
+        self._paths: dict[int, str] = {}    # device -> its copy path (COPY_PATHS), once known
+        self.copy_calls = 0                 # driver calls that queued copies
+        self.copy_pieces = 0                # contiguous pieces they copied
         self._streams: dict[tuple[int, Hashable], Any] = {}
         self._rescue: dict[int, Any] = {}
         self._pinned: dict[int, set[int]] = {}     # pool base -> pinned extent indices
@@ -201,9 +246,21 @@ class TorchCudaSync:
         self._drv.stream_write_value64(s, ptr, seq, device)
 
     # ---- copies and completion -------------------------------------------------------------
-    def copy(self, dst: Any, src: Any, stream: Any) -> None:
-        with self._torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+    def copy_path(self, device: int) -> str:
+        """"batch" where the driver has ``cuMemcpyBatchAsync`` and batching is on, else "per-piece"."""
+        path = self._paths.get(device)
+        if path is None:
+            path = "batch" if self.copy_batch and self._drv.has_memcpy_batch(device) else "per-piece"
+            self._paths[device] = path
+            logger.info("lmshm: CUDA copies on cuda:%d go %s", device,
+                        "in one cuMemcpyBatchAsync per request" if path == "batch" else "one cuMemcpyAsync per piece")
+        return path
+
+    def submit(self, plan: Any, stream: Any, device: int) -> None:
+        """Queue a request's copies (``copier.CopyPlan``) on ``stream`` (``submit_copies``)."""
+        calls = submit_copies(self._drv, plan, int(stream.cuda_stream), device, self.copy_path(device) == "batch")
+        self.copy_calls += calls
+        self.copy_pieces += len(plan)
 
     def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
         """An event recorded now on ``stream`` (blocking-sync: a host wait sleeps), and its
@@ -230,14 +287,14 @@ class TorchCudaSync:
             return
         if nbytes < 0 or self.pin_mode == "start":
             offset, nbytes = 0, size
-        first, last = offset // PIN_EXTENT, (offset + max(nbytes, 1) - 1) // PIN_EXTENT
+        ext = self.pin_extent
         with self._lock:
             done = self._pinned.setdefault(base, set())
-            for i in range(first, min(last, (size - 1) // PIN_EXTENT) + 1):
+            for i in extents(offset, nbytes, size, ext):
                 if i in done:
                     continue
-                start = i * PIN_EXTENT
-                length = min(PIN_EXTENT, size - start)
+                start = i * ext
+                length = min(ext, size - start)
                 t0 = time.perf_counter()
                 rc = self._torch.cuda.cudart().cudaHostRegister(base + start, length, 0)
                 if int(rc) != 0:
@@ -251,14 +308,14 @@ class TorchCudaSync:
         size = pool.numel() * pool.element_size()
         with self._lock:
             done = self._pinned.get(pool.data_ptr(), set())
-            return sum(min(PIN_EXTENT, size - i * PIN_EXTENT) for i in done)
+            return sum(min(self.pin_extent, size - i * self.pin_extent) for i in done)
 
     def unpin_all(self, tensors: list) -> None:
         with self._lock:
             for t in tensors:
                 base = t.data_ptr()
                 for i in sorted(self._pinned.pop(base, set())):
-                    self._torch.cuda.cudart().cudaHostUnregister(base + i * PIN_EXTENT)
+                    self._torch.cuda.cudart().cudaHostUnregister(base + i * self.pin_extent)
 
 
 def _streams_registry() -> Any:

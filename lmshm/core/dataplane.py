@@ -22,22 +22,26 @@ import threading
 import time
 from typing import Any, Callable, Hashable, Optional, Sequence
 
+import numpy as np
+
 from lmshm.core.copier import (
     BlockLayout,
     FileSide,
     LayoutError,
     OrderedExecutor,
     copy_chunks,
-    cuda_copies,
+    plan_cuda_copies,
 )
 from lmshm.core.cuda_sync import (
     FLAG_LAYER,
+    PIN_EXTENT,
     PIN_MODES,
     SLOTS,
     CudaSyncError,
     EventKeeper,
     NotSignalled,
     PinError,
+    check_pin_extent,
     parse_flag_token,
 )
 from lmshm.core.errors import ErrorCode, ServerError
@@ -99,7 +103,8 @@ class DataPlane:
                  max_leases_per_uid: int = 1 << 30, tiers: Sequence[Any] = (), tier_queue: Any = 256,
                  tier_timeout_s: float = 0.5, pool_huge_pages: bool = True,
                  prefault_pool: bool = False, pool_populate_ahead: int = 0, cuda_pin: str = "lazy",
-                 cuda_timeout_s: float = 30.0, kv_index: Any = None) -> None:
+                 cuda_timeout_s: float = 30.0, cuda_pin_extent: int = PIN_EXTENT, cuda_copy_batch: bool = True,
+                 kv_index: Any = None) -> None:
         self.registry = registry
         self.pool = Pool(capacity, max_objects=max_objects, max_pinned_fraction_per_uid=max_pinned_fraction_per_uid,
                          max_pins_per_uid=max_pins_per_uid, huge_pages=pool_huge_pages, prefault=prefault_pool,
@@ -118,6 +123,11 @@ class DataPlane:
             raise DataPlaneError(ErrorCode.INVALID_ARG, f"--cuda-pin {quote(cuda_pin, 40)} is not one of "
                                                         f"{', '.join(PIN_MODES)}")
         self.cuda_pin = cuda_pin            # lazy | start | off (cuda_sync.PIN_MODES)
+        try:
+            self.cuda_pin_extent = check_pin_extent(cuda_pin_extent)
+        except ValueError as exc:
+            raise DataPlaneError(ErrorCode.INVALID_ARG, f"--cuda-pin-extent: {exc}") from None
+        self.cuda_copy_batch = cuda_copy_batch   # one cuMemcpyBatchAsync per request where the driver has it
         self.cuda_timeout_s = cuda_timeout_s   # a CUDA request's copies must complete within this
         self.cuda_quarantined = 0           # requests whose copies outlived it (their bytes held)
         self.late_requests = 0              # STORE/RETRIEVEs refused or not committed: past their sender's wait_s
@@ -220,7 +230,7 @@ class DataPlane:
         if self._cuda_sync is None:
             from lmshm.core.cuda_sync import TorchCudaSync
 
-            self._cuda_sync = TorchCudaSync(self.cuda_pin)
+            self._cuda_sync = TorchCudaSync(self.cuda_pin, self.cuda_pin_extent, self.cuda_copy_batch)
         return self._cuda_sync
 
     def _run(self, identity: bytes, rid: bytes, result: Any) -> None:
@@ -531,6 +541,15 @@ class DataPlane:
                        "are held until the GPU is done with them", self.cuda_timeout_s)
         return False
 
+    def _cuda_plan(self, sync: Any, layout: BlockLayout, block_ids: Sequence[int], chunks: Sequence[int],
+                   addrs: list[int], cb: int, *, store: bool) -> Any:
+        """The copies of chunks ``chunks`` (indices into the request) at pool addresses ``addrs``,
+        cut at the pool's pin extents (``copier.plan_cuda_copies``)."""
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1, cb)[np.asarray(chunks, dtype=np.intp)]
+        extent = 0 if self.cuda_pin == "off" else getattr(sync, "pin_extent", self.cuda_pin_extent)
+        return plan_cuda_copies(layout, ids, addrs, cb, store=store, pool_base=self.pool.tensor.data_ptr(),
+                                extent=extent)
+
     def _drain_quarantine(self, sync: Any = None) -> None:
         """Hand back what timed-out copies held, once the GPU is done with it (the loop's tick)."""
         if not self._quarantine:
@@ -562,19 +581,23 @@ class DataPlane:
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "STORE")
-            queued = freg is not None or bool(req.event)
             base = self.pool.tensor.data_ptr()
+            chunks, addrs = [], []
             for i, key in enumerate(req.keys):
                 outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
                 results.append(outcome)
                 if obj is not None:
                     objs.append(obj)
-                    view = self.pool.view(obj)
-                    sync.pin(self.pool.tensor, view.data_ptr() - base, size)
-                    queued = True
-                    cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], view, cb, store=True,
-                                copy=sync.copy, stream=stream)
+                    chunks.append(i)
+                    addrs.append(self.pool.view(obj).data_ptr())
+            for addr in addrs:   # before the stream waits on the worker: a pin is a host call of its own
+                sync.pin(self.pool.tensor, addr - base, size)
+            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "STORE")
+            queued = freg is not None or bool(req.event)
+            if chunks:
+                plan = self._cuda_plan(sync, layout, req.block_ids, chunks, addrs, cb, store=True)
+                queued = True
+                sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001
             hold = [reg] + ([freg] if freg is not None else [])
@@ -649,15 +672,17 @@ class DataPlane:
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
+            base = self.pool.tensor.data_ptr()
+            views = [self.pool.view(obj) for obj in objs]
+            for view in views:   # before the stream waits on the worker: a pin is a host call of its own
+                sync.pin(self.pool.tensor, view.data_ptr() - base, view.numel() * view.element_size())
             freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE", min(sender, deadline))
             queued = freg is not None or bool(req.event)
-            base = self.pool.tensor.data_ptr()
-            for i, obj in enumerate(objs):
-                view = self.pool.view(obj)
-                sync.pin(self.pool.tensor, view.data_ptr() - base, view.numel() * view.element_size())
+            if views:
+                plan = self._cuda_plan(sync, layout, req.block_ids, range(len(views)),
+                                       [v.data_ptr() for v in views], cb, store=False)
                 queued = True
-                cuda_copies(layout, req.block_ids[i * cb:(i + 1) * cb], view, cb, store=False,
-                            copy=sync.copy, stream=stream)
+                sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
             hold = [reg] + ([freg] if freg is not None else [])
@@ -794,8 +819,12 @@ class DataPlane:
         tiers = self.tiers.info() if self.tiers is not None else []
         sync = self._cuda_sync
         pinned = sync.pinned_bytes(self.pool.tensor) if sync is not None and hasattr(sync, "pinned_bytes") else 0
+        paths = getattr(sync, "_paths", None) or {}
         return protocol.PoolInfo(**self.pool.info(), cuda_pinned_bytes=pinned, cuda_quarantined=self.cuda_quarantined,
-                                 cuda_events_dropped=self.events.dropped_early, late=self.late_requests, tiers=tiers)
+                                 cuda_events_dropped=self.events.dropped_early, late=self.late_requests, tiers=tiers,
+                                 cuda_copy_path="/".join(sorted(set(paths.values()))),
+                                 cuda_copy_calls=getattr(sync, "copy_calls", 0),
+                                 cuda_copy_pieces=getattr(sync, "copy_pieces", 0))
 
     def shutdown(self) -> None:
         """Cancel queued copies and promotions, wait for running ones, drop the pool."""

@@ -25,7 +25,8 @@ _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25
                     2.5, 5.0)
 # PoolInfo fields: which are running totals (counters) and which are levels (gauges).
 _POOL_COUNTERS = ("hits", "misses", "stored", "store_skipped", "evictions", "evicted_bytes", "retrieved", "failed",
-                  "pins_capped", "cuda_quarantined", "cuda_events_dropped", "late")
+                  "pins_capped", "cuda_quarantined", "cuda_events_dropped", "late",
+                  "cuda_copy_calls", "cuda_copy_pieces")
 _POOL_GAUGES = ("capacity", "used", "objects", "in_flight", "pinned", "leases", "max_objects", "metadata_bytes",
                 "pinned_bytes", "lease_pins", "uids", "cuda_pinned_bytes")
 
@@ -114,6 +115,13 @@ class _StateCollector:
         for name in _POOL_COUNTERS:
             yield CounterMetricFamily(f"lmshm_pool_{name}", f"Data plane: {name.replace('_', ' ')} so far",
                                       value=getattr(pool, name))
+        path = getattr(pool, "cuda_copy_path", "")
+        if path:   # which way CUDA copies reach the driver (1 for the path in use)
+            paths = GaugeMetricFamily("lmshm_pool_cuda_copy_path", "Data plane: how CUDA copies are queued "
+                                      "(batch: one cuMemcpyBatchAsync per request; per-piece)", labels=("path",))
+            for name in ("batch", "per-piece"):
+                paths.add_metric((name,), int(name in path.split("/")))
+            yield paths
         if self._tenants is not None:
             # uids are the kernel's, not names a peer chose; the 32 largest at most
             used = GaugeMetricFamily("lmshm_pool_uid_used_bytes", "Pool bytes charged to a uid (the 32 largest)",

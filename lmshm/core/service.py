@@ -130,7 +130,7 @@ class Core:
             tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
             pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool,
             pool_populate_ahead=c.pool_populate_ahead, cuda_pin=c.cuda_pin, cuda_timeout_s=c.cuda_timeout_s,
-            kv_index=self.kv_index)
+            cuda_pin_extent=c.cuda_pin_extent, cuda_copy_batch=c.cuda_copy_batch, kv_index=self.kv_index)
 
     @classmethod
     def _open_tiers(cls, c: CoreConfig) -> list:

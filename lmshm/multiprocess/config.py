@@ -172,6 +172,14 @@ SETTINGS: tuple[Setting, ...] = (
             "how the pool is page-locked for CUDA copies: lazy (in 256 MiB extents, as copies first use them; the "
             "default), start (all of it when the server starts: every page is then resident and locked), or off "
             "(never: the driver stages each copy, slower)", "MODE"),
+    Setting("cuda_pin_extent", "--cuda-pin-extent", "LMSHM_CUDA_PIN_EXTENT", "cuda_pin_extent",
+            "the pool is page-locked in extents of this size (a multiple of 4KiB; default 256MiB); a CUDA copy "
+            "that would cross an extent's edge is cut in two there (the driver refuses a copy whose host memory "
+            "is page-locked only in part)", "SIZE", "size"),
+    Setting("cuda_copy_batch", "--cuda-copy-batch", "LMSHM_CUDA_BATCH", "cuda_copy_batch",
+            "queue each CUDA STORE/RETRIEVE's copies with one cuMemcpyBatchAsync (CUDA 12.8+ drivers; older "
+            "ones copy piece by piece whatever this says); off: one cuMemcpyAsync per piece. lmshm status says "
+            "which path runs (default on)", kind="bool"),
     Setting("cuda_timeout_s", "--cuda-timeout", "LMSHM_CUDA_TIMEOUT", "cuda_timeout",
             "longest a CUDA STORE/RETRIEVE's copies may take, waiting for the worker's ordering signal "
             "included, in seconds; past it the request fails and the pool bytes it touched stay out of use until "

@@ -36,6 +36,8 @@ import threading
 from collections import Counter
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from lmshm.platform.cuda.errors import CudaUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,10 @@ _IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 0x1
 # CUmemAllocationHandleType bits, by the names lmshm uses on the wire and in messages.
 HANDLE_TYPE_BITS = {"posix-fd": 0x1, "fabric": 0x8}
 _HANDLE_BIT_NAMES = {0x1: "POSIX_FILE_DESCRIPTOR", 0x2: "WIN32", 0x4: "WIN32_KMT", 0x8: "FABRIC"}
+#: cuMemcpyBatchAsync's ABI lmshm calls: CUDA 12.8's, with ``failIdx`` (CUDA 13.0 drivers still
+#: serve it by version; its own ``_v2`` dropped that argument).
+_BATCH_ABI_VERSION = 12080
+_NO_FAIL = (1 << 64) - 1       # what failIdx holds when no single copy is to blame
 
 
 class CudaDriverError(RuntimeError):
@@ -428,6 +434,99 @@ class CudaDriver:
         with self.bound(ordinal):
             self._call("cuStreamWaitValue64", self.b.CUstream(stream), ptr, value, 0,
                        subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
+
+    # ---- copies (``lmshm.core.cuda_sync``: a request's copies between the pool and a KV cache) ---
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int, ordinal: int) -> None:
+        """Queue one copy of ``nbytes`` on ``stream`` (``cuMemcpyAsync``: unified addressing
+        tells host from device memory)."""
+        with self.bound(ordinal):
+            self._call("cuMemcpyAsync", dst, src, nbytes, self.b.CUstream(stream),
+                       subject=f"dst={hexptr(dst)}, src={hexptr(src)}, {nbytes} bytes, stream=0x{stream:x}")
+
+    def memcpy_async_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int, ordinal: int) -> None:
+        """Queue ``len(sizes)`` copies on ``stream``, one ``cuMemcpyAsync`` each (drivers older
+        than 12.8, or ``--cuda-copy-batch off``); the context is bound once for all of them."""
+        call, cu = self.b.cuMemcpyAsync, self.b.CUstream(stream)
+        with self.bound(ordinal):
+            for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+                check("cuMemcpyAsync", call(d, s, n, cu),
+                      f"dst={hexptr(d)}, src={hexptr(s)}, {n} bytes, stream=0x{stream:x}", self._describe)
+        self.calls["cuMemcpyAsync"] += len(sizes)
+
+    def has_memcpy_batch(self, ordinal: int) -> bool:
+        """True if the driver has ``cuMemcpyBatchAsync`` (CUDA 12.8+)."""
+        try:
+            return self._batch_entry(ordinal) is not None
+        except CudaDriverError:
+            return False
+
+    def _batch_entry(self, ordinal: int) -> Any:
+        """``cuMemcpyBatchAsync``'s CUDA 12.8 entry point as a ctypes function, or None where the
+        driver is older. Looked up once (``cuGetProcAddress`` for version 12080)."""
+        entry = self.__dict__.get("_batch_fn", False)
+        if entry is not False:
+            return entry
+        with self._lock:
+            entry = self.__dict__.get("_batch_fn", False)
+            if entry is not False:
+                return entry
+            entry = None
+            with self.bound(ordinal):
+                try:
+                    pfn, status = self._call("cuGetProcAddress", b"cuMemcpyBatchAsync", _BATCH_ABI_VERSION, 0)
+                except (CudaDriverError, TypeError, ValueError) as exc:   # older than 12.8: INVALID_VALUE;
+                    logger.info("lmshm: cuMemcpyBatchAsync is not available (%s); CUDA copies go one by one", exc)
+                    pfn, status = 0, None                # (cuda-python < 12.6 returns no status: Type/ValueError)
+            if pfn and int(status) == 0:         # CU_GET_PROC_ADDRESS_SUCCESS
+                sz, vp = ctypes.c_size_t, ctypes.c_void_p
+                # CUDA 12.8 cuda.h: CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs,
+                #   size_t *sizes, size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs,
+                #   size_t numAttrs, size_t *failIdx, CUstream hStream)
+                entry = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)(int(pfn))
+                attrs = self.b.CUmemcpyAttributes()
+                attrs.srcAccessOrder = self.b.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+                self._batch_attrs = attrs           # kept: the entry reads it through its pointer
+            self.__dict__["_batch_fn"] = entry
+        return entry
+
+    def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, stream: int, ordinal: int) -> None:
+        """Queue ``len(sizes)`` copies on ``stream`` in one ``cuMemcpyBatchAsync`` call.
+
+        ``dsts``, ``srcs``, ``sizes``: C-contiguous ``uint64`` numpy arrays of one length (> 0).
+        One attribute set for all copies: sources read in stream order
+        (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: a STORE reads blocks the worker's GPU work
+        wrote before the stream's wait), no location hints, no flags.
+
+        Called through the raw entry point, not cuda-bindings' wrapper: in cuda-bindings 13.0.3
+        (``driver.pyx``) the wrapper is ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs,
+        attrsIdxs, numAttrs, hStream)``, with ``dsts``/``srcs`` lists of ``CUdeviceptr``
+        objects and no ``failIdx`` (CUDA 13 dropped it; the 12.x bindings return it), so a
+        request's 512 pieces cost ~150 us of Python object building (docs/benchmarks.md)
+        before the driver sees them. The same wrapper frees its copies of the arrays as soon as
+        the call returns: the driver has read the descriptors by then, so ours need not outlive
+        the call either. The stream must not be the legacy NULL stream (the driver refuses it)."""
+        n = len(sizes)
+        if not (len(dsts) == len(srcs) == n) or n == 0:
+            raise ValueError(f"a batch of copies needs equal, non-empty arrays: {len(dsts)} destinations, "
+                             f"{len(srcs)} sources, {n} sizes")
+        if not stream:
+            raise ValueError("cuMemcpyBatchAsync refuses the legacy NULL stream: copies go on a session stream")
+        entry = self._batch_entry(ordinal)
+        if entry is None:
+            raise CudaDriverError("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED",
+                                  f"device=cuda:{ordinal}", "the driver is older than CUDA 12.8")
+        arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes)]
+        zero = ctypes.c_size_t(0)
+        fail = ctypes.c_size_t(_NO_FAIL)
+        with self.bound(ordinal):
+            rc = entry(*(a.ctypes.data for a in arrays), n, int(self._batch_attrs.getPtr()),
+                       ctypes.addressof(zero), 1, ctypes.addressof(fail), stream)
+        if rc != 0:
+            at = fail.value
+            piece = (f"copy {at} of {n}: dst={hexptr(int(arrays[0][at]))}, src={hexptr(int(arrays[1][at]))}, "
+                     f"{int(arrays[2][at])} bytes" if at < n else f"{n} copies")
+            check("cuMemcpyBatchAsync", (self.b.CUresult(rc),), f"{piece}, stream=0x{stream:x}", self._describe)
+        self.calls["cuMemcpyBatchAsync"] += 1
 
     def synchronize(self, ordinal: int) -> None:
         """cuCtxSynchronize on ``ordinal``'s context: every stream of this process is idle after."""

@@ -245,6 +245,9 @@ def test_every_message_encodes_to_the_same_bytes_as_protocol_3_3():
             assert raw["pool"].pop("tiers") == []
             for added in ("cuda_pinned_bytes", "cuda_quarantined", "cuda_events_dropped", "late"):   # 3.6
                 assert raw["pool"].pop(added) == 0
+            # issue 42 (no minor: pool is a map both sides read leniently): how CUDA copies are queued
+            assert (raw["pool"].pop("cuda_copy_path"), raw["pool"].pop("cuda_copy_calls"),
+                    raw["pool"].pop("cuda_copy_pieces")) == ("", 0, 0)
             data = msgspec.msgpack.encode(raw)
         assert data.hex() == WIRE_3_3[type(m).__name__], type(m).__name__
     # 3.4 added STATUS's optional fields and STATUS_PAGE_REPLY; every 3.3 message keeps its bytes,

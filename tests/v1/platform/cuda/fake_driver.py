@@ -6,6 +6,12 @@ tensors, so that the *logic around* the driver -- refcounts, unwinding, selectio
 wording -- can be tested without a GPU. It proves nothing about CUDA itself: every behaviour
 tested with it is also covered by a GPU test (test_cuda_gpu.py).
 
+Copies (``memcpy_async``, ``memcpy_batch_async``) run at once with ``memmove`` between the
+*host* addresses the tests' tensors have (the fake's device memory is host tensors), after the
+checks the real calls make: equal non-empty arrays, a stream that is live and not the NULL
+stream, no copy whose memory is page-locked only in part (``host_registered``), no two copies
+of one batch that overlap (their order within a batch is undefined).
+
 Simulated: cudaMalloc-style allocations with legacy IPC handles; VMM chunks (cuMemCreate)
 mapped into reserved ranges, exported as real memfd file descriptors or fabric bytes;
 one mapping per (process, allocation) for IPC opens; allocation handle values recycled once
@@ -17,6 +23,7 @@ held unfinished (``hold_stream``), events on them, and the 64-bit stream memory 
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import Counter
@@ -94,6 +101,11 @@ class FakeCudaDriver:
         self._next_event = 0x9000
         self.events: dict[int, int | None] = {}     # event -> stream it waits on (None: done)
         self.waits: list[dict] = []                 # cuStreamWaitValue64 calls, in order
+        self.batch_supported = True                 # cuMemcpyBatchAsync exists (a 12.8+ driver)
+        self.batches: list[dict] = []               # memcpy_batch_async's arguments, in order
+        self.copies: list[tuple[int, int, int]] = []   # memcpy_async's (dst, src, bytes), in order
+        self.host_registered: list[tuple[int, int]] = []   # (ptr, bytes) page-locked host ranges
+        self.copy_bytes = True                      # False: record the arguments only, copy nothing
 
     # ---- test controls ---------------------------------------------------------------------
     def fail_next(self, call: str, error: str = "CUDA_ERROR_INVALID_VALUE") -> None:
@@ -436,3 +448,58 @@ class FakeCudaDriver:
                 self._fail.setdefault("cuEventDestroy", "CUDA_ERROR_INVALID_HANDLE")
             self._enter("cuEventDestroy", f"event=0x{event:x}")
             del self.events[event]
+
+    # ---- copies ---------------------------------------------------------------------------------
+    def _check_copy(self, call: str, dst: int, src: int, n: int, stream: int) -> None:
+        if not stream or stream not in self.streams:
+            raise CudaDriverError(call, "CUDA_ERROR_INVALID_HANDLE" if stream else "CUDA_ERROR_INVALID_VALUE",
+                                  f"stream=0x{stream:x}")
+        for ptr in (dst, src):
+            for base, size in self.host_registered:
+                inside = base <= ptr and ptr + n <= base + size
+                if not inside and ptr < base + size and base < ptr + n:
+                    raise CudaDriverError(call, "CUDA_ERROR_INVALID_VALUE",
+                                          f"{hexptr(ptr)}+{n} is page-locked only in part "
+                                          f"(registered {hexptr(base)}+{size})")
+
+    def has_memcpy_batch(self, ordinal: int) -> bool:
+        return self.batch_supported
+
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int, ordinal: int) -> None:
+        with self._lock:
+            self._check_copy("cuMemcpyAsync", dst, src, nbytes, stream)
+            self._enter("cuMemcpyAsync", f"dst={hexptr(dst)}, src={hexptr(src)}")
+            self.copies.append((dst, src, nbytes))
+            if self.copy_bytes:
+                ctypes.memmove(dst, src, nbytes)
+
+    def memcpy_async_each(self, dsts: Any, srcs: Any, sizes: Any, stream: int, ordinal: int) -> None:
+        for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
+            self.memcpy_async(d, s, n, stream, ordinal)
+
+    def memcpy_batch_async(self, dsts: Any, srcs: Any, sizes: Any, stream: int, ordinal: int) -> None:
+        """FAKE of ``CudaDriver.memcpy_batch_async``: records its arguments (copies of them), checks
+        what cuMemcpyBatchAsync requires, then copies."""
+        with self._lock:
+            if not self.batch_supported:
+                raise CudaDriverError("cuMemcpyBatchAsync", "CUDA_ERROR_NOT_SUPPORTED", f"device=cuda:{ordinal}")
+            for a in (dsts, srcs, sizes):
+                assert isinstance(a, np.ndarray) and a.dtype == np.uint64 and a.ndim == 1, \
+                    "the batch's arrays are 1-D uint64 numpy arrays"
+            if not (len(dsts) == len(srcs) == len(sizes)) or len(sizes) == 0:
+                raise CudaDriverError("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE",
+                                      f"{len(dsts)} dsts, {len(srcs)} srcs, {len(sizes)} sizes")
+            d, s_, n = (a.astype(np.int64) for a in (dsts, srcs, sizes))
+            if (n <= 0).any():
+                raise CudaDriverError("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE", "a copy of 0 bytes")
+            order = np.argsort(d)
+            if (d[order][1:] < (d + n)[order][:-1]).any():
+                raise CudaDriverError("cuMemcpyBatchAsync", "CUDA_ERROR_INVALID_VALUE",
+                                      "two copies of one batch write the same bytes (their order is undefined)")
+            for i in range(len(n)):
+                self._check_copy("cuMemcpyBatchAsync", int(d[i]), int(s_[i]), int(n[i]), stream)
+            self._enter("cuMemcpyBatchAsync", f"{len(n)} copies")
+            self.batches.append(dict(dsts=d.copy(), srcs=s_.copy(), sizes=n.copy(), stream=stream, ordinal=ordinal))
+            if self.copy_bytes:
+                for i in range(len(n)):
+                    ctypes.memmove(int(d[i]), int(s_[i]), int(n[i]))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from lmshm.core.cuda_sync import CudaSyncError
+from lmshm.core.cuda_sync import PIN_EXTENT, CudaSyncError, extents, submit_copies
+from lmshm.platform.cuda.driver import get_driver
 
 
 class FakeEvent:
@@ -26,8 +27,15 @@ class FakeEvent:
 
 
 class FakeCudaSync:
-    def __init__(self, read_word: Optional[Callable[[int], int]] = None) -> None:
+    def __init__(self, read_word: Optional[Callable[[int], int]] = None, *, pin_extent: int = PIN_EXTENT,
+                 copy_batch: bool = True) -> None:
         self.log: list[str] = []
+        self.pin_extent = pin_extent
+        self.copy_batch = copy_batch
+        self._paths: dict[int, str] = {}
+        self._streams: dict[Any, int] = {}      # the fake driver's stream for each of ours
+        self._pinned: set[int] = set()
+        self.copy_calls = self.copy_pieces = 0
         self._events = 0
         self.on_synchronize: Optional[Callable[[], None]] = None
         self.hold_events = False            # new events stay incomplete until complete_all()
@@ -70,10 +78,6 @@ class FakeCudaSync:
         self.rescued.append((ptr, seq))
         self.log.append(f"rescue:{seq}")
 
-    def copy(self, dst: Any, src: Any, stream: Any) -> None:
-        dst.copy_(src)
-        self.log.append("copy")
-
     def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
         self._events += 1
         self.log.append(f"record:{self._events}")
@@ -99,5 +103,27 @@ class FakeCudaSync:
         return event.complete
 
     def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:
+        """Registers the extents touched with the fake driver (``host_registered``), as
+        ``TorchCudaSync.pin`` page-locks them."""
         self.pins.append((offset, nbytes))
         self.log.append("pin")
+        drv, size = get_driver(), pool.numel()
+        for i in extents(offset, nbytes if nbytes >= 0 else size, size, self.pin_extent):
+            if i not in self._pinned and hasattr(drv, "host_registered"):
+                self._pinned.add(i)
+                drv.host_registered.append((pool.data_ptr() + i * self.pin_extent,
+                                            min(self.pin_extent, size - i * self.pin_extent)))
+
+    def submit(self, plan: Any, stream: Any, device: int) -> None:
+        """The real ``submit_copies`` against the installed (fake) driver, on a fake-driver
+        stream of its own per stream of this fake's; logs one "copy" per driver call."""
+        drv = get_driver()
+        handle = self._streams.get(stream)
+        if handle is None:
+            handle = self._streams[stream] = drv.stream_create(device)
+        path = self._paths.setdefault(device, "batch" if self.copy_batch and drv.has_memcpy_batch(device)
+                                      else "per-piece")
+        calls = submit_copies(drv, plan, handle, device, path == "batch")
+        self.copy_calls += calls
+        self.copy_pieces += len(plan)
+        self.log.extend(["copy"] * calls)

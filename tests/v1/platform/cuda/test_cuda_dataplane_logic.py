@@ -66,9 +66,12 @@ def test_a_store_waits_for_the_worker_replies_then_commits_after_the_gpu_is_done
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == bytes([1]) * 64
-    # the worker's event first; then the copies (2 layers x 1 run); the server's event; the reply;
-    # and only then the wait for that event, after which the chunk becomes visible
-    assert g.sync.log == ["stream:0", "wait:W", "pin", "copy", "copy", "record:1", "sync:event1"]
+    # the pool's extent pinned before the stream waits on the worker's event; then the copies
+    # (2 layers x 1 run) in one driver call; the server's event; the reply; and only then the
+    # wait for that event, after which the chunk becomes visible
+    assert g.sync.log == ["stream:0", "pin", "wait:W", "copy", "record:1", "sync:event1"]
+    (batch,) = g.fake.batches
+    assert batch["sizes"].tolist() == [2 * BLOCK_BYTES] * 2 and g.sync.copy_calls == 1
     assert seen_at_sync == [(1, 0)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 1
 
@@ -86,7 +89,7 @@ def test_a_retrieve_writes_the_blocks_and_unpins_only_after_the_gpu_read_them(gp
     assert isinstance(reply, protocol.RetrieveReply) and reply.chunks == 1 and reply.event == bytes([2]) * 64
     # the worker's event is waited on from the host first: no copy into its blocks is queued
     # that could run after it stopped waiting
-    assert g.sync.log == ["stream:0", "host-wait:X", "wait:X", "pin", "copy", "copy", "record:2", "sync:event2"]
+    assert g.sync.log == ["stream:0", "pin", "host-wait:X", "wait:X", "copy", "record:2", "sync:event2"]
     assert pinned_at_sync == [1] and g.dp.pool.info()["pinned"] == 0 and g.dp.pool.info()["leases"] == 0
     for layer in range(2):
         assert block(g.fake, g.base, layer, 5) == block(g.fake, g.base, layer, 1)
@@ -127,8 +130,10 @@ def _strides(shape, order):
     return tuple(strides)
 
 
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-piece"])
 @pytest.mark.parametrize("layout", ["head-major", "block-outermost"])
-def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_bytes(fake_driver, as_consumer, layout):
+def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_bytes(fake_driver, as_consumer, layout,
+                                                                                    batch):
     shape5 = (L, B, H, N, C)
     nbytes = L * B * H * N * C * 2
     base = fake_driver.malloc(nbytes)
@@ -143,7 +148,7 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
         groups, block_dim = lambda w: [LayerGroup(w, ["kv"], [0])], 1
     as_consumer()
     wire = DeviceIPCWrapper.Deserialize(leader.Serialize())
-    registry, peer, sync = Registry(), local_peer("s1"), FakeCudaSync()
+    registry, peer, sync = Registry(), local_peer("s1"), FakeCudaSync(copy_batch=batch)
     registry.register(peer=peer, instance_id="gpu", model_name="m", world_size=1, worker_rank=0,
                       groups=groups(wire), block_dim=block_dim)
     replies: list = []
@@ -161,11 +166,15 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
         assert isinstance(replies[-1], protocol.StoreReply), replies[-1]
         # head-major: per layer, per head, blocks 2-4 are one piece and block 6 another: 2*2*2;
         # block-outermost: a block is one run, so blocks 2-4 are one piece, block 6 another
-        assert sync.log.count("copy") == (8 if layout == "head-major" else 2)
+        pieces = 8 if layout == "head-major" else 2
+        assert sync.log.count("copy") == (1 if batch else pieces) and sync.copy_pieces == pieces
+        assert len(fake_driver.batches[-1]["sizes"] if batch else fake_driver.copies) == pieces
         sync.log.clear()
         run(dp, session, protocol.Retrieve("gpu", [b"k0"], [7, 0, 1, 5], 4))
         assert isinstance(replies[-1], protocol.RetrieveReply), replies[-1]
-        assert sync.log.count("copy") == (12 if layout == "head-major" else 3)
+        pieces = 12 if layout == "head-major" else 3
+        assert sync.log.count("copy") == (1 if batch else pieces) and len(fake_driver.batches) == (2 if batch else 0)
+        assert dp.info().cuda_copy_path == ("batch" if batch else "per-piece")
         after = cache()
         for src, dst in zip([2, 3, 4, 6], [7, 0, 1, 5]):
             assert torch.equal(after[:, dst].view(torch.int16), before[:, src].view(torch.int16)), (src, dst)
@@ -232,7 +241,7 @@ def test_isolated_store_waits_on_the_workers_word_and_replies_only_after_the_cop
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == b""   # no IPC event to open
-    assert g.sync.log == ["stream:0", "wait-flag:41", "pin", "copy", "copy", "record:1", "sync:event1"]
+    assert g.sync.log == ["stream:0", "pin", "wait-flag:41", "copy", "record:1", "sync:event1"]
     assert seen == [(0, 0)]                      # the wait came before the reply and the commit
     assert g.sync.flag_waits == [(g.page.data_ptr() + 8 * 5, 41)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 0
@@ -486,7 +495,7 @@ def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gp
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "CUDA event was not signalled" in reply.message
-    assert g.sync.log == ["stream:0", "host-wait:X"] and g.dp.pool.info()["pinned"] == 0
+    assert g.sync.log == ["stream:0", "pin", "host-wait:X"] and g.dp.pool.info()["pinned"] == 0
 
 
 def test_an_isolated_store_done_after_its_sender_stopped_waiting_is_not_committed(isolated):
