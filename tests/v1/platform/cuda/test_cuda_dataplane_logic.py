@@ -526,3 +526,45 @@ def test_host_waits_poll_until_ready_or_the_deadline_and_sleep_between_polls():
     t0 = time.monotonic()
     assert cuda_sync.poll_until(lambda: False, t0 + 0.05) is False
     assert 0.05 <= time.monotonic() - t0 < 1
+
+
+# ---- issue 42: copies cut at pin extents, one driver call per request --------------------------
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-piece"])
+def test_objects_straddling_pin_extents_store_and_retrieve_with_copies_cut_at_the_edges(gpu_registration, batch):
+    """The driver refuses a copy whose host memory is page-locked only in part (the fake checks
+    it as the real one does); objects of 3 blocks (3,072 bytes) in 4 KiB extents straddle them."""
+    g = gpu_registration
+    g.sync.pin_extent, g.sync.copy_batch = 4096, batch
+    ids = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    before = {(layer, b): block(g.fake, g.base, layer, b) for layer in range(2) for b in range(BLOCKS)}
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0", b"k1", b"k2", b"k3"], ids, 3, event=b"W" * 64))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.StoreReply), reply
+    pool = g.dp.pool.tensor.data_ptr()
+    assert len(g.fake.host_registered) >= 3          # the objects reach into 3 extents at least
+    # 4 chunks of 3 consecutive blocks: one piece per layer each (8) uncut; objects that straddle
+    # an edge give one more piece per layer
+    assert g.sync.copy_pieces > 8
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k1", b"k2"]], "s1", 30)
+    assert hits == 2
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k1", b"k2"], [7, 6, 5, 4, 3, 2], 3, lease,
+                                           event=b"X" * 64))
+    assert isinstance(g.replies[-1], protocol.RetrieveReply), g.replies[-1]
+    for layer in range(2):
+        for src, dst in zip([3, 4, 5, 6, 7, 0], [7, 6, 5, 4, 3, 2]):
+            assert block(g.fake, g.base, layer, dst) == before[(layer, src)], (layer, src, dst)
+    assert g.fake.calls["cuMemcpyBatchAsync" if batch else "cuMemcpyAsync"] == (2 if batch else g.sync.copy_pieces)
+    for base, size in g.fake.host_registered:        # every pool-side range lay inside one extent
+        assert size == 4096 or base + size == pool + g.dp.pool.capacity
+
+
+def test_a_copy_across_an_extent_edge_is_what_the_driver_refuses(gpu_registration, monkeypatch):
+    """Without the cut, the same STORE reaches the (fake) driver with a copy across an edge, and
+    fails as on a GPU ("invalid argument"): what the test above guards against."""
+    g = gpu_registration
+    g.sync.pin_extent = 4096
+    monkeypatch.setattr(g.dp, "cuda_pin", "off")     # the plan is then not cut (nothing would be pinned)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0", b"k1"], [0, 1, 2, 3, 4, 5], 3))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS
+    assert "page-locked only in part" in reply.message
