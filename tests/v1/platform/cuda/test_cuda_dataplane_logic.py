@@ -568,3 +568,17 @@ def test_a_copy_across_an_extent_edge_is_what_the_driver_refuses(gpu_registratio
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS
     assert "page-locked only in part" in reply.message
+
+
+def test_the_copy_settings_are_in_help_environment_and_reach_the_data_plane():
+    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+
+    text = build_arg_parser().format_help()
+    assert "--cuda-pin-extent" in text and "--cuda-copy-batch" in text
+    none = build_arg_parser().parse_args([])
+    c = resolve_config(none, {"LMSHM_CUDA_BATCH": "0", "LMSHM_CUDA_PIN_EXTENT": "64MiB"})
+    assert (c.cuda_copy_batch, c.cuda_pin_extent) == (False, 64 << 20)
+    assert resolve_config(none, {}).cuda_copy_batch and resolve_config(none, {}).cuda_pin_extent == 256 << 20
+    with pytest.raises(Exception, match="cuda-pin-extent.*multiple of 4 KiB"):
+        DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
+                  max_leases_per_session=8, reply=lambda *a: None, cuda_pin_extent=5000)

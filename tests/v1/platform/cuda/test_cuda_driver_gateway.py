@@ -394,3 +394,136 @@ def test_stream_memory_operations_pass_typed_streams_and_the_geq_and_default_fla
     assert gateway.can_use_64bit_stream_mem_ops(0) is True
     gateway.stream_destroy(s, 0)
     assert b.log[-1] == ("stream-destroy", ("stream", 0x5100))
+
+
+# ---- issue 42: a request's copies in one cuMemcpyBatchAsync -----------------------------------
+import ctypes  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+class BatchBindings(ContextBindings):
+    """FAKE cuda-python for the copy calls: ``cuGetProcAddress`` hands out a ctypes callback
+    with cuMemcpyBatchAsync's CUDA 12.8 signature that reads back and records what it was given
+    (through the raw pointers, as the driver would); ``cuMemcpyAsync`` records its arguments."""
+
+    class CUresult(enum.IntEnum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    class CUmemcpySrcAccessOrder(enum.IntEnum):
+        CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1     # cuda-bindings 13.0.3: INVALID 0, STREAM 1
+
+    class CUmemcpyAttributes:
+        """Its first field, srcAccessOrder, in a 24-byte struct (sizeof(CUmemcpyAttributes))."""
+
+        def __init__(self):
+            self._raw = (ctypes.c_uint32 * 6)()
+
+        @property
+        def srcAccessOrder(self):  # noqa: N802
+            return self._raw[0]
+
+        @srcAccessOrder.setter
+        def srcAccessOrder(self, v):  # noqa: N802
+            self._raw[0] = int(v)
+
+        def getPtr(self):  # noqa: N802
+            return ctypes.addressof(self._raw)
+
+    def __init__(self, entry=True, fail_at=None):
+        super().__init__()
+        self.entry, self.fail_at, self.batches, self.copies = entry, fail_at, [], []
+        sz, vp = ctypes.c_size_t, ctypes.c_void_p
+        self._fn = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)(self._batch)
+
+    def _batch(self, dsts, srcs, sizes, count, attrs, idxs, nattrs, fail, stream):
+        read = lambda p, n: list((ctypes.c_uint64 * n).from_address(p))   # noqa: E731
+        self.batches.append(dict(dsts=read(dsts, count), srcs=read(srcs, count), sizes=read(sizes, count),
+                                 count=count, order=ctypes.c_uint32.from_address(attrs).value,
+                                 idxs=read(idxs, nattrs), nattrs=nattrs, stream=stream, ctx=self._cur()))
+        if self.fail_at is not None:
+            ctypes.c_size_t.from_address(fail).value = self.fail_at
+            return 1
+        return 0
+
+    def CUstream(self, s):  # noqa: N802
+        return ("stream", s)
+
+    def cuGetProcAddress(self, symbol, version, flags):  # noqa: N802
+        self.log.append(("proc", symbol, version))
+        if not self.entry:                              # a driver older than 12.8
+            return (self.CUresult.CUDA_ERROR_INVALID_VALUE, None, None)
+        return (self.ok, ctypes.cast(self._fn, ctypes.c_void_p).value, 0)
+
+    def cuMemcpyAsync(self, dst, src, n, stream):  # noqa: N802
+        self.copies.append((dst, src, n, stream, self._cur()))
+        return (self.ok,)
+
+    def cuGetErrorString(self, code):  # noqa: N802
+        return (self.ok, b"invalid argument")
+
+
+def _arrays(n):
+    u = np.uint64
+    return (np.arange(n, dtype=u) * 4096 + 0x7000_0000, np.arange(n, dtype=u) * 8192 + 0x10_0000, np.full(n, 4096, u))
+
+
+def test_a_batch_goes_to_the_driver_in_one_call_with_the_12_8_signature_and_stream_order():
+    b = BatchBindings()
+    gateway = driver.CudaDriver(b)
+    d, s, n = _arrays(5)
+    assert gateway.has_memcpy_batch(0)
+    gateway.memcpy_batch_async(d, s, n, 0x5100, 0)
+    (call,) = b.batches
+    assert call["dsts"] == d.tolist() and call["srcs"] == s.tolist() and call["sizes"] == n.tolist()
+    assert call["count"] == 5 and call["nattrs"] == 1 and call["idxs"] == [0]     # one attribute set, from copy 0
+    assert call["order"] == 1                        # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    assert call["stream"] == 0x5100 and call["ctx"] == 100   # on the device's primary context
+    assert ("proc", b"cuMemcpyBatchAsync", 12080) in b.log
+    assert gateway.calls["cuMemcpyBatchAsync"] == 1
+
+
+def test_a_batch_the_driver_refuses_names_the_copy_it_blames():
+    gateway = driver.CudaDriver(BatchBindings(fail_at=3))
+    d, s, n = _arrays(5)
+    with pytest.raises(CudaDriverError, match=r"cuMemcpyBatchAsync failed \(CUDA_ERROR_INVALID_VALUE: invalid "
+                                              r"argument, copy 3 of 5: dst=0x70003000, src=0x106000, 4096 bytes"):
+        gateway.memcpy_batch_async(d, s, n, 0x5100, 0)
+    assert gateway.calls["cuMemcpyBatchAsync"] == 0
+
+
+def test_a_batch_refuses_the_null_stream_and_arrays_of_different_lengths_before_the_driver():
+    b = BatchBindings()
+    gateway = driver.CudaDriver(b)
+    d, s, n = _arrays(4)
+    with pytest.raises(ValueError, match="legacy NULL stream"):
+        gateway.memcpy_batch_async(d, s, n, 0, 0)
+    with pytest.raises(ValueError, match="3 sources, 4 sizes"):
+        gateway.memcpy_batch_async(d, s[:3], n, 0x5100, 0)
+    with pytest.raises(ValueError, match="non-empty"):
+        gateway.memcpy_batch_async(d[:0], s[:0], n[:0], 0x5100, 0)
+    assert b.batches == []
+
+
+def test_a_driver_older_than_12_8_has_no_batch_and_copies_piece_by_piece_in_one_binding():
+    b = BatchBindings(entry=False)
+    gateway = driver.CudaDriver(b)
+    assert not gateway.has_memcpy_batch(0)
+    with pytest.raises(CudaDriverError, match="older than CUDA 12.8"):
+        gateway.memcpy_batch_async(*_arrays(2), 0x5100, 0)
+    d, s, n = _arrays(3)
+    gateway.memcpy_async_each(d, s, n, 0x5100, 0)
+    assert b.copies == [(int(d[i]), int(s[i]), 4096, ("stream", 0x5100), 100) for i in range(3)]
+    assert gateway.calls["cuMemcpyAsync"] == 3
+
+
+def test_the_copy_path_follows_the_driver_and_the_setting(fake_driver):
+    from lmshm.core import cuda_sync
+
+    assert cuda_sync.TorchCudaSync("lazy").copy_path(0) == "batch"
+    assert cuda_sync.TorchCudaSync("lazy", copy_batch=False).copy_path(0) == "per-piece"
+    fake_driver.batch_supported = False
+    assert cuda_sync.TorchCudaSync("lazy").copy_path(0) == "per-piece"
+    with pytest.raises(ValueError, match="multiple of 4 KiB"):
+        cuda_sync.TorchCudaSync("lazy", pin_extent=1000)
