@@ -88,8 +88,12 @@ _KEYS = {
     "lmshm.timeout_s": float, "lmshm.lookup_timeout_s": float, "lmshm.retry_s": float,
     "lmshm.shutdown_timeout_s": float, "lmshm.load_failure_policy": str, "lmshm.test_corrupt_loads": bool,
     "lmshm.test_fail_loads": bool, "lmshm.test_fail_loads_rank": int,
-    "lmshm.kv_events": bool, "lmshm.kv_events_pod": str,
+    "lmshm.kv_events": bool, "lmshm.kv_events_pod": str, "lmshm.kv_layout": str,
 }
+
+#: Layouts ``lmshm.kv_layout`` may ask vLLM for: block-outermost ones, where one block of every
+#: layer is one byte run, so a CUDA STORE or RETRIEVE copies one piece a block, not one a layer.
+_ASKABLE_LAYOUTS = ("BLHNC", "BLNHC")
 
 #: ``prefix_caching_hash_algo`` values whose block hashes agree across processes and resist
 #: collisions (vllm/v1/core/kv_cache_utils.py: the non-cryptographic xxhash algorithms get a
@@ -119,6 +123,10 @@ def _settings(extra: Optional[dict]) -> dict[str, Any]:
             out[key] = kind(value)
         except (TypeError, ValueError):
             raise ValueError(f"kv_connector_extra_config {key!r}: expected {kind.__name__}, got {value!r}") from None
+    layout = out.get("lmshm.kv_layout", "")
+    if layout and layout not in _ASKABLE_LAYOUTS:
+        raise ValueError(f"lmshm.kv_layout must be one of {', '.join(_ASKABLE_LAYOUTS)} (or empty: the engine's "
+                         f"choice), got {layout!r}")
     policy = out.get("lmshm.load_failure_policy", "recompute")
     if policy not in ("recompute", "fail"):
         raise ValueError(f"lmshm.load_failure_policy must be 'recompute' or 'fail', got {policy!r}")
@@ -383,6 +391,32 @@ def _check_block_hashes(vllm_config: "VllmConfig") -> None:
                          "(--prefix-caching-hash-algo sha256, the default)")
 
 
+def required_kv_layout(vllm_config: Any) -> str:
+    """What ``LmshmConnector.get_required_kvcache_layout`` answers ("" for None)."""
+    ktc = getattr(vllm_config, "kv_transfer_config", None)
+    wanted = _settings(getattr(ktc, "kv_connector_extra_config", None)).get("lmshm.kv_layout", "")
+    if not wanted:
+        return ""
+    device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "") or "")
+    if device and device != "cuda":
+        logger.warning("lmshm: lmshm.kv_layout=%s ignored: the %s attention backend takes only its own layout",
+                       wanted, device)
+        return ""
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    if backend is not None:
+        try:
+            supported = backend.get_class().supported_kv_cache_layouts()
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot say: do not ask
+            logger.warning("lmshm: lmshm.kv_layout=%s ignored: attention backend %s does not say which layouts "
+                           "it takes (%s)", wanted, getattr(backend, "name", backend), exc)
+            return ""
+        if supported is not None and wanted not in [getattr(x, "name", str(x)) for x in supported]:
+            logger.warning("lmshm: lmshm.kv_layout=%s ignored: attention backend %s takes only %s", wanted,
+                           getattr(backend, "name", backend), ", ".join(getattr(x, "name", str(x)) for x in supported))
+            return ""
+    return wanted
+
+
 class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
     if _HOST is not None:
         _cache_hit_source = _HOST   # vLLM's cache-hit source: lmshm-server's pool is host memory
@@ -548,6 +582,17 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
             data = self._worker.stats.take()
         stats = LmshmConnectorStats(data=data)
         return None if stats.is_empty() else stats
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """The layout ``lmshm.kv_layout`` asks for (off by default: the engine's choice), or None
+        where the attention backend refuses it: on the CPU (its backend takes only LBHNC), and
+        where an explicitly chosen backend does not list it (``supported_kv_cache_layouts``).
+        With the backend left to vLLM, vLLM drops a preference its backends refuse, and says so."""
+        wanted = required_kv_layout(vllm_config)
+        if wanted:
+            logger.info("lmshm: asking vLLM for the %s KV cache layout (lmshm.kv_layout)", wanted)
+        return wanted or None
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[LmshmConnectorStats]:

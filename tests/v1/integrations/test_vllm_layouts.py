@@ -176,3 +176,36 @@ def test_sliding_window_groups_are_served_and_mamba_groups_refused_at_start(tmp)
     result = json.loads(out.read_text())
     assert result["hybrid"] == [[128, 0], [["w.0", "w.1"], ["f.0"]]]
     assert "KV cache group 1 (MambaSpec" in result["mamba"] and "Mamba/SSM" in result["mamba"], result
+
+
+ASK = r'''
+from types import SimpleNamespace as NS
+from vllm.v1.attention.backends.registry import AttentionBackendEnum as E
+from lmshm.integrations.vllm import LmshmConnector
+
+def ask(extra, device="cuda", backend=None):
+    return LmshmConnector.get_required_kvcache_layout(NS(
+        kv_transfer_config=NS(kv_connector_extra_config=extra), device_config=NS(device_type=device),
+        attention_config=NS(backend=backend)))
+
+assert ask({}) is None                                                  # off by default: the engine's choice
+assert ask({"lmshm.kv_layout": "BLHNC"}) == "BLHNC"                     # backend left to vLLM
+assert ask({"lmshm.kv_layout": "BLNHC"}, backend=E.FLASH_ATTN) == "BLNHC"   # takes any layout
+assert ask({"lmshm.kv_layout": "BLHNC"}, device="cpu") is None          # the CPU backend: LBHNC only
+assert ask({"lmshm.kv_layout": "BLHNC"}, backend=E.CPU_ATTN) is None
+try:
+    ask({"lmshm.kv_layout": "LHBNC"})
+    raise SystemExit("LHBNC was not refused")
+except ValueError as exc:
+    assert "BLHNC, BLNHC" in str(exc), exc
+print("ok")
+'''
+
+
+def test_the_connector_asks_for_a_block_outermost_layout_only_when_told_and_never_one_the_backend_refuses(tmp):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"{VLLM_PYTHON} is missing")
+    root = str(Path(__file__).resolve().parents[3])
+    r = subprocess.run([str(VLLM_PYTHON), "-c", ASK], capture_output=True, text=True, timeout=300,
+                       env={**_env(str(tmp)), "PYTHONPATH": root}, cwd=str(tmp))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-6000:]
