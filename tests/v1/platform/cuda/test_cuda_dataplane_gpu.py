@@ -416,3 +416,45 @@ def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_serve
             log = server.log()
             rc = server.stop()
         assert rc == 0, f"lmshm-server exited {rc}:\n{log[-4000:]}"
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "per-piece"])
+def test_gpu_objects_straddling_small_pin_extents_round_trip(batch):
+    """Issue 42 §2: the driver refuses a copy whose host range is page-locked only in part. With
+    ``--cuda-pin-extent 64KiB`` and chunk objects of 120 KiB (3 layers x 2 blocks x 20 KiB), every
+    object reaches across one or two extent edges; STOREs and RETRIEVEs of shuffled blocks must
+    come back byte for byte, in one cuMemcpyBatchAsync per request (``batched``: needs a CUDA
+    12.8+ driver) or one cuMemcpyAsync per piece (``--no-cuda-copy-batch``)."""
+    from lmshm.multiprocess.client import query_status
+
+    extent = 64 << 10
+    with scratch_dir() as tmp:
+        server = ServerProcess(tmp, "--no-isolated-ipc", "--capacity", "64MiB", "--cuda-pin-extent", "64KiB",
+                               *([] if batch else ["--no-cuda-copy-batch"]))
+        try:
+            a, b = start_workers(server, ("ext-a", {}), ("ext-b", {}))
+            try:
+                for w, iid in ((a, "ext-a"), (b, "ext-b")):
+                    w.call("register", instance_id=iid, layers=3, blocks=64, block_bytes=20 << 10)
+                src = [7, 3, 40, 41, 12, 60, 5, 6, 33, 2, 50, 18]
+                dst = [1, 9, 20, 21, 63, 0, 44, 45, 8, 30, 31, 11]
+                round_trip(server.url, a, b, "ext-a", "ext-b", "ext", src, dst, chunk_blocks=2)
+                pool = query_status(server.url).pool
+                assert pool.cuda_copy_path == ("batch" if batch else "per-piece"), \
+                    f"{pool.cuda_copy_path!r}: a batched run needs a driver with cuMemcpyBatchAsync (CUDA 12.8+)"
+                assert pool.cuda_copy_calls == (2 if batch else pool.cuda_copy_pieces), pool
+                # uncut: per layer, a chunk of 2 blocks is 2 pieces, 1 where both sides are consecutive
+                # (STORE: 40-41 and 5-6; RETRIEVE: 20-21 and 44-45): (10 + 10) x 3 layers = 60; every
+                # 120 KiB object crosses at least one 64 KiB edge, on both ways: 12 pieces more at least
+                assert pool.cuda_copy_pieces >= 60 + 12, pool
+                assert pool.cuda_pinned_bytes % extent == 0 and pool.cuda_pinned_bytes >= 6 * 120 * 1024, pool
+                for w, iid in ((a, "ext-a"), (b, "ext-b")):
+                    w.call("unregister", instance_id=iid)
+            finally:
+                a.close()
+                b.close()
+            assert_clean_log(server)
+        finally:
+            log = server.log()
+            rc = server.stop()
+            assert rc == 0, f"lmshm-server exited {rc}:\n{log[-4000:]}"
