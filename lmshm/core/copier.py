@@ -15,7 +15,9 @@ of consecutive block ids whose runs follow each other in memory (K of blocks 4..
 K/V-first layout) is one contiguous copy on both sides. Every copy -- ``memmove`` (a torch
 ``copy_`` for pieces of 1 MiB or more) through the mapping of memory the server maps safely (a
 sealed memfd), ``preadv``/``pwritev`` through a named-shm file, a CUDA async copy -- is such a
-contiguous piece: no staging buffer, no strided copy.
+contiguous piece: no staging buffer, no strided copy. A CUDA request's pieces are planned for
+all its chunks at once with numpy (``plan_cuda_copies``: a per-layout template broadcast
+against the block ids, cut at the pool's pin extents) and queued in one driver call.
 
 The layout digest (stored with each object) covers names, dtypes, block_dim, each layer's block
 shape, the memory order of its dims and where its runs split, not ``num_blocks``: bytes packed

@@ -361,15 +361,15 @@ class PoolInfo(msgspec.Struct, frozen=True):
     cuda_pinned_bytes: int = 0
     cuda_quarantined: int = 0
     cuda_events_dropped: int = 0
+    # 3.6: STOREs and RETRIEVEs whose copy would have run (or completed) after their sender
+    # stopped waiting (wait_s): refused, or not committed
+    late: int = 0
     # how CUDA copies reach the driver: "batch" (one cuMemcpyBatchAsync per request), "per-piece"
     # (one cuMemcpyAsync per piece), "" before the first CUDA copy; driver calls that queued
     # copies, and the contiguous pieces they copied
     cuda_copy_path: str = ""
     cuda_copy_calls: int = 0
     cuda_copy_pieces: int = 0
-    # 3.6: STOREs and RETRIEVEs whose copy would have run (or completed) after their sender
-    # stopped waiting (wait_s): refused, or not committed
-    late: int = 0
     tiers: list[TierInfo] = []   # 3.5: the tiers below the pool, top first (none without --disk)
 
 
