@@ -247,10 +247,13 @@ class TorchCudaSync:
 
     # ---- copies and completion -------------------------------------------------------------
     def copy_path(self, device: int) -> str:
-        """"batch" where the driver has ``cuMemcpyBatchAsync`` and batching is on, else "per-piece"."""
+        """"batch" where the driver has ``cuMemcpyBatchAsync`` and batching is on, else "per-piece".
+        An unpinned pool (``--cuda-pin off``) goes per piece too: the batch's pageable-memory
+        behaviour is untested, and those copies are staged by the driver anyway."""
         path = self._paths.get(device)
         if path is None:
-            path = "batch" if self.copy_batch and self._drv.has_memcpy_batch(device) else "per-piece"
+            batch = self.copy_batch and self.pin_mode != "off" and self._drv.has_memcpy_batch(device)
+            path = "batch" if batch else "per-piece"
             self._paths[device] = path
             logger.info("lmshm: CUDA copies on cuda:%d go %s", device,
                         "in one cuMemcpyBatchAsync per request" if path == "batch" else "one cuMemcpyAsync per piece")
@@ -259,8 +262,9 @@ class TorchCudaSync:
     def submit(self, plan: Any, stream: Any, device: int) -> None:
         """Queue a request's copies (``copier.CopyPlan``) on ``stream`` (``submit_copies``)."""
         calls = submit_copies(self._drv, plan, int(stream.cuda_stream), device, self.copy_path(device) == "batch")
-        self.copy_calls += calls
-        self.copy_pieces += len(plan)
+        with self._lock:                    # copier threads submit at once
+            self.copy_calls += calls
+            self.copy_pieces += len(plan)
 
     def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
         """An event recorded now on ``stream`` (blocking-sync: a host wait sleeps), and its

@@ -72,6 +72,12 @@ def test_a_store_waits_for_the_worker_replies_then_commits_after_the_gpu_is_done
     assert g.sync.log == ["stream:0", "pin", "wait:W", "copy", "record:1", "sync:event1"]
     (batch,) = g.fake.batches
     assert batch["sizes"].tolist() == [2 * BLOCK_BYTES] * 2 and g.sync.copy_calls == 1
+    from lmshm.cli import format_status_table
+
+    status = SimpleNamespace(registrations=[], server_pid=1, uptime_s=1.0, isolated_ipc=False, sessions=1,
+                             mappings=1, open_fds=3, fd_limit=1024, inbox_fds=0, draining=0, pool=g.dp.info())
+    assert "copies in one cuMemcpyBatchAsync per request (1 driver call(s), 2 piece(s))" in \
+        format_status_table(status)
     assert seen_at_sync == [(1, 0)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 1
 

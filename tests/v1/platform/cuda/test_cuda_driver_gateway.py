@@ -523,6 +523,7 @@ def test_the_copy_path_follows_the_driver_and_the_setting(fake_driver):
 
     assert cuda_sync.TorchCudaSync("lazy").copy_path(0) == "batch"
     assert cuda_sync.TorchCudaSync("lazy", copy_batch=False).copy_path(0) == "per-piece"
+    assert cuda_sync.TorchCudaSync("off").copy_path(0) == "per-piece"          # pageable memory
     fake_driver.batch_supported = False
     assert cuda_sync.TorchCudaSync("lazy").copy_path(0) == "per-piece"
     with pytest.raises(ValueError, match="multiple of 4 KiB"):
