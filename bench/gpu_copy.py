@@ -142,8 +142,8 @@ def main() -> int:
     syncs[True].unpin_all([pool])
     lines = [f"CUDA STORE/RETRIEVE copies vs one contiguous cuMemcpyAsync of the same bytes (GB/s, median of "
              f"{a.reps}; {torch.cuda.get_device_name(0)}; batch path: {path}; pin extent {extent >> 20} MiB)",
-             f"{'layout':6} {'chunks':>6} {'pieces':>6} | {'STORE':>6} {'batched':>8} {'x':>5} {'per-piece':>9} {'x':>5} | "
-             f"{'RETR.':>6} {'batched':>8} {'x':>5} {'per-piece':>9} {'x':>5}"]
+             f"{'layout':6} {'chunks':>6} {'pieces':>6} | {'STORE':>6} {'batched':>8} {'x':>5} {'per-piece':>9} "
+             f"{'x':>5} | {'RETR.':>6} {'batched':>8} {'x':>5} {'per-piece':>9} {'x':>5}"]
     for r in rows:
         cells = []
         for way in ("store", "retrieve"):

@@ -178,7 +178,8 @@ SETTINGS: tuple[Setting, ...] = (
             "is page-locked only in part)", "SIZE", "size"),
     Setting("cuda_copy_batch", "--cuda-copy-batch", "LMSHM_CUDA_BATCH", "cuda_copy_batch",
             "queue each CUDA STORE/RETRIEVE's copies with one cuMemcpyBatchAsync (CUDA 12.8+ drivers; older "
-            "ones, and --cuda-pin off, copy piece by piece whatever this says); off: one cuMemcpyAsync per piece. lmshm status says "
+            "ones, and --cuda-pin off, copy piece by piece whatever this says); off: one cuMemcpyAsync per "
+            "piece. lmshm status says "
             "which path runs (default on)", kind="bool"),
     Setting("cuda_timeout_s", "--cuda-timeout", "LMSHM_CUDA_TIMEOUT", "cuda_timeout",
             "longest a CUDA STORE/RETRIEVE's copies may take, waiting for the worker's ordering signal "
