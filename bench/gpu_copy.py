@@ -135,7 +135,7 @@ def main() -> int:
                                                  extent=extent))
             rows.append(row)
             log(f"{name} x{n}: {row}")
-        del tensors, layout
+        del tensors, layout, flat
         torch.cuda.empty_cache()
     for sync in syncs.values():
         sync.drop_session("bench")
