@@ -479,9 +479,11 @@ class CudaDriver:
                     pfn, status = 0, None                # (cuda-python < 12.6 returns no status: Type/ValueError)
             if pfn and int(status) == 0:         # CU_GET_PROC_ADDRESS_SUCCESS
                 sz, vp = ctypes.c_size_t, ctypes.c_void_p
-                # CUDA 12.8 cuda.h: CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs,
-                #   size_t *sizes, size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs,
-                #   size_t numAttrs, size_t *failIdx, CUstream hStream)
+                # CUDA 12.8's prototype (the driver API reference; no 12.8 header was at hand to check):
+                #   CUresult cuMemcpyBatchAsync(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                #     size_t count, CUmemcpyAttributes *attrs, size_t *attrsIdxs, size_t numAttrs,
+                #     size_t *failIdx, CUstream hStream)
+                # cuda-bindings 13.0.3's wrapper passes the same arguments but failIdx (13.0's _v2).
                 entry = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)(int(pfn))
                 attrs = self.b.CUmemcpyAttributes()
                 attrs.srcAccessOrder = self.b.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
