@@ -55,6 +55,7 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.endpoints.browser_guard import SECURITY_HEADERS, BrowserGuard
 from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS, KvLookup
 from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS, StatusPage
 from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
@@ -110,6 +111,7 @@ class HttpEndpoint:
         self.request_timeout_s = config.http_request_timeout_s
         self.connections: Optional[_Connections] = None
         self.restriction = Restriction(config.http_restricted_api)
+        self.guard = BrowserGuard(config.http_host, config.http_allow_hosts)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None
@@ -117,6 +119,7 @@ class HttpEndpoint:
     # ---- lifecycle ----------------------------------------------------------------------
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._middleware])
+        app.on_response_prepare.append(_secure)
         r = app.router
         r.add_get("/v2/health/live", self._live)
         r.add_get("/v2/health/ready", self._ready)
@@ -201,6 +204,12 @@ class HttpEndpoint:
             # The headers are here; the body must follow within the request's deadline.
             if conn is not None:
                 conn.reading_body()
+            refusal = self.guard.problem(request.method, request.headers.get)
+            if refusal is not None:      # before the body is read: browser_guard.py
+                await _drain(request, self.max_body)
+                response = _json_error(*refusal)
+                response.force_close()
+                return self._done(name, "PERMISSION_DENIED", started, response)
             if not await self._read_body(request, conn):
                 response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
                                             "first byte (lmshm-server --http-request-timeout)")
@@ -629,6 +638,12 @@ async def _drain(request: web.Request, limit: int) -> None:
         await asyncio.wait_for(drop(), 1.0)
     except (asyncio.TimeoutError, ConnectionError, web.HTTPException):
         pass
+
+
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer's ``SECURITY_HEADERS`` (a route may set its own Content-Security-Policy)."""
+    for header, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(header, value)
 
 
 def _kind_of(request: web.Request) -> str:
