@@ -56,7 +56,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints.browser_guard import SECURITY_HEADERS, BrowserGuard
-from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS, KvLookup
+from lmshm.endpoints.kv_lookup import (BYTES_HELD as LOOKUP_BYTES_HELD, OPERATIONS as KV_LOOKUP_OPERATIONS,
+                                       PATH as KV_LOOKUP_PATH, RETRY_AFTER_S, KvLookup)
 from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS, StatusPage
 from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
 from lmshm.quoting import clip, quote
@@ -111,6 +112,7 @@ class HttpEndpoint:
         self.request_timeout_s = config.http_request_timeout_s
         self.connections: Optional[_Connections] = None
         self.restriction = Restriction(config.http_restricted_api)
+        self.kv_lookup = KvLookup(server)
         self.guard = BrowserGuard(config.http_host, config.http_allow_hosts)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
@@ -126,7 +128,7 @@ class HttpEndpoint:
         r.add_get("/v2", self._metadata)
         r.add_get("/metrics", self._metrics)
         StatusPage(self.server).add_routes(r)   # GET /status, /status.json (status_page.py)
-        KvLookup(self.server).add_routes(r)     # POST, GET /v1/kv/lookup (kv_lookup.py)
+        self.kv_lookup.add_routes(r)            # POST, GET /v1/kv/lookup (kv_lookup.py)
         for word in _KINDS:
             r.add_post(f"/v2/{word}/region/{{name}}/register", self._register)
             r.add_get(f"/v2/{word}/status", self._status)
@@ -197,6 +199,7 @@ class HttpEndpoint:
         started = time.monotonic()
         name = "unknown"
         conn = self.connections.of(request) if self.connections is not None else None
+        held = 0     # bytes of a lookup's body taken from kv_lookup.BYTES_HELD
         try:
             info = request.match_info
             route = info.route.resource.canonical if info.route.resource is not None else ""
@@ -210,6 +213,11 @@ class HttpEndpoint:
                 response = _json_error(*refusal)
                 response.force_close()
                 return self._done(name, "PERMISSION_DENIED", started, response)
+            if route == KV_LOOKUP_PATH and request.method == "POST":
+                admitted = self.kv_lookup.admit(request, self.max_body)
+                if admitted is None:
+                    return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
+                held = admitted
             if not await self._read_body(request, conn):
                 response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
                                             "first byte (lmshm-server --http-request-timeout)")
@@ -252,8 +260,19 @@ class HttpEndpoint:
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
         finally:
+            if held:
+                self.kv_lookup.release(held)
             if conn is not None:
                 conn.answered()
+
+    async def _lookups_busy(self, request: web.Request) -> web.Response:
+        """The answer to a lookup that finds ``kv_lookup.BYTES_HELD`` held: its body is dropped, not kept."""
+        await _drain(request, self.max_body)
+        response = _json_error(503, f"KV lookups waiting or running hold {LOOKUP_BYTES_HELD} bytes of request bodies "
+                                    f"already: try again in {RETRY_AFTER_S} s (Retry-After)")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        response.force_close()
+        return response
 
     async def _read_body(self, request: web.Request, conn: Optional["_Conn"]) -> bool:
         """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
