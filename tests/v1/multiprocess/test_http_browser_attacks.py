@@ -14,6 +14,7 @@ reads nothing (421). tritonclient itself keeps working (``tests/v1/triton``)."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import secrets
 import subprocess
@@ -120,14 +121,14 @@ async function probe(name, path, init) {
 
 
 @contextlib.contextmanager
-def serving(tmp_path: Path) -> Iterator[tuple[ServerProcess, int, Any, dict[str, str]]]:
-    """A server with a live region (registered by tritonclient), and two shm objects of this uid:
+def serving(tmp_path: Path, *args: str) -> Iterator[tuple[ServerProcess, int, Any, dict[str, str]]]:
+    """A server (and ``args``) with a live region (registered by tritonclient), and two shm objects of this uid:
     ``live``'s and one an attacker would like to register."""
     import tritonclient.http as triton_http
     import tritonclient.utils.shared_memory as shared_memory
 
     port = free_port()
-    server = ServerProcess(tmp_path, "--http-port", str(port), "--max-regions", str(MAX_REGIONS))
+    server = ServerProcess(tmp_path, "--http-port", str(port), "--max-regions", str(MAX_REGIONS), *args)
     keys = {what: f"/lmshm_test_{what}_{secrets.token_hex(4)}" for what in ("live", "attacker", "honest")}
     handles = [shared_memory.create_shared_memory_region(k.lstrip("/"), k, 4096) for k in keys.values()]
     client = triton_http.InferenceServerClient(f"127.0.0.1:{port}")
@@ -231,3 +232,60 @@ def test_a_page_that_reaches_the_server_under_its_own_name_reads_and_changes_not
             assert status == 421, (what, results[what])
             assert "--http-allow-host" in json.loads(text)["error"], text
         assert _regions(client) == ["live"]
+
+
+def _raw(port: int, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, Any, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for k, v in {**headers, "Content-Length": str(len(body))}.items():
+            conn.putheader(k, v)
+        conn.endheaders(body)
+        r = conn.getresponse()
+        return r.status, r.headers, r.read()
+    finally:
+        conn.close()
+
+
+def test_programs_keep_working_and_only_hosts_the_operator_named_are_answered(tmp_path):
+    """tritonclient's asyncio client (``application/octet-stream``) and gevent client (no
+    Content-Type: ``serving``) register and unregister; a name given with ``--http-allow-host``
+    is answered, any other name 421 (addresses and localhost always); a preflight gets no CORS
+    allowance; every answer carries the security headers."""
+    import asyncio
+
+    import tritonclient.http.aio as triton_aio
+
+    with serving(tmp_path, "--http-allow-host", "gpu-host-7") as (server, port, client, keys):
+        async def aio() -> list[str]:
+            c = triton_aio.InferenceServerClient(f"127.0.0.1:{port}")
+            try:
+                await c.register_system_shared_memory("aio", keys["honest"], 4096)
+                names = sorted(r["name"] for r in await c.get_system_shared_memory_status())
+                await c.unregister_system_shared_memory("aio")
+                return names
+            finally:
+                await c.close()
+
+        assert asyncio.run(aio()) == ["aio", "live"]
+        for host in ("gpu-host-7", f"GPU-HOST-7:{port}", f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}",
+                     "10.1.2.3:8000"):
+            status, headers, _ = _raw(port, "GET", "/v2/health/live", {"Host": host})
+            assert status == 200, host
+            assert headers["X-Frame-Options"] == "DENY" and headers["X-Content-Type-Options"] == "nosniff"
+        for host in (f"evil.test:{port}", "gpu-host-7.evil.test", "localhost.evil.test", "evil.localhost"):
+            status, headers, body = _raw(port, "GET", "/status.json", {"Host": host})
+            assert status == 421 and "--http-allow-host" in json.loads(body)["error"], (host, status, body)
+            assert headers["Content-Security-Policy"].startswith("default-src 'none'")
+        status, headers, _ = _raw(port, "OPTIONS", "/v2/systemsharedmemory/unregister",
+                                  {"Host": f"127.0.0.1:{port}", "Origin": "http://127.0.0.1:1",
+                                   "Access-Control-Request-Method": "POST",
+                                   "Access-Control-Request-Headers": "content-type"})
+        assert status == 403 and not any(h.lower().startswith("access-control-") for h in headers), headers
+        status, _, body = _raw(port, "POST", "/v2/systemsharedmemory/region/live/unregister",
+                               {"Host": f"127.0.0.1:{port}", "Content-Type": "text/plain;charset=UTF-8"}, b"{}")
+        assert status == 415 and "application/json" in json.loads(body)["error"], body
+        assert _regions(client) == ["live"]
+    help_text = subprocess.run([sys.executable, "-m", "lmshm.server", "--help"], capture_output=True, text=True,
+                               timeout=60).stdout
+    assert "--http-allow-host" in help_text and "LMSHM_HTTP_ALLOW_HOSTS" in help_text
