@@ -65,8 +65,22 @@ async function attack() {
   tries.push(fetch(`${BASE}/v2/systemsharedmemory/region/evil-cors/register`,
                    {method: "POST", headers: {"Content-Type": "application/json"}, body: body()})
              .then(r => "read " + r.status, e => "refused"));
+  // Through the attacker's own server: a 307 makes the browser repeat the POST to lmshm.
+  tries.push(fetch(`/go?${encodeURIComponent(BASE + "/v2/systemsharedmemory/region/evil-redirect/register")}`,
+                   {method: "POST", headers: {"Content-Type": "text/plain"}, body: body()}));
+  tries.push(fetch(`/go?${encodeURIComponent(BASE + "/v2/systemsharedmemory/unregister")}`,
+                   {method: "POST", mode: "no-cors", body: new Blob([body()])}));
+  // From a sandboxed frame (an opaque origin): a form with no Content-Type restriction it can dodge.
+  await new Promise(done => {
+    const f = document.createElement("iframe");
+    f.sandbox = "allow-scripts allow-forms";
+    f.srcdoc = `<form method=POST enctype=multipart/form-data action="${BASE}/v2/systemsharedmemory/unregister">` +
+               `<input name=a value=b></form><script>document.forms[0].submit()<\/script>`;
+    f.onload = () => setTimeout(done, 1500);
+    document.body.append(f);
+  });
   const settled = await Promise.allSettled(tries);
-  results.cors = settled[settled.length - 1].value;
+  results.cors = settled[__N__ + 4].value;
   results.beacons = [
     navigator.sendBeacon(`${BASE}/v2/systemsharedmemory/region/evil-beacon/register`, new TextEncoder().encode(body())),
     navigator.sendBeacon(`${BASE}/v2/systemsharedmemory/region/evil-beacon2/register`, body()),
@@ -142,6 +156,24 @@ def serving(tmp_path: Path, *args: str) -> Iterator[tuple[ServerProcess, int, An
         assert server.stop() == 0, server.log()
 
 
+#: The attacker's web server: its files, and ``POST /go?URL`` answered 307 to URL (the browser
+#: repeats the POST there, body and all, with ``Origin: null``).
+SITE = r"""
+import functools, http.server, sys, urllib.parse
+class Handler(http.server.SimpleHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(307)
+        self.send_header("Location", urllib.parse.unquote(self.path.split("?", 1)[1]))
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+handler = functools.partial(Handler, directory=sys.argv[2])
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), handler).serve_forever()
+"""
+
+
 @contextlib.contextmanager
 def site(tmp_path: Path, html: str) -> Iterator[str]:
     """A real web server on another loopback port serving ``html`` as its index page."""
@@ -149,8 +181,8 @@ def site(tmp_path: Path, html: str) -> Iterator[str]:
     root.mkdir()
     (root / "index.html").write_text(html)
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-                             "--directory", str(root)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-c", SITE, str(port), str(root)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -202,7 +234,7 @@ def test_a_page_of_another_origin_can_neither_unregister_nor_register_regions_no
         assert results["cors"] == "refused" and results["script"] == "error", results
         assert "lmshm-server" not in framed and f"{base}/status" not in frame_urls, (framed, frame_urls)
         # every attempt reached the server and was refused there, not lost on the way
-        assert _refused(port) >= MAX_REGIONS + 4 + 3 + 2, server.log()[-2000:]
+        assert _refused(port) >= MAX_REGIONS + 4 + 3 + 2 + 2 + 1, server.log()[-2000:]
         client.register_system_shared_memory("honest", keys["honest"], 4096)      # no 503: room was kept
         assert _regions(client) == ["honest", "live"]
         client.unregister_system_shared_memory("honest")
