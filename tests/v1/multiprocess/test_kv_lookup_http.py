@@ -496,3 +496,28 @@ def test_hash_forms_try_ints_as_given_unsigned_and_signed_and_bytes_as_vllms_int
     assert kv_lookup.hash_forms([b]) == [[b], [5]]
     big = bytes(24) + (U64 - 2).to_bytes(8, "big")
     assert kv_lookup.hash_forms([big, 7]) == [[big, 7], [U64 - 2, 7], [-2, 7]]
+
+
+def test_a_long_lookup_is_decoded_in_slices_to_what_json_reads_and_refused_as_json_refuses_it():
+    """``kv_lookup.parse_body`` decodes a million token ids ``SLICE_BYTES`` at a time (so the
+    GIL is never held for the whole body); the result is json's, whatever the spacing, and what
+    is not a plain array of integers goes the whole way, with json's errors."""
+    tokens = [(-1) ** i * (i * 7919 % (1 << 31)) for i in range(1 << 20)]
+    for body in ({"token_ids": tokens, "block_size": 16, "lora_name": "a,b"},
+                 {"block_size": 16, "token_ids": tokens[:70000], "cache_salt": None}):
+        for raw in (json.dumps(body).encode(), json.dumps(body, separators=(",", ":")).encode(),
+                    json.dumps(body, indent=1).encode()):
+            assert len(raw) > kv_lookup.SLICE_BYTES and kv_lookup.parse_body(raw) == json.loads(raw)
+    pad = b" " * (2 * kv_lookup.SLICE_BYTES)
+    for raw, words in ((b'{"token_ids": [1,,2], "block_size": 1}' + pad, "not valid JSON"),
+                       (b'{"token_ids": [1, 2]' + pad, "not valid JSON"),
+                       (b"[" + b"1," * kv_lookup.SLICE_BYTES + b"1]", "must be a JSON object, got array")):
+        try:
+            kv_lookup.parse_body(raw)
+        except Exception as exc:  # noqa: BLE001 - the ServerError's message is what is checked
+            assert words in str(exc), (words, str(exc)[:200])
+        else:
+            raise AssertionError(f"{raw[:40]!r} was accepted")
+    big = b'{"token_ids": [' + b"1, " * kv_lookup.SLICE_BYTES + b"1" + b"0" * 30 + b'], "block_size": 1}'
+    assert kv_lookup.parse_body(big)["token_ids"][-1] == 10 ** 30       # json's integer; check_request refuses it
+    assert kv_lookup.parse_body(big.replace(b"1, 1", b"1, 1.5", 1))["token_ids"][1] == 1.5
