@@ -4,7 +4,11 @@
 Every route is one call into ``lmshm.Server`` (made on that loop: registry operations are
 short). Errors are Triton's ``{"error": "..."}`` bodies with Triton's status codes
 (``triton.HTTP_STATUS``): an unknown route 404, a wrong method 405, a body over
-``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403.
+``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403. Before a
+body is read, what a web page could send is refused (``browser_guard``: a foreign Host 421, a
+foreign Origin 403, a POST of a form or text type 415), and a KV lookup takes its body's bytes
+from ``kv_lookup.BYTES_HELD`` (503 with Retry-After past it); every answer carries
+``browser_guard.SECURITY_HEADERS``.
 
 Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 - ``GET /v2/health/live``, ``GET /v2/health/ready``: 200, or 400 when not live/ready;
