@@ -16,7 +16,8 @@ most, as ``/metrics`` exports them); ``errors`` the answered requests whose code
 endpoint, request and code (the ``lmshm_requests`` counter).
 
 Access is that of ``/metrics``: anyone who reaches the endpoint (the restricted-API header
-guards the shared-memory routes only). Nothing here changes state.
+guards the shared-memory routes only), but no page of another origin (``browser_guard``); the
+page's own ``PAGE_POLICY`` lets it run only its own script and style. Nothing here changes state.
 
 The easy thing to get wrong: the pool's hits are chunks and its misses LOOKUPs (``PoolInfo``),
 so its "hit rate" is hits / (hits + misses), an approximation; the tiers count both in chunks.
@@ -371,10 +372,12 @@ def _digests(tag: str) -> str:
     return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
 
 
-#: The page's Content-Security-Policy (the endpoint's default is ``browser_guard.SECURITY_HEADERS``'):
-#: scripts are the chart library from this server and the page's own inline script (by hash), styles
-#: the page's own (by hash) and those plotly.js sets (it writes style attributes: 'unsafe-inline'
-#: for style-src-attr only), data from this server; nothing else, and no frame may hold the page.
-PAGE_POLICY = (f"default-src 'none'; script-src 'self' {_digests('script')}; style-src-elem {_digests('style')} {EMPTY}; "
-               "connect-src 'self'; img-src data:; base-uri 'none'; "
+#: The page's Content-Security-Policy (every other answer gets ``browser_guard.SECURITY_HEADERS``'),
+#: the least it was measured to need in Chromium: scripts from this server (the chart library) and
+#: the page's own inline script, by hash; its own inline style, by hash, and plotly.js's empty
+#: ``<style>``; ``fetch`` to this server; the ``data:`` favicon. plotly.js's map styles (the page
+#: draws no maps) are refused; its style attributes are set through the CSS object model, which no
+#: policy governs. No frame may hold the page.
+PAGE_POLICY = (f"default-src 'none'; script-src 'self' {_digests('script')}; "
+               f"style-src-elem {_digests('style')} {EMPTY}; connect-src 'self'; img-src data:; base-uri 'none'; "
                "form-action 'none'; frame-ancestors 'none'")

@@ -38,7 +38,8 @@ MAX_REGIONS = 64
 
 ATTACK_PAGE = r"""<!doctype html><html><body>
 <iframe name="sink"></iframe>
-<form id="plain" method="POST" enctype="text/plain" target="sink" action="__BASE__/v2/systemsharedmemory/region/evil-form/register">
+<form id="plain" method="POST" enctype="text/plain" target="sink"
+      action="__BASE__/v2/systemsharedmemory/region/evil-form/register">
 <input name='{"key": "__KEY__", "byte_size": 64, "x": "' value='"}'></form>
 <form id="urlenc" method="POST" target="sink" action="__BASE__/v2/systemsharedmemory/region/live/unregister">
 <input name="a" value="b"></form>
@@ -246,8 +247,8 @@ def test_a_page_that_reaches_the_server_under_its_own_name_reads_and_changes_not
     sync_playwright = _browser()
     with serving(tmp_path) as (server, port, client, keys), sync_playwright() as p:
         evil = f"http://evil.test:{port}"
-        browser = p.chromium.launch(executable_path=CHROMIUM,
-                                    args=["--no-sandbox", "--host-resolver-rules=MAP evil.test 127.0.0.1", NO_LOCAL_NETWORK_CHECKS])
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--host-resolver-rules=MAP evil.test 127.0.0.1", NO_LOCAL_NETWORK_CHECKS])
         try:
             page = browser.new_page()
             # The first answer for evil.test came from the attacker's own address; every later one
