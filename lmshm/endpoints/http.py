@@ -4,7 +4,11 @@
 Every route is one call into ``lmshm.Server`` (made on that loop: registry operations are
 short). Errors are Triton's ``{"error": "..."}`` bodies with Triton's status codes
 (``triton.HTTP_STATUS``): an unknown route 404, a wrong method 405, a body over
-``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403.
+``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403. Before a
+body is read, what a web page could send is refused (``browser_guard``: a foreign Host 421, a
+foreign Origin 403, a POST of a form or text type 415), and a KV lookup takes its body's bytes
+from ``kv_lookup.BYTES_HELD`` (503 with Retry-After past it); every answer carries
+``browser_guard.SECURITY_HEADERS``.
 
 Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 - ``GET /v2/health/live``, ``GET /v2/health/ready``: 200, or 400 when not live/ready;
@@ -55,7 +59,9 @@ from aiohttp import web
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS, KvLookup
+from lmshm.endpoints.browser_guard import SECURITY_HEADERS, BrowserGuard
+from lmshm.endpoints.kv_lookup import (BYTES_HELD as LOOKUP_BYTES_HELD, OPERATIONS as KV_LOOKUP_OPERATIONS,
+                                       PATH as KV_LOOKUP_PATH, RETRY_AFTER_S, KvLookup)
 from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS, StatusPage
 from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
 from lmshm.quoting import clip, quote
@@ -110,6 +116,8 @@ class HttpEndpoint:
         self.request_timeout_s = config.http_request_timeout_s
         self.connections: Optional[_Connections] = None
         self.restriction = Restriction(config.http_restricted_api)
+        self.kv_lookup = KvLookup(server)
+        self.guard = BrowserGuard(config.http_host, config.http_allow_hosts)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._runner: Optional[web.AppRunner] = None
         self._thread: Optional[threading.Thread] = None
@@ -117,13 +125,14 @@ class HttpEndpoint:
     # ---- lifecycle ----------------------------------------------------------------------
     def _app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body, middlewares=[self._middleware])
+        app.on_response_prepare.append(_secure)
         r = app.router
         r.add_get("/v2/health/live", self._live)
         r.add_get("/v2/health/ready", self._ready)
         r.add_get("/v2", self._metadata)
         r.add_get("/metrics", self._metrics)
         StatusPage(self.server).add_routes(r)   # GET /status, /status.json (status_page.py)
-        KvLookup(self.server).add_routes(r)     # POST, GET /v1/kv/lookup (kv_lookup.py)
+        self.kv_lookup.add_routes(r)            # POST, GET /v1/kv/lookup (kv_lookup.py)
         for word in _KINDS:
             r.add_post(f"/v2/{word}/region/{{name}}/register", self._register)
             r.add_get(f"/v2/{word}/status", self._status)
@@ -194,6 +203,7 @@ class HttpEndpoint:
         started = time.monotonic()
         name = "unknown"
         conn = self.connections.of(request) if self.connections is not None else None
+        held = 0     # bytes of a lookup's body taken from kv_lookup.BYTES_HELD
         try:
             info = request.match_info
             route = info.route.resource.canonical if info.route.resource is not None else ""
@@ -201,6 +211,17 @@ class HttpEndpoint:
             # The headers are here; the body must follow within the request's deadline.
             if conn is not None:
                 conn.reading_body()
+            refusal = self.guard.problem(request.method, request.headers.get)
+            if refusal is not None:      # before the body is read: browser_guard.py
+                await _drain(request, self.max_body)
+                response = _json_error(*refusal)
+                response.force_close()
+                return self._done(name, "PERMISSION_DENIED", started, response)
+            if route == KV_LOOKUP_PATH and request.method == "POST":
+                admitted = self.kv_lookup.admit(request, self.max_body)
+                if admitted is None:
+                    return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
+                held = admitted
             if not await self._read_body(request, conn):
                 response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
                                             "first byte (lmshm-server --http-request-timeout)")
@@ -243,8 +264,19 @@ class HttpEndpoint:
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
         finally:
+            if held:
+                self.kv_lookup.release(held)
             if conn is not None:
                 conn.answered()
+
+    async def _lookups_busy(self, request: web.Request) -> web.Response:
+        """The answer to a lookup that finds ``kv_lookup.BYTES_HELD`` held: its body is dropped, not kept."""
+        await _drain(request, self.max_body)
+        response = _json_error(503, f"KV lookups waiting or running hold {LOOKUP_BYTES_HELD} bytes of request bodies "
+                                    f"already: try again in {RETRY_AFTER_S} s (Retry-After)")
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        response.force_close()
+        return response
 
     async def _read_body(self, request: web.Request, conn: Optional["_Conn"]) -> bool:
         """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
@@ -629,6 +661,12 @@ async def _drain(request: web.Request, limit: int) -> None:
         await asyncio.wait_for(drop(), 1.0)
     except (asyncio.TimeoutError, ConnectionError, web.HTTPException):
         pass
+
+
+async def _secure(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer's ``SECURITY_HEADERS`` (a route may set its own Content-Security-Policy)."""
+    for header, value in SECURITY_HEADERS.items():
+        response.headers.setdefault(header, value)
 
 
 def _kind_of(request: web.Request) -> str:

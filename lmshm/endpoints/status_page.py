@@ -16,7 +16,8 @@ most, as ``/metrics`` exports them); ``errors`` the answered requests whose code
 endpoint, request and code (the ``lmshm_requests`` counter).
 
 Access is that of ``/metrics``: anyone who reaches the endpoint (the restricted-API header
-guards the shared-memory routes only). Nothing here changes state.
+guards the shared-memory routes only), but no page of another origin (``browser_guard``); the
+page's own ``PAGE_POLICY`` lets it run only its own script and style. Nothing here changes state.
 
 The easy thing to get wrong: the pool's hits are chunks and its misses LOOKUPs (``PoolInfo``),
 so its "hit rate" is hits / (hits + misses), an approximation; the tiers count both in chunks.
@@ -24,7 +25,10 @@ so its "hit rate" is hits / (hits + misses), an approximation; the tiers count b
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import re
 import threading
 import time
 from importlib import resources
@@ -123,8 +127,8 @@ class StatusPage:
         router.add_get("/status/plotly.min.js", self.asset)
 
     async def page(self, request: web.Request) -> web.Response:
-        return web.Response(text=PAGE.replace("__POLL_MS__", str(POLL_MS)).replace("__HISTORY__", str(HISTORY)),
-                            content_type="text/html", headers={"Cache-Control": "no-store"})
+        return web.Response(text=_PAGE, content_type="text/html",
+                            headers={"Cache-Control": "no-store", "Content-Security-Policy": PAGE_POLICY})
 
     async def data(self, request: web.Request) -> web.Response:
         body = snapshot(self.server, _count(request, "offset", 0), _count(request, "limit", DEFAULT_LIMIT))
@@ -352,3 +356,28 @@ poll();
 </body>
 </html>
 """
+
+
+_PAGE = PAGE.replace("__POLL_MS__", str(POLL_MS)).replace("__HISTORY__", str(HISTORY))
+
+
+#: An empty inline element's hash: plotly.js adds an empty ``<style>`` and fills it with
+#: ``insertRule`` (the CSS object model, which the policy does not govern).
+EMPTY = "'sha256-47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU='"
+
+
+def _digests(tag: str) -> str:
+    """CSP sources that allow exactly the page's own inline ``<tag>`` elements, by their SHA-256."""
+    bodies = re.findall(rf"<{tag}>(.*?)</{tag}>", _PAGE, re.S)
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in bodies)
+
+
+#: The page's Content-Security-Policy (every other answer gets ``browser_guard.SECURITY_HEADERS``'),
+#: the least it was measured to need in Chromium: scripts from this server (the chart library) and
+#: the page's own inline script, by hash; its own inline style, by hash, and plotly.js's empty
+#: ``<style>``; ``fetch`` to this server; the ``data:`` favicon. plotly.js's map styles (the page
+#: draws no maps) are refused; its style attributes are set through the CSS object model, which no
+#: policy governs. No frame may hold the page.
+PAGE_POLICY = (f"default-src 'none'; script-src 'self' {_digests('script')}; "
+               f"style-src-elem {_digests('style')} {EMPTY}; connect-src 'self'; img-src data:; base-uri 'none'; "
+               "form-action 'none'; frame-ancestors 'none'")

@@ -58,6 +58,7 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     http_max_body_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 30)] = 64 << 10
     grpc_max_message_bytes: Annotated[int, msgspec.Meta(ge=256, le=1 << 30)] = 64 << 10
     http_restricted_api: str = ""          # "HEADER=VALUE": required on the shared-memory routes
+    http_allow_hosts: list[str] = []       # Host names answered besides addresses and localhost; "*": any
     grpc_restricted_api: str = ""
     endpoint_threads: Annotated[int, msgspec.Meta(ge=1, le=256)] = 4
     http_max_connections: Count = 256
@@ -278,9 +279,16 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("grpc_host", "--grpc-host", "LMSHM_GRPC_HOST", "grpc_host", "address the gRPC endpoint binds (default "
             "127.0.0.1)", "HOST"),
     Setting("http_max_body_bytes", "--http-max-body-bytes", "LMSHM_HTTP_MAX_BODY_BYTES", "http_max_body_bytes",
-            "largest HTTP request body accepted; a larger one is answered 400 (default 65536)", "N"),
+            "largest HTTP request body accepted; a larger one is answered 400 (default 65536; the largest KV "
+            "lookup, a million token ids, needs 9437184: docs/kv-lookup.md)", "N"),
     Setting("grpc_max_message_bytes", "--grpc-max-message-bytes", "LMSHM_GRPC_MAX_MESSAGE_BYTES",
             "grpc_max_message_bytes", "largest gRPC request accepted (default 65536)", "N"),
+    Setting("http_allow_hosts", "--http-allow-host", "LMSHM_HTTP_ALLOW_HOSTS", "http_allow_hosts",
+            "also answer HTTP requests whose Host header is this name (repeatable; env: comma-separated; * = any "
+            "name). By default the endpoint answers a Host that is an IP address, localhost or the --http-host "
+            "name, and refuses others with 421: a web page that reaches the port by DNS rebinding names its own "
+            "host. List the names clients use for a server bound to 0.0.0.0 or behind a DNS name",
+            "NAME", "list"),
     Setting("http_restricted_api", "--http-restricted-api", "LMSHM_HTTP_RESTRICTED_API", "http_restricted_api",
             "HEADER=VALUE (also shared-memory:HEADER=VALUE, Triton's spelling): the HTTP shared-memory routes "
             "answer 403 unless the request carries that header with that value (default: unrestricted)",

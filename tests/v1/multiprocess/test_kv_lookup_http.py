@@ -10,9 +10,12 @@ server serves on. The walk itself (any tier, across lock windows) is checked in 
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import gc
 import hashlib
+import http.client
 import json
 import socket
 import time
@@ -375,6 +378,47 @@ def test_a_body_over_the_endpoints_limit_is_a_400_naming_the_setting(tmp_path):
         assert http.leading(block_hashes=[(1 << 63) + i for i in range(2000)])[0] == 0     # about 42 KB: fine
 
 
+def _peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def _post_raw(port: int, body: bytes) -> tuple[Any, Optional[str], bytes]:
+    """``(status, Retry-After, answer)`` of one lookup on a connection of its own; status is the
+    exception's name when the server did not answer."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", kv_lookup.PATH, body=body, headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.getheader("Retry-After"), r.read()
+    except OSError as exc:
+        return type(exc).__name__, None, b""
+    finally:
+        conn.close()
+
+
+def test_concurrent_largest_lookups_hold_a_bounded_number_of_bytes_and_the_rest_are_told_to_retry(tmp_path):
+    """Issue 41, item 3: 48 concurrent lookups of 12 MiB (a million 10-digit token ids, under the
+    16 MiB limit) were all read and held while they waited their turn: +0.9 GiB. Now the bodies
+    held, read or waiting, are bounded (``kv_lookup.BYTES_HELD``); past it a lookup is answered
+    503 with Retry-After without its body being kept, and every lookup is answered."""
+    body = _j({"token_ids": [(1 << 31) - 1] * kv_lookup.MAX_TOKENS, "block_size": 16})
+    assert 12 << 20 < len(body) < 16 << 20
+    with serving(tmp_path, "--http-max-body-bytes", str(16 << 20)) as (server, engine, http):
+        port = int(http.base.rsplit(":", 1)[1])
+        assert _post_raw(port, body)[0] == 200       # the largest lookup works alone
+        before = _peak_rss_kb(server.proc.pid)
+        with concurrent.futures.ThreadPoolExecutor(48) as pool:
+            answers = list(pool.map(lambda _: _post_raw(port, body), range(48)))
+        grown_mib = (_peak_rss_kb(server.proc.pid) - before) / 1024
+        statuses = collections.Counter(a[0] for a in answers)
+        assert set(statuses) <= {200, 503} and statuses[200] >= 1, statuses
+        assert all(a[1] == str(kv_lookup.RETRY_AFTER_S) and b"try again" in a[2] for a in answers if a[0] == 503)
+        assert grown_mib < 200, (f"the server's peak RSS grew {grown_mib:.0f} MiB for 48 lookups", statuses)
+        assert http.leading(block_hashes=chain(2)) == (0, {"pool": 0})     # served on
+    assert "Traceback" not in server.log()
+
+
 def http_metrics(http: Http) -> list[str]:
     with urllib.request.urlopen(http.base + "/metrics", timeout=10) as r:
         return r.read().decode().splitlines()
@@ -452,3 +496,28 @@ def test_hash_forms_try_ints_as_given_unsigned_and_signed_and_bytes_as_vllms_int
     assert kv_lookup.hash_forms([b]) == [[b], [5]]
     big = bytes(24) + (U64 - 2).to_bytes(8, "big")
     assert kv_lookup.hash_forms([big, 7]) == [[big, 7], [U64 - 2, 7], [-2, 7]]
+
+
+def test_a_long_lookup_is_decoded_in_slices_to_what_json_reads_and_refused_as_json_refuses_it():
+    """``kv_lookup.parse_body`` decodes a million token ids ``SLICE_BYTES`` at a time (so the
+    GIL is never held for the whole body); the result is json's, whatever the spacing, and what
+    is not a plain array of integers goes the whole way, with json's errors."""
+    tokens = [(-1) ** i * (i * 7919 % (1 << 31)) for i in range(1 << 20)]
+    for body in ({"token_ids": tokens, "block_size": 16, "lora_name": "a,b"},
+                 {"block_size": 16, "token_ids": tokens[:70000], "cache_salt": None}):
+        for raw in (json.dumps(body).encode(), json.dumps(body, separators=(",", ":")).encode(),
+                    json.dumps(body, indent=1).encode()):
+            assert len(raw) > kv_lookup.SLICE_BYTES and kv_lookup.parse_body(raw) == json.loads(raw)
+    pad = b" " * (2 * kv_lookup.SLICE_BYTES)
+    for raw, words in ((b'{"token_ids": [1,,2], "block_size": 1}' + pad, "not valid JSON"),
+                       (b'{"token_ids": [1, 2]' + pad, "not valid JSON"),
+                       (b"[" + b"1," * kv_lookup.SLICE_BYTES + b"1]", "must be a JSON object, got array")):
+        try:
+            kv_lookup.parse_body(raw)
+        except Exception as exc:  # noqa: BLE001 - the ServerError's message is what is checked
+            assert words in str(exc), (words, str(exc)[:200])
+        else:
+            raise AssertionError(f"{raw[:40]!r} was accepted")
+    big = b'{"token_ids": [' + b"1, " * kv_lookup.SLICE_BYTES + b"1" + b"0" * 30 + b'], "block_size": 1}'
+    assert kv_lookup.parse_body(big)["token_ids"][-1] == 10 ** 30       # json's integer; check_request refuses it
+    assert kv_lookup.parse_body(big.replace(b"1, 1", b"1, 1.5", 1))["token_ids"][1] == 1.5

@@ -260,7 +260,7 @@ def test_http_slowloris_and_silent_connections_give_way_to_honest_clients_and_ti
             silent = _flood(app.http_port, 256)
             trickle = _flood(app.http_port, 4, b"POST /v2/systemsharedmemory/region/x/register HTTP/1.1\r\n")
             slow_body = _flood(app.http_port, 1, b"POST /v2/systemsharedmemory/region/x/register HTTP/1.1\r\n"
-                                                 b"Host: x\r\nContent-Length: 100\r\n\r\n{\"key\":")[0]
+                                                 b"Host: 127.0.0.1\r\nContent-Length: 100\r\n\r\n{\"key\":")[0]
             trickle.append(slow_body)
             time.sleep(0.3)
             # The cap, plus the connections that gave way and whose fds the loop has not let go yet.
