@@ -1,35 +1,47 @@
 """The CUDA ordering leg of the data plane: streams, ordering signals, async copies, pinning.
 
-A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work on the
-GPU, never by a host-side wait in the worker. The request carries the worker's *ordering
-token*, one of two kinds:
+A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work
+without a host-side wait in the worker. The request carries the worker's *ordering token*, one
+of two kinds:
 
 - **an interprocess CUDA event** (64 bytes, the default mode): the worker records it on its
   stream after the work that wrote (STORE) or last used (RETRIEVE) the blocks and keeps it
-  alive until the reply. The server's stream waits on it before its copies. The server then
-  records an interprocess event of its own and answers with its handle; the worker's stream
-  waits on it before it touches the blocks again. Opening an interprocess event needs both
-  processes to share ``/dev/shm`` (the driver keeps the event's state there).
+  alive until the reply. The server waits on the host for it to complete before it queues its
+  copies. The server then records an interprocess event of its own and answers with its
+  handle; the worker's stream waits on it before it touches the blocks again. Opening an
+  interprocess event needs both processes to share ``/dev/shm`` (the driver keeps the event's
+  state there).
 - **a flag word** (``FLAG_MAGIC`` tokens, isolated mode, ``--isolated-ipc``): the worker owns
-  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server once per
-  client like any KV cache (a raw IPC wrapper: only what a legacy memory handle needs, no
+  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server like any
+  KV cache, once per connection (a raw IPC wrapper: only what a legacy memory handle needs, no
   ``/dev/shm``). Per request the worker's stream writes a new sequence number into the
-  request's slot after its work (``cuStreamWriteValue64``); the token names the slot and the
-  number; the server's stream waits until the word reaches it (``cuStreamWaitValue64``, cyclic
-  greater-or-equal) before its copies. There is no server-to-worker signal on the GPU: the server
-  answers only once its copies have completed, so the reply itself is the ordering. A worker
-  that dies or never writes its word cannot hold the server's stream forever: past the
-  deadline the server writes the word itself (``rescue``) and fails the request.
+  request's slot after its work (``cuStreamWriteValue64``, which fences the work before it);
+  the token names the slot and the number; the server reads the word on the host until it
+  reaches the number (cyclic greater-or-equal) before it queues its copies. There is no
+  server-to-worker signal: the server answers only once its copies have completed, so the
+  reply itself is the ordering. A flag token is answered so whatever mode the server was
+  started in, and never with an interprocess event.
+
+The one thing easy to get wrong: **the server's streams never wait on the GPU for a worker's
+signal.** A GPU-side wait (``cuStreamWaitEvent``, ``cuStreamWaitValue64``) looks cheaper, but
+a worker that dies before its signal tears down its queued work and the signal never comes:
+the session's stream blocks for good, its copies never complete, and what they hold (the dead
+worker's mapping, its whole KV cache, and the pool's bytes) stays held until the server
+restarts. A host wait ends at the request's deadline, or as soon as its session ends, with
+nothing queued.
 
 Rules on the server side (``lmshm.core.dataplane``):
 
 - one stream per session (``stream(device, session)``), dropped when the session ends, so a
   slow or hung worker's signal stalls only its own requests;
 - every host wait is bounded (``poll_until``: a blocking-sync event or the worker's word polled
-  with sleeps, never spinning a core); a RETRIEVE waits on the host for the worker's token before
-  any copy into its blocks is queued, so its copies never wait on the GPU behind a signal; a copy that has not completed by its deadline fails its request, and the
-  pool bytes and registration it touches are held until the GPU is done with them (the data
-  plane's quarantine), never handed back under DMA;
+  with sleeps, never spinning a core); a STORE or RETRIEVE waits on the host for the worker's
+  token before any copy is queued, until the sender's deadline or ``--cuda-timeout``, and no
+  longer than its session lives, so no copy ever waits on the GPU behind a signal (and a copy
+  to pageable memory, ``--cuda-pin off``, which returns only when done, never blocks a thread
+  on one); a copy that has not completed by its deadline fails its request, and the pool bytes
+  and registration it touches are held until the GPU is done with them (the data plane's
+  quarantine), never handed back under DMA;
 - the server's events for default-mode replies live until their copies completed *and* at
   least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
   each reply's event at its next step, never opens a destroyed one;
@@ -108,13 +120,14 @@ def parse_flag_token(token: bytes) -> Optional[tuple[int, int, str]]:
     return slot, seq, iid
 
 
-def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
-    """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not. Sleeps between
-    polls, from 20 us doubling to 1 ms: a host wait never spins a core."""
+def poll_until(ready: Callable[[], bool], deadline: float, stop: Optional[Callable[[], bool]] = None) -> bool:
+    """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not, or as soon as
+    ``stop()`` is true (its request's session ended). Sleeps between polls, from 20 us doubling
+    to 1 ms: a host wait never spins a core."""
     pause = 20e-6
     while not ready():
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or (stop is not None and stop()):
             return False
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 1e-3)
@@ -136,7 +149,6 @@ class TorchCudaSync:
         self._drv = get_driver()
         self.pin_mode = pin
         self._streams: dict[tuple[int, Hashable], Any] = {}
-        self._rescue: dict[int, Any] = {}
         self._pinned: dict[int, set[int]] = {}     # pool base -> pinned extent indices
         self._lock = threading.Lock()
 
@@ -178,27 +190,11 @@ class TorchCudaSync:
         except Exception as exc:  # noqa: BLE001 - a peer's bytes
             raise CudaSyncError(f"cannot open the worker's CUDA event: {exc}") from None
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make ``stream`` wait for ``event`` (on the GPU)."""
-        stream.wait_event(event)
-
-    def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
-        """Wait on the host, until ``deadline`` at most, for the worker's word to reach ``seq``
-        (the driver's cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
-        return poll_until(lambda: ((int(page[slot].item()) - seq) & _U64) < 1 << 63, deadline)
-
-    def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
-        """Make ``stream`` wait until the worker's word at ``ptr`` reaches ``seq``."""
-        self._drv.stream_wait_value64(int(stream.cuda_stream), ptr, seq, device)
-
-    def rescue(self, ptr: int, seq: int, device: int) -> None:
-        """Write ``seq`` into a worker's word from the server's side, on a stream of its own,
-        so a stream waiting on a signal that never comes goes on (its request has failed)."""
-        with self._lock:
-            s = self._rescue.get(device)
-            if s is None:
-                s = self._rescue[device] = self._drv.stream_create(device)
-        self._drv.stream_write_value64(s, ptr, seq, device)
+    def wait_word(self, page: Any, slot: int, seq: int, deadline: float,
+                  stop: Optional[Callable[[], bool]] = None) -> bool:
+        """Wait on the host, until ``deadline`` at most (or ``stop()``), for the worker's word to
+        reach ``seq`` (cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
+        return poll_until(lambda: ((int(page[slot].item()) - seq) & _U64) < 1 << 63, deadline, stop)
 
     # ---- copies and completion -------------------------------------------------------------
     def copy(self, dst: Any, src: Any, stream: Any) -> None:
@@ -215,9 +211,10 @@ class TorchCudaSync:
     def done(self, event: Any) -> bool:
         return bool(event.query())
 
-    def wait(self, event: Any, deadline: float) -> bool:
-        """True once ``event`` has completed; False at ``deadline`` (monotonic) if it has not."""
-        return poll_until(lambda: bool(event.query()), deadline)
+    def wait(self, event: Any, deadline: float, stop: Optional[Callable[[], bool]] = None) -> bool:
+        """True once ``event`` has completed; False at ``deadline`` (monotonic), or once
+        ``stop()`` is true, if it has not."""
+        return poll_until(lambda: bool(event.query()), deadline, stop)
 
     # ---- pinning the pool --------------------------------------------------------------------
     def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:

@@ -440,46 +440,40 @@ class DataPlane:
         return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
 
     # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
-    def _cuda_order(self, session: Any, req: Any, sync: Any, stream: Any, dev: int, what: str,
-                    until: Optional[float] = None) -> Any:
-        """Queue the wait on the worker's ordering token; the flag registration held for it
-        (or None), and the word's address and number (for a rescue).
-
-        With ``until`` (a RETRIEVE), first wait on the host, until then at most, for the token
-        to be signalled: a RETRIEVE's copies write the worker's blocks, so none is queued that
-        could run after the worker stopped waiting and computed the blocks itself
-        (``NotSignalled``: nothing was queued)."""
+    def _cuda_order(self, session: Any, req: Any, sync: Any, dev: int, what: str, until: float) -> None:
+        """Wait on the host for the worker's ordering token, until ``until`` at most, and no
+        longer than the session lives (``NotSignalled`` otherwise); nothing is queued on the GPU
+        before it returns, and nothing queued after it waits on the worker. A worker that died
+        with its signal pending thus holds no stream, no copy thread past its deadline or its
+        session's end, and no mapping (cuda_sync's docstring: never wait on the GPU for a
+        worker)."""
         token = req.event
         if not token:
-            return None, None
+            return
+        ended = lambda: session.ended   # noqa: E731 - the worker is gone: stop waiting
         flag = parse_flag_token(token)
         if flag is None:
             ev = sync.open_ipc_event(token, dev)
-            if until is not None and not sync.wait(ev, until):
+            if not sync.wait(ev, until, ended):
                 raise NotSignalled("the worker's CUDA event")
-            sync.wait_event(stream, ev)
-            return None, None
+            return
         slot, seq, iid = flag
         try:
             freg = self._owned(session, iid, what)
             freg = self.registry.acquire(iid)
         except ServerError as exc:
             raise CudaSyncError(f"the flag page {quote(iid, 60)} of the token: {exc.message}") from None
-        try:
+        try:       # held while its word is read: an unregister waits for the read
             page = freg.tensor(FLAG_LAYER)
             kinds = {(w.device_type, w.device) for w in freg.wrappers}
             if page is None or page.dtype.itemsize != 8 or page.numel() < SLOTS or len(kinds) != 1 \
                     or self._cuda_ordinal(next(iter(kinds))) != dev:
                 raise CudaSyncError(f"instance {quote(iid, 60)} is not a flag page on cuda:{dev} "
                                     f"(one layer {FLAG_LAYER!r} of {SLOTS} 64-bit words)")
-            ptr = page.data_ptr() + 8 * slot
-            if until is not None and not sync.wait_word(page, slot, seq, until):
+            if not sync.wait_word(page, slot, seq, until, ended):
                 raise NotSignalled("the worker's flag word")
-            sync.wait_flag(stream, ptr, seq, dev)
-        except BaseException:
+        finally:
             self.registry.let_go(freg)
-            raise
-        return freg, (ptr, seq)
 
     @staticmethod
     def _cuda_ordinal(kind: tuple[str, str]) -> int:
@@ -497,20 +491,14 @@ class DataPlane:
             self._isolated = ipc_policy.is_isolated_ipc()
         return self._isolated
 
-    def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float, rescue: Any,
+    def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float,
                      hold: list, release: Callable[[bool], None]) -> bool:
-        """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline, rescue a flag
-        wait (the worker's signal never came: only a STORE queues copies behind one), and if the
-        GPU is still not done, quarantine: ``release(False)`` runs once it is, with the
-        registrations in ``hold`` still held."""
+        """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline (the GPU is
+        stuck: no copy waits on a worker's signal), quarantine: ``release(False)`` runs once
+        the GPU is done, with the registrations in ``hold`` still held."""
         if done is not None and sync.wait(done, deadline):
             release(True)
             return True
-        if rescue is not None:
-            try:
-                sync.rescue(rescue[0], rescue[1], dev)
-            except Exception:  # noqa: BLE001
-                logger.exception("lmshm: writing a worker's flag word from the server failed")
         if done is None:
             try:
                 done, _ = sync.record(stream, dev, False)
@@ -557,13 +545,12 @@ class DataPlane:
         size = layout.chunk_bytes(cb)
         objs: list = []
         results: list[int] = []
-        freg = rescue = done = stream = None
+        done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "STORE")
-            queued = freg is not None or bool(req.event)
+            self._cuda_order(session, req, sync, dev, "STORE", min(sender, deadline))
             base = self.pool.tensor.data_ptr()
             for i, key in enumerate(req.keys):
                 outcome, obj = self.pool.reserve(uid, key, size, layout.digest, cb)
@@ -577,16 +564,18 @@ class DataPlane:
                                 copy=sync.copy, stream=stream)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001
-            hold = [reg] + ([freg] if freg is not None else [])
 
             def failed(_ok: bool) -> None:
                 self.pool.abort(objs)
             if queued and stream is not None:   # never hand back pool bytes the GPU may still write
-                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed)
+                self._settle_cuda(sync, None, stream, dev, deadline, [reg], failed)
             else:
                 failed(False)
-            if freg is not None:
-                self.registry.let_go(freg)
+            if isinstance(exc, NotSignalled):     # nothing was reserved or queued
+                self.late_requests += 1
+                return _error(ErrorCode.UNAVAILABLE,
+                              f"STORE: {exc} was not signalled in time (by the sender's wait_s, or within "
+                              f"--cuda-timeout {self.cuda_timeout_s:g} s), or the session ended; nothing was stored")
             self.pool.count_failure()
             if isinstance(exc, CudaSyncError):
                 return _error(ErrorCode.INVALID_ARG, f"STORE: {exc}; nothing was stored")
@@ -597,7 +586,6 @@ class DataPlane:
             logger.warning("lmshm: CUDA STORE from %s failed: %s", quote(reg.instance_id, 60), str(exc))
             return _error(ErrorCode.DATA_LOSS, f"STORE: the copies could not be queued ({clip(str(exc), 300)}); "
                                                "nothing was stored")
-        hold = [reg] + ([freg] if freg is not None else [])
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # visible only once the copies have completed
@@ -617,11 +605,7 @@ class DataPlane:
                 self.tiers.write_through(objs)
 
         def after() -> None:
-            try:
-                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release)
-            finally:
-                if freg is not None:
-                    self.registry.let_go(freg)
+            self._settle_cuda(sync, done, stream, dev, deadline, [reg], release)
 
         if not isolated:
             self.events.keep(session.id, done)
@@ -629,8 +613,8 @@ class DataPlane:
         after()                       # isolated: the reply is the ordering, sent once the copies are done
         if not outcome or not outcome[0]:
             return _error(ErrorCode.UNAVAILABLE,
-                          f"STORE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
-                          "ordering signal never came, or the GPU is stuck); nothing was stored")
+                          f"STORE: the copies did not complete within {self.cuda_timeout_s:g} s (the GPU is "
+                          "stuck, or they ended past the sender's wait_s); nothing was stored")
         return protocol.StoreReply(results, size * len(objs), b"")
 
     def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve,
@@ -644,13 +628,12 @@ class DataPlane:
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
         isolated = self._cuda_mode()
-        freg = rescue = done = stream = None
+        done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE", min(sender, deadline))
-            queued = freg is not None or bool(req.event)
+            self._cuda_order(session, req, sync, dev, "RETRIEVE", min(sender, deadline))
             base = self.pool.tensor.data_ptr()
             for i, obj in enumerate(objs):
                 view = self.pool.view(obj)
@@ -660,21 +643,19 @@ class DataPlane:
                             copy=sync.copy, stream=stream)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
-            hold = [reg] + ([freg] if freg is not None else [])
 
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
-                self._settle_cuda(sync, None, stream, dev, deadline, None, hold, failed)
+                self._settle_cuda(sync, None, stream, dev, deadline, [reg], failed)
             else:
                 failed(False)
-            if freg is not None:
-                self.registry.let_go(freg)
             if isinstance(exc, NotSignalled):     # nothing was queued
                 self.late_requests += 1
                 return _error(ErrorCode.UNAVAILABLE,
                               f"RETRIEVE: {exc} was not signalled in time (by the sender's wait_s, or within "
-                              f"--cuda-timeout {self.cuda_timeout_s:g} s); no block was written")
+                              f"--cuda-timeout {self.cuda_timeout_s:g} s), or the session ended; no block was "
+                              "written")
             self.pool.count_failure()
             if isinstance(exc, PinError):
                 logger.error("lmshm: %s", str(exc))   # str: a record keeping exc keeps its frames' tensors
@@ -682,7 +663,6 @@ class DataPlane:
                                                      f"({exc}); recompute these blocks")
             code = ErrorCode.INVALID_ARG if isinstance(exc, CudaSyncError) else ErrorCode.DATA_LOSS
             return _error(code, f"RETRIEVE: {clip(str(exc), 300)}; recompute these blocks")
-        hold = [reg] + ([freg] if freg is not None else [])
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # the pool's bytes stay pinned until the GPU has read them
@@ -692,11 +672,7 @@ class DataPlane:
                 self.pool.count_failure()
 
         def after() -> None:
-            try:
-                self._settle_cuda(sync, done, stream, dev, deadline, None, hold, release)
-            finally:
-                if freg is not None:
-                    self.registry.let_go(freg)
+            self._settle_cuda(sync, done, stream, dev, deadline, [reg], release)
 
         nbytes = layout.chunk_bytes(cb) * len(req.keys)
         if not isolated:
@@ -705,8 +681,8 @@ class DataPlane:
         after()
         if not outcome or not outcome[0]:
             return _error(ErrorCode.DATA_LOSS,
-                          f"RETRIEVE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
-                          "ordering signal never came, or the GPU is stuck); recompute these blocks")
+                          f"RETRIEVE: the copies did not complete within {self.cuda_timeout_s:g} s (the GPU is "
+                          "stuck); recompute these blocks")
         return protocol.RetrieveReply(len(req.keys), nbytes, b"")
 
     def _cancelled(self, reg: Any) -> Callable[[bytes, bytes], None]:

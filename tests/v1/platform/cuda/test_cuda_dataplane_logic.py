@@ -66,9 +66,10 @@ def test_a_store_waits_for_the_worker_replies_then_commits_after_the_gpu_is_done
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == bytes([1]) * 64
-    # the worker's event first; then the copies (2 layers x 1 run); the server's event; the reply;
-    # and only then the wait for that event, after which the chunk becomes visible
-    assert g.sync.log == ["stream:0", "wait:W", "pin", "copy", "copy", "record:1", "sync:event1"]
+    # the worker's event waited for on the host first (never on the GPU); then the copies (2 layers
+    # x 1 run); the server's event; the reply; and only then the wait for that event, after which
+    # the chunk becomes visible
+    assert g.sync.log == ["stream:0", "host-wait:W", "pin", "copy", "copy", "record:1", "sync:event1"]
     assert seen_at_sync == [(1, 0)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 1
 
@@ -86,7 +87,7 @@ def test_a_retrieve_writes_the_blocks_and_unpins_only_after_the_gpu_read_them(gp
     assert isinstance(reply, protocol.RetrieveReply) and reply.chunks == 1 and reply.event == bytes([2]) * 64
     # the worker's event is waited on from the host first: no copy into its blocks is queued
     # that could run after it stopped waiting
-    assert g.sync.log == ["stream:0", "host-wait:X", "wait:X", "pin", "copy", "copy", "record:2", "sync:event2"]
+    assert g.sync.log == ["stream:0", "host-wait:X", "pin", "copy", "copy", "record:2", "sync:event2"]
     assert pinned_at_sync == [1] and g.dp.pool.info()["pinned"] == 0 and g.dp.pool.info()["leases"] == 0
     for layer in range(2):
         assert block(g.fake, g.base, layer, 5) == block(g.fake, g.base, layer, 1)
@@ -108,7 +109,7 @@ def test_an_unusable_worker_event_stores_nothing(gpu_registration):
 def test_a_sessions_events_go_with_it(gpu_registration):
     g = gpu_registration
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2))
-    assert "wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
+    assert "host-wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
     g.dp.session_ended("s1")
     assert len(g.dp.events) == 0
 
@@ -179,6 +180,7 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
 
 # ---- isolated mode's flag words, deadlines, quarantine, event lifetimes (issue 26: 2, 4, 5, 7) ----
 import ctypes  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from lmshm.core import cuda_sync  # noqa: E402
@@ -232,9 +234,8 @@ def test_isolated_store_waits_on_the_workers_word_and_replies_only_after_the_cop
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == b""   # no IPC event to open
-    assert g.sync.log == ["stream:0", "wait-flag:41", "pin", "copy", "copy", "record:1", "sync:event1"]
+    assert g.sync.log == ["stream:0", "host-wait-flag:41", "pin", "copy", "copy", "record:1", "sync:event1"]
     assert seen == [(0, 0)]                      # the wait came before the reply and the commit
-    assert g.sync.flag_waits == [(g.page.data_ptr() + 8 * 5, 41)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 0
     assert g.dp.registry.get("flags-1").holds == 0
 
@@ -251,25 +252,81 @@ def test_isolated_retrieve_unpins_before_its_reply(isolated):
     assert block(g.fake, g.base, 0, 5) == block(g.fake, g.base, 0, 1)
 
 
-def test_a_flag_word_that_never_comes_is_rescued_and_fails_the_store_with_nothing_handed_back(isolated):
+def test_an_isolated_store_whose_word_never_comes_queues_nothing_and_holds_nothing(isolated):
+    """The worker's word is waited for on the host: at the deadline the STORE fails with nothing
+    reserved or queued, so no stream waits on the worker and nothing goes to the quarantine."""
     g = isolated
     g.dp.cuda_timeout_s = 0.05
     reg = g.dp.registry.get("gpu")
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 9, "flags-1")))
     (reply,) = g.replies
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
-    assert "ordering signal never came" in reply.message
-    assert g.sync.rescued == [(g.page.data_ptr() + 8 * 3, 9)]      # the server unblocked its own stream
+    assert "flag word was not signalled in time" in reply.message and "nothing was stored" in reply.message
+    assert g.sync.log == ["stream:0", "host-wait-flag:9"]            # no copy, no GPU-side wait
     info = g.dp.pool.info()
-    assert info["in_flight"] == 1 and info["objects"] == 0          # reserved bytes still out of use...
-    assert reg.holds == 1 and g.dp.registry.get("flags-1").holds == 1 and g.dp.cuda_quarantined == 1
-    g.dp.tick()
-    assert g.dp.pool.info()["in_flight"] == 1                       # ...while the GPU may write them
-    g.sync.complete_all()
-    g.dp.tick()
-    info = g.dp.pool.info()
-    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0) and info["failed"] == 1
+    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
     assert reg.holds == 0 and g.dp.registry.get("flags-1").holds == 0
+    assert g.dp.cuda_quarantined == 0 and not g.dp._quarantine and g.dp.late_requests == 1
+
+
+def test_a_default_mode_store_whose_worker_event_never_completes_queues_nothing_and_holds_nothing(gpu_registration):
+    """Issue 42 §3: the worker died before its event completed. Queued behind that event on the
+    GPU, the copies never ran: the stream blocked for good and the quarantine held the dead
+    worker's mapping and the reserved pool bytes until a restart."""
+    g = gpu_registration
+    g.dp.cuda_timeout_s = 0.05
+    g.sync.worker_pending = True
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "CUDA event was not signalled in time" in reply.message and "nothing was stored" in reply.message
+    assert g.sync.log == ["stream:0", "host-wait:W"] and g.sync.made == []   # nothing queued, no event
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
+    assert g.dp.registry.get("gpu").holds == 0 and g.dp.cuda_quarantined == 0 and not g.dp._quarantine
+    assert len(g.dp.events) == 0 and g.dp.late_requests == 1
+
+
+@pytest.mark.parametrize("what", ["STORE", "RETRIEVE"])
+@pytest.mark.parametrize("token", ["event", "flag"])
+def test_a_worker_that_dies_during_the_host_wait_frees_the_copy_thread_at_once(isolated, what, token):
+    """The session ends (the worker died) while its request waits for its signal: the wait stops
+    then, not at --cuda-timeout, and its registrations are let go, so the reclaim can unmap."""
+    g = isolated
+    _set_word(g, 1, 1)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
+    lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)[1] if what == "RETRIEVE" else b""
+    g.dp._isolated = token == "flag"
+    g.sync.log.clear()
+    g.sync.worker_pending = True                                       # an event: never completes
+    g.dp.cuda_timeout_s = 30.0
+    ev = b"W" * 64 if token == "event" else flag_token(2, 5, "flags-1")   # a word: never written
+    req = (protocol.Store("gpu", [b"k1"], [3, 4], 2, event=ev) if what == "STORE"
+           else protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=ev))
+    g.sync.on_host_wait = lambda: threading.Timer(0.05, setattr, (g.session, "ended", True)).start()
+    t0 = time.monotonic()
+    run(g.dp, g.session, req)
+    assert time.monotonic() - t0 < 2.0, "the host wait went on after the session ended"
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "copy" not in g.sync.log
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["pinned"]) == (0, 0) and g.dp.cuda_quarantined == 0
+    assert g.dp.registry.get("gpu").holds == 0 and g.dp.registry.get("flags-1").holds == 0
+
+
+def test_with_cuda_pin_off_no_copy_is_queued_before_the_token_is_seen_on_the_host(isolated):
+    """--cuda-pin off: a copy to pageable memory returns only when it is done, so a copy queued
+    behind a GPU-side wait on the worker would block its thread without a bound. The word is
+    read on the host first, and the copies come after it reached the number."""
+    g = isolated
+    g.dp.cuda_pin = "off"
+    g.sync.on_host_wait = lambda: threading.Timer(0.05, _set_word, (g, 6, 12)).start()   # written late
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(6, 12, "flags-1")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply), reply
+    assert g.sync.log[:3] == ["stream:0", "host-wait-flag:12", "pin"] and "copy" in g.sync.log
+    assert not any(x.startswith("wait") for x in g.sync.log)          # nothing waits on the GPU
 
 
 def test_a_default_mode_copy_past_its_deadline_holds_its_bytes_until_the_gpu_is_done(gpu_registration):
@@ -469,7 +526,7 @@ def test_a_retrieve_whose_signal_never_comes_queues_nothing_and_writes_no_block(
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "flag word was not signalled in time" in reply.message and "no block was written" in reply.message
-    assert "copy" not in g.sync.log and "wait-flag:7" not in g.sync.log and g.sync.rescued == []
+    assert g.sync.log == ["stream:0", "host-wait-flag:7"]
     assert [block(g.fake, g.base, 0, b) for b in (5, 6)] == before
     info = g.dp.pool.info()
     assert info["pinned"] == 0 and info["leases"] == 0 and g.dp.late_requests == 1
@@ -482,6 +539,7 @@ def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gp
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
     g.sync.log.clear()
     g.sync.worker_pending = True
+    g.dp.cuda_timeout_s = 0.05
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=b"X" * 64))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
