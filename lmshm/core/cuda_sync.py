@@ -270,8 +270,12 @@ class WorkerCudaSync:
     """The worker's half: an ordering token per request, and the wait on the server's reply.
 
     In isolated mode (``ipc_policy.is_isolated_ipc()``, or ``isolated=True``) it needs the
-    ``client`` (an ``MPClient``, or a callable returning one or None): on first use it registers a flag page of ``SLOTS`` words with
-    the server, under an instance id of its own, and unregisters it in ``close()``."""
+    ``client`` (an ``MPClient``, or a callable returning one or None): on first use it registers
+    a flag page of ``SLOTS`` words with the server, under an instance id of its own, registers it
+    again (under a new id) whenever the client, or the server behind it, is another one than it
+    was registered with (a server restart forgets it), and unregisters it in ``close()``. A
+    device without 64-bit stream memory operations cannot write flag words: every token is
+    refused then, saying so."""
 
     def __init__(self, device: int, client: Any = None, *, isolated: Optional[bool] = None) -> None:
         import torch
@@ -289,27 +293,59 @@ class WorkerCudaSync:
         self._client = client
         self._page: Any = None
         self._page_id = ""
+        self._registered_with: Any = None
+        self._registered_at: Any = None          # the server id the page was registered with
         self._seq = 0
         self._lock = threading.Lock()
+        self._refused = ""
+        if self.isolated:
+            from lmshm.platform.cuda.driver import get_driver
+
+            try:
+                usable = get_driver().can_use_64bit_stream_mem_ops(device)
+            except Exception as exc:  # noqa: BLE001 - no driver: every token says why
+                usable, self._refused = False, f"isolated mode needs the CUDA driver's stream memory operations: {exc}"
+            if not usable and not self._refused:
+                self._refused = (f"isolated mode (--isolated-ipc, LMSHM_ISOLATED_IPC) orders requests with 64-bit "
+                                 f"stream memory operations (cuStreamWriteValue64), which cuda:{device} or its driver "
+                                 "does not support (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0); run "
+                                 "worker and server without isolated mode, sharing /dev/shm")
+            if self._refused:
+                logger.error("lmshm: %s", self._refused)
 
     def _flag_page(self) -> tuple[Any, str]:
-        if self._page is None:
-            import secrets
+        import secrets
 
+        client = self._client() if callable(self._client) else self._client   # a client, or what gives one
+        if client is None:
+            raise RuntimeError("no connection to lmshm-server yet: the flag page cannot be registered")
+        server = getattr(client, "server_id", None)
+        if self._page is not None and client is self._registered_with and server == self._registered_at:
+            return self._page, self._page_id
+        if self._page is None:
             page = self._torch.zeros(SLOTS, dtype=self._torch.int64, device=f"cuda:{self.device}")
             self._torch.cuda.synchronize(self.device)          # the zeros are there before any wait
-            iid = f"lmshm-flags-{secrets.token_hex(8)}"
-            client = self._client() if callable(self._client) else self._client   # a client, or what gives one
-            if client is None:
-                raise RuntimeError("no connection to lmshm-server yet: the flag page cannot be registered")
-            client.register_kv_caches({FLAG_LAYER: page}, iid, model_name=FLAG_LAYER)
-            self._registered_with = client
-            self._page, self._page_id = page, iid
-        return self._page, self._page_id
+        else:
+            page = self._page                 # its words only grow: the server reads the newest
+        old, old_client = self._page_id, self._registered_with
+        iid = f"lmshm-flags-{secrets.token_hex(8)}"      # a new id: never one the client re-sent itself
+        client.register_kv_caches({FLAG_LAYER: page}, iid, model_name=FLAG_LAYER)
+        self._registered_with, self._registered_at = client, server
+        self._page, self._page_id = page, iid
+        if old:
+            logger.info("lmshm: the isolated-mode flag page is registered again (%s, after %s): the server or "
+                        "the client is another one", iid, old)
+            try:
+                old_client.unregister_kv_caches(old)
+            except Exception:  # noqa: BLE001 - a server that restarted does not know it
+                logger.debug("lmshm: unregistering the old flag page failed", exc_info=True)
+        return page, iid
 
     def ready(self) -> tuple[Any, bytes]:
         """The token for a request sent now: after the work queued so far on the current
         stream. Keep the first item alive until the reply."""
+        if self._refused:
+            raise CudaSyncError(self._refused)
         stream = self._torch.cuda.current_stream(self.device)
         if not self.isolated:
             ev = self._torch.cuda.Event(interprocess=True, blocking=False)
@@ -327,10 +363,17 @@ class WorkerCudaSync:
 
     def wait(self, handle: bytes) -> None:
         """Make the current stream wait for the server's event (no host-side wait). Isolated
-        mode's replies carry none: they come once the server's copies are done."""
-        if handle:
-            ev = self._torch.cuda.Event.from_ipc_handle(self.device, handle)
-            self._torch.cuda.current_stream(self.device).wait_event(ev)
+        mode's replies carry none: they come once the server's copies are done, and an
+        interprocess event in one is refused (``CudaSyncError``): it would need the /dev/shm
+        isolated mode does without, and a reply that carries one did not wait for the copies."""
+        if not handle:
+            return
+        if self.isolated:
+            raise CudaSyncError("the server answered an isolated-mode request with an interprocess CUDA event; "
+                                "its copies may still be running: treat the request as failed (is lmshm-server "
+                                "older than this client?)")
+        ev = self._torch.cuda.Event.from_ipc_handle(self.device, handle)
+        self._torch.cuda.current_stream(self.device).wait_event(ev)
 
     def close(self) -> None:
         if self._page is not None:

@@ -32,6 +32,7 @@ from lmshm.core.copier import (
 )
 from lmshm.core.cuda_sync import (
     FLAG_LAYER,
+    FLAG_MAGIC,
     PIN_MODES,
     SLOTS,
     CudaSyncError,
@@ -483,6 +484,12 @@ class DataPlane:
 
         return get_driver().local_ordinal(kind[1])
 
+    def _replies_after_copies(self, token: bytes) -> bool:
+        """True: answer once the copies have completed, with no event (isolated mode). A flag
+        token always is, whatever mode this server was started in: an isolated worker cannot
+        open an interprocess event (no shared /dev/shm) and orders its work by the reply."""
+        return token.startswith(FLAG_MAGIC) or self._cuda_mode()
+
     def _cuda_mode(self) -> bool:
         """True in isolated mode: flag words, replies after completion, no IPC events."""
         if self._isolated is None:
@@ -541,7 +548,7 @@ class DataPlane:
         if time.monotonic() > sender:
             return self._late("STORE", "nothing was stored")
         sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
-        isolated = self._cuda_mode()
+        isolated = self._replies_after_copies(req.event)
         size = layout.chunk_bytes(cb)
         objs: list = []
         results: list[int] = []
@@ -627,7 +634,7 @@ class DataPlane:
             return self._late("RETRIEVE", "no block was written")
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
-        isolated = self._cuda_mode()
+        isolated = self._replies_after_copies(req.event)
         done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s

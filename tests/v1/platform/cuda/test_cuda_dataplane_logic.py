@@ -575,3 +575,90 @@ def test_host_waits_poll_until_ready_or_the_deadline_and_sleep_between_polls():
     t0 = time.monotonic()
     assert cuda_sync.poll_until(lambda: False, t0 + 0.05) is False
     assert 0.05 <= time.monotonic() - t0 < 1
+
+
+# ---- isolated mode across reconnects and mixed modes (issue 42 §4) ----------------------------
+
+def test_a_flag_token_gets_a_reply_after_the_copies_and_no_event_from_a_server_not_started_isolated(isolated):
+    """An isolated worker cannot open an interprocess event (no shared /dev/shm) and orders its
+    work by the reply: a server started without --isolated-ipc must answer its flag tokens so."""
+    g = isolated
+    g.dp._isolated = False
+    _set_word(g, 5, 41)
+    seen = []
+    g.sync.on_synchronize = lambda: seen.append((len(g.replies), g.dp.pool.info()["objects"]))
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply) and reply.event == b"", reply
+    assert seen == [(0, 0)] and len(g.dp.events) == 0           # answered after the copies completed
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
+    _set_word(g, 6, 42)
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(6, 42, "flags-1")))
+    assert isinstance(g.replies[-1], protocol.RetrieveReply) and g.replies[-1].event == b""
+    assert g.dp.pool.info()["pinned"] == 0 and len(g.dp.events) == 0
+
+
+class FakeClient:
+    """A FAKE of ``MPClient``'s registration calls (what ``WorkerCudaSync`` uses of it)."""
+
+    def __init__(self, server_id: str = "server-1") -> None:
+        self.server_id = server_id
+        self.registered: list[str] = []
+        self.unregistered: list[str] = []
+
+    def register_kv_caches(self, kv, instance_id, *, model_name=""):
+        assert list(kv) == [FLAG_LAYER] and model_name == FLAG_LAYER
+        self.registered.append(instance_id)
+        return instance_id
+
+    def unregister_kv_caches(self, instance_id):
+        self.unregistered.append(instance_id)
+        return False
+
+
+def _worker_sync(fake_driver, client, monkeypatch):
+    """An isolated ``WorkerCudaSync`` whose page lives in the fake driver's memory (no GPU)."""
+    page_ptr = fake_driver.malloc(SLOTS * 8)
+    page = SimpleNamespace(data_ptr=lambda: page_ptr)
+    sync = cuda_sync.WorkerCudaSync(0, client=client, isolated=True)
+    sync._torch = SimpleNamespace(int64=torch.int64, zeros=lambda *a, **k: page,
+                                  cuda=SimpleNamespace(synchronize=lambda device=None: None,
+                                                       current_stream=lambda device=None: SimpleNamespace(
+                                                           cuda_stream=fake_driver.stream_create(0))))
+    return sync, page_ptr
+
+
+def test_the_flag_page_is_registered_again_after_a_server_restart_and_with_a_new_client(fake_driver, monkeypatch):
+    """The page was registered once: after a server restart the tokens named a page the new
+    server did not know, and every CUDA request answered INVALID_ARG for good."""
+    first = FakeClient()
+    current = [first]
+    sync, page_ptr = _worker_sync(fake_driver, lambda: current[0], monkeypatch)
+    ids = [parse_flag_token(sync.ready()[1])[2] for _ in range(3)]
+    assert len(set(ids)) == 1 and first.registered == ids[:1]               # once while the server is the same
+    first.server_id = "server-2"                                             # it restarted
+    _, token = sync.ready()
+    slot, seq, iid = parse_flag_token(token)
+    assert first.registered == [ids[0], iid] and iid != ids[0] and first.unregistered == [ids[0]]
+    assert fake_driver.read_u64(page_ptr + 8 * slot) == seq == 4              # the same page, its count goes on
+    second = current[0] = FakeClient("server-2")                             # another client (a new link)
+    iid2 = parse_flag_token(sync.ready()[1])[2]
+    assert second.registered == [iid2] and iid2 not in (ids[0], iid)
+    sync.close()
+    assert second.unregistered == [iid2]
+
+
+def test_an_isolated_worker_refuses_an_interprocess_event_in_a_reply(fake_driver):
+    sync = cuda_sync.WorkerCudaSync(0, client=FakeClient(), isolated=True)
+    sync.wait(b"")                                                           # isolated replies carry none
+    with pytest.raises(cuda_sync.CudaSyncError, match="interprocess CUDA event"):
+        sync.wait(b"E" * 64)
+
+
+def test_isolated_mode_is_refused_on_a_device_without_64bit_stream_memory_operations(fake_driver, monkeypatch):
+    fake_driver.stream_mem_ops = False
+    client = FakeClient()
+    sync, _ = _worker_sync(fake_driver, client, monkeypatch)
+    with pytest.raises(cuda_sync.CudaSyncError, match="64-bit stream memory operations.*without isolated mode"):
+        sync.ready()
+    assert client.registered == []
