@@ -156,16 +156,22 @@ class DataPlane:
         if not self.pool.capacity:
             raise DataPlaneError(ErrorCode.UNAVAILABLE,
                                  f"{what}: this lmshm-server has no pool (started with --capacity 0)")
+        reg = self._owner_of(session, instance_id, what)
+        if self.copier.pending(session.id) >= self.max_inflight:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"{what}: this session already has {self.max_inflight} STORE/RETRIEVE requests in "
+                                 "flight, the server's limit (lmshm-server --max-inflight-per-session)")
+        return reg
+
+    def _owner_of(self, session: Any, instance_id: str, what: str) -> Any:
+        """``instance_id``'s registration if ``session`` owns it (nothing about the in-flight
+        limit: a running request's flag page is checked with this, and it counts itself)."""
         reg = self.registry.get(instance_id)
         if reg.owner != session.id:
             raise DataPlaneError(ErrorCode.PERMISSION_DENIED,
                                  f"{what}: instance {quote(instance_id, 60)} belongs to another session "
                                  f"(pid {reg.owner_pid}); only the worker that registered it may copy blocks "
                                  "in or out of it")
-        if self.copier.pending(session.id) >= self.max_inflight:
-            raise DataPlaneError(ErrorCode.UNAVAILABLE,
-                                 f"{what}: this session already has {self.max_inflight} STORE/RETRIEVE requests in "
-                                 "flight, the server's limit (lmshm-server --max-inflight-per-session)")
         return reg
 
     def _layout(self, reg: Any) -> BlockLayout:
@@ -460,7 +466,7 @@ class DataPlane:
             return
         slot, seq, iid = flag
         try:
-            freg = self._owned(session, iid, what)
+            self._owner_of(session, iid, what)
             freg = self.registry.acquire(iid)
         except ServerError as exc:
             raise CudaSyncError(f"the flag page {quote(iid, 60)} of the token: {exc.message}") from None

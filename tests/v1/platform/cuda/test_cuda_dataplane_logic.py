@@ -662,3 +662,18 @@ def test_isolated_mode_is_refused_on_a_device_without_64bit_stream_memory_operat
     with pytest.raises(cuda_sync.CudaSyncError, match="64-bit stream memory operations.*without isolated mode"):
         sync.ready()
     assert client.registered == []
+
+
+def test_a_flag_token_is_not_refused_by_the_in_flight_limit_its_own_request_fills(isolated):
+    """The running request counts in the session's in-flight jobs: checking its flag page
+    against the limit refused it at the limit, as an unusable flag page (INVALID_ARG)."""
+    g = isolated
+    g.dp.max_inflight = 1
+    _set_word(g, 3, 3)
+    d = g.dp.store(g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 3, "flags-1")))
+    g.dp.copier.submit(d.session, lambda: d.job(b"id", b"rid"), lambda: d.cancel(b"id", b"rid"))
+    deadline = time.monotonic() + 5
+    while not g.replies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply) and reply.results == [protocol.StoreResult.STORED], reply
