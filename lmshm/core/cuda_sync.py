@@ -44,7 +44,9 @@ Rules on the server side (``lmshm.core.dataplane``):
   quarantine), never handed back under DMA;
 - the server's events for default-mode replies live until their copies completed *and* at
   least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
-  each reply's event at its next step, never opens a destroyed one;
+  each reply's event at its next step, never opens a destroyed one; past ``EVENT_CAP`` in a
+  session or ``EVENT_TOTAL_CAP`` in the process the oldest completed ones go early, and when
+  none has completed a new default-mode request is refused;
 - the pool is page-locked (``cudaHostRegister``) in extents of ``PIN_EXTENT`` bytes as copies
   first use them (``--cuda-pin lazy``, the default), or whole at start (``start``), or never
   (``off``: copies are staged by the driver, slower). A pin that fails is the server's problem,
@@ -76,8 +78,13 @@ SLOTS = 1024
 FLAG_LAYER = "lmshm.flags"
 #: Default-mode server events are kept at least this long after their reply...
 EVENT_MIN_AGE_S = 30.0
-#: ...and at most this many per session (the oldest completed ones go first past it).
+#: ...and at most this many per session (the oldest completed ones go first past it)...
 EVENT_CAP = 4096
+#: ...and in the whole process: interprocess events are a scarce driver resource (PyTorch's
+#: CudaIPCTypes.h reports about 22,000 recorded blocking ones as a practical limit, and keeps
+#: 1,000 itself; the workers hold theirs too). Past it the oldest completed ones go early; when
+#: none has completed, new default-mode requests are refused until some have.
+EVENT_TOTAL_CAP = 8192
 #: The pool is page-locked in extents of this many bytes, as copies first touch them.
 PIN_EXTENT = 256 << 20
 PIN_MODES = ("lazy", "start", "off")
@@ -386,16 +393,21 @@ class WorkerCudaSync:
 
 class EventKeeper:
     """The server's default-mode reply events per session: each is kept until its copies have
-    completed and ``EVENT_MIN_AGE_S`` have passed since its reply; past ``EVENT_CAP`` in one
-    session, the oldest completed ones go early (``dropped_early`` counts them)."""
+    completed and ``EVENT_MIN_AGE_S`` have passed since its reply. Past ``EVENT_CAP`` in one
+    session, or ``EVENT_TOTAL_CAP`` in all, the oldest completed ones go early (``dropped_early``
+    counts them; past the total, down to 7/8 of it, so the sort runs once per many requests).
+    An event whose copies have not completed is never dropped: ``room()`` says whether a new one
+    may be made."""
 
     def __init__(self, min_age_s: float = EVENT_MIN_AGE_S, cap: int = EVENT_CAP,
-                 done: Any = None) -> None:
+                 done: Any = None, total_cap: int = EVENT_TOTAL_CAP) -> None:
         self._min_age = min_age_s
         self._cap = cap
+        self._total_cap = total_cap
         self._done = done if done is not None else (lambda ev: bool(ev.query()))
         self._lock = threading.Lock()
         self._by_session: dict[Any, collections.deque] = {}
+        self._count = 0
         self.dropped_early = 0
 
     def keep(self, session: Any, event: Any, now: Optional[float] = None) -> None:
@@ -403,9 +415,23 @@ class EventKeeper:
         with self._lock:
             q = self._by_session.setdefault(session, collections.deque())
             q.append((now, event))
+            self._count += 1
             self._trim(q, now)
+            if self._count > self._total_cap:
+                self._drop_oldest_completed(self._count - self._total_cap * 7 // 8)
+
+    def room(self) -> bool:
+        """True if one more event may be kept: under ``EVENT_TOTAL_CAP``, after dropping the
+        oldest completed ones early if need be. False: every kept event's copies are still
+        running (refuse the request)."""
+        with self._lock:
+            if self._count < self._total_cap:
+                return True
+            self._drop_oldest_completed(self._count - self._total_cap * 7 // 8)
+            return self._count < self._total_cap
 
     def _trim(self, q: collections.deque, now: float) -> None:
+        before = len(q)
         while q and now - q[0][0] >= self._min_age and self._done(q[0][1]):
             q.popleft()
         if len(q) > self._cap:           # the oldest completed ones, wherever they are
@@ -419,6 +445,24 @@ class EventKeeper:
                     keep.append(item)
             q.clear()
             q.extend(keep)
+        self._count -= before - len(q)
+
+    def _drop_oldest_completed(self, n: int) -> None:
+        """Drop up to ``n`` completed events, oldest first, over all sessions (under the lock)."""
+        done = sorted((t, id(ev), session) for session, q in self._by_session.items() for t, ev in q
+                      if self._done(ev))[:max(n, 0)]
+        if not done:
+            return
+        gone = {(session, i) for _, i, session in done}
+        for session, q in list(self._by_session.items()):
+            kept = [(t, ev) for t, ev in q if (session, id(ev)) not in gone]
+            if len(kept) != len(q):
+                q.clear()
+                q.extend(kept)
+            if not q:
+                del self._by_session[session]
+        self._count -= len(done)
+        self.dropped_early += len(done)
 
     def expire(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
@@ -430,8 +474,8 @@ class EventKeeper:
 
     def drop(self, session: Any) -> None:
         with self._lock:
-            self._by_session.pop(session, None)
+            self._count -= len(self._by_session.pop(session, ()))
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(q) for q in self._by_session.values())
+            return self._count

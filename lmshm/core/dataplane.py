@@ -115,6 +115,7 @@ class DataPlane:
         self._reply = reply
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
+        self._no_events_logged = -1e9
         if cuda_pin not in PIN_MODES:
             raise DataPlaneError(ErrorCode.INVALID_ARG, f"--cuda-pin {quote(cuda_pin, 40)} is not one of "
                                                         f"{', '.join(PIN_MODES)}")
@@ -490,6 +491,16 @@ class DataPlane:
 
         return get_driver().local_ordinal(kind[1])
 
+    def _no_events(self, what: str, outcome: str) -> protocol.ErrorReply:
+        now = time.monotonic()
+        if now - self._no_events_logged >= 10.0:      # at most every 10 s: it may hit every request
+            self._no_events_logged = now
+            logger.warning("lmshm: %d interprocess CUDA events are kept and none of their copies has completed; "
+                           "refusing default-mode requests until some have", len(self.events))
+        return _error(ErrorCode.UNAVAILABLE, f"{what}: the server holds {len(self.events)} interprocess CUDA events "
+                                             "whose copies have not completed, its limit (cuda_sync.EVENT_TOTAL_CAP); "
+                                             f"{outcome}, retry later")
+
     def _replies_after_copies(self, token: bytes) -> bool:
         """True: answer once the copies have completed, with no event (isolated mode). A flag
         token always is, whatever mode this server was started in: an isolated worker cannot
@@ -555,6 +566,8 @@ class DataPlane:
             return self._late("STORE", "nothing was stored")
         sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
         isolated = self._replies_after_copies(req.event)
+        if not isolated and not self.events.room():
+            return self._no_events("STORE", "nothing was stored")
         size = layout.chunk_bytes(cb)
         objs: list = []
         results: list[int] = []
@@ -641,6 +654,9 @@ class DataPlane:
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
         isolated = self._replies_after_copies(req.event)
+        if not isolated and not self.events.room():
+            self.pool.unpin(objs, retrieved=False)
+            return self._no_events("RETRIEVE", "no block was written")
         done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s

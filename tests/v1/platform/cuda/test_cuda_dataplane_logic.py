@@ -677,3 +677,44 @@ def test_a_flag_token_is_not_refused_by_the_in_flight_limit_its_own_request_fill
         time.sleep(0.01)
     (reply,) = g.replies
     assert isinstance(reply, protocol.StoreReply) and reply.results == [protocol.StoreResult.STORED], reply
+
+
+def test_reply_events_are_capped_in_the_whole_process_oldest_completed_first_never_a_running_one():
+    """Interprocess events are scarce (PyTorch reports about 22,000 as a practical limit): the
+    per-session cap alone let many sessions keep 4,096 each, 30 s long."""
+    keeper = EventKeeper(min_age_s=30, cap=100, done=lambda ev: ev.finished, total_cap=8)
+    running = _Ev(False)
+    keeper.keep("a", running, now=0)
+    olds = [_Ev(True) for _ in range(4)]
+    for i, ev in enumerate(olds):
+        keeper.keep("b" if i % 2 else "c", ev, now=1 + i)
+    for i in range(3):
+        keeper.keep(f"s{i}", _Ev(True), now=10 + i)
+    assert len(keeper) == 8 and keeper.dropped_early == 0
+    keeper.keep("d", _Ev(False), now=20)          # 9 > 8: down to 7, the oldest completed first
+    assert len(keeper) == 7 and keeper.dropped_early == 2 and keeper.room() is True
+    left = [ev for q in keeper._by_session.values() for _, ev in q]
+    assert running in left and olds[0] not in left and olds[1] not in left and olds[2] in left
+    busy = EventKeeper(min_age_s=30, cap=100, done=lambda ev: ev.finished, total_cap=2)
+    busy.keep("a", _Ev(False), now=0)
+    busy.keep("b", _Ev(False), now=1)
+    assert busy.room() is False and len(busy) == 2 and busy.dropped_early == 0   # running: never dropped
+
+
+def test_when_every_kept_event_is_still_running_a_default_mode_request_is_refused_with_nothing_queued(gpu_registration):
+    g = gpu_registration
+    g.dp.events = EventKeeper(total_cap=1, done=g.sync.done)
+    g.sync.hold_events = True                      # the first STORE's copies keep running
+    g.dp.cuda_timeout_s = 0.05
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    assert isinstance(g.replies[0], protocol.StoreReply)
+    g.sync.log.clear()
+    run(g.dp, g.session, protocol.Store("gpu", [b"k1"], [3, 4], 2, event=b"W" * 64))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "interprocess CUDA events" in reply.message and "retry" in reply.message
+    assert g.sync.log == [] and len(g.dp.events) == 1
+    g.sync.complete_all()
+    g.dp.tick()
+    run(g.dp, g.session, protocol.Store("gpu", [b"k1"], [3, 4], 2, event=b"W" * 64))
+    assert isinstance(g.replies[-1], protocol.StoreReply)   # a completed one made room
