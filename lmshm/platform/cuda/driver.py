@@ -357,11 +357,13 @@ class CudaDriver:
                                       self._handle_type("fabric"),
                                       subject=f"fabric handle={handle_digest(data)}, device=cuda:{ordinal}"))
 
-    def granularity(self, ordinal: int) -> int:
+    def granularity(self, ordinal: int, handle_type: str | None = None) -> int:
+        """The minimum granularity of an allocation on ``ordinal`` exportable as ``handle_type``
+        (the allocation's own: the driver may answer another one per requestedHandleTypes)."""
         flag = self.b.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         with self.bound(ordinal):
-            return int(self._call("cuMemGetAllocationGranularity", self._device_prop(ordinal), flag,
-                                  subject=f"device=cuda:{ordinal}"))
+            return int(self._call("cuMemGetAllocationGranularity", self._device_prop(ordinal, handle_type), flag,
+                                  subject=f"device=cuda:{ordinal}, handle type={handle_type or 'none'}"))
 
     def reserve(self, size: int, ordinal: int) -> int:
         with self.bound(ordinal):

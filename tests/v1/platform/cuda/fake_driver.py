@@ -88,6 +88,7 @@ class FakeCudaDriver:
         self._free_handles: list[int] = []          # released handle values, reused first
         self.sequence: list[str] = []               # successful calls, in order
         self.stream_mem_ops = True                  # CAN_USE_64_BIT_STREAM_MEM_OPS
+        self.granularity_queries: list = []         # the handle type each granularity query named
         self._next_stream = 0x5000
         self.streams: set[int] = set()              # live streams
         self.held: set[int] = set()                 # streams whose queued work never finishes
@@ -226,8 +227,9 @@ class FakeCudaDriver:
             bits = HANDLE_TYPE_BITS[handle_type] if handle_type in HANDLE_TYPE_BITS else 0
             return self._handle(Physical(size, ordinal, "vmm", handle_bits=bits))
 
-    def granularity(self, ordinal: int) -> int:
+    def granularity(self, ordinal: int, handle_type: str | None = None) -> int:
         self._enter("cuMemGetAllocationGranularity")
+        self.granularity_queries.append(handle_type)
         return GRANULARITY
 
     def reserve(self, size: int, ordinal: int) -> int:

@@ -394,3 +394,43 @@ def test_stream_memory_operations_pass_typed_streams_and_the_geq_and_default_fla
     assert gateway.can_use_64bit_stream_mem_ops(0) is True
     gateway.stream_destroy(s, 0)
     assert b.log[-1] == ("stream-destroy", ("stream", 0x5100))
+
+
+class GranularityBindings(ContextBindings):
+    """ContextBindings plus what a granularity query builds: the allocation property (as
+    cuda-python's struct, attributes only) and cuMemGetAllocationGranularity, which records the
+    property's requestedHandleTypes."""
+
+    class CUmemAllocationType:  # noqa: N801
+        CU_MEM_ALLOCATION_TYPE_PINNED = 1
+
+    class CUmemLocationType:  # noqa: N801
+        CU_MEM_LOCATION_TYPE_DEVICE = 1
+
+    class CUmemAllocationHandleType:  # noqa: N801
+        CU_MEM_HANDLE_TYPE_NONE = 0
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+        CU_MEM_HANDLE_TYPE_FABRIC = 8
+
+    class CUmemAllocationGranularity_flags:  # noqa: N801
+        CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+
+    class CUmemAllocationProp:
+        def __init__(self):
+            import types
+
+            self.type = 0
+            self.location = types.SimpleNamespace(type=0, id=0)
+            self.requestedHandleTypes = 0            # CU_MEM_HANDLE_TYPE_NONE
+
+    def cuMemGetAllocationGranularity(self, prop, flag):  # noqa: N802
+        self.log.append(("granularity", prop.location.id, prop.requestedHandleTypes, flag))
+        return (self.ok, 2 << 20)
+
+
+def test_granularity_is_asked_with_the_allocations_own_handle_type():
+    b = GranularityBindings()
+    gateway = driver.CudaDriver(b)
+    assert gateway.granularity(1, "fabric") == 2 << 20
+    assert gateway.granularity(0, "posix-fd") == 2 << 20
+    assert [e for e in b.log if e[0] == "granularity"] == [("granularity", 1, 8, 0), ("granularity", 0, 1, 0)]

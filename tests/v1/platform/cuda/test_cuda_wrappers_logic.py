@@ -796,3 +796,22 @@ def test_cuda_torch_on_expandable_segments_says_the_server_needs_pidfd_getfd_rig
     assert "LMSHM_USE_VMM_API=1" in msg
     with pytest.raises(RuntimeError, match=r"^pidfd_getfd: Operation not permitted$"):
         malloc._open(0)                                         # cudaMalloc blocks: torch's error as is
+
+
+def test_fabric_imports_and_allocations_ask_the_granularity_of_fabric_handles(fake_driver, as_consumer):
+    """cuMemGetAllocationGranularity answers per allocation property, requestedHandleTypes
+    included: asking without the handle type asked about some other allocation (issue 42 §4)."""
+    from lmshm.platform.cuda.vmm_alloc import VmmAllocation
+
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    w = VmmCudaIPCWrapper.from_pointer(va, 1024, torch.bfloat16, (512,), 0, handle_type="fabric")
+    as_consumer()
+    peer = over_the_wire(w)
+    t = peer.to_tensor()
+    del t
+    peer.close()
+    w.close()
+    assert fake_driver.granularity_queries == ["fabric"]
+    alloc = VmmAllocation(GRANULARITY, 0, "fabric", None)
+    alloc.release()
+    assert fake_driver.granularity_queries == ["fabric", "fabric"]
