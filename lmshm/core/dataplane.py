@@ -590,7 +590,6 @@ class DataPlane:
                                 copy=sync.copy, stream=stream)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001
-
             def failed(_ok: bool) -> None:
                 self.pool.abort(objs)
             if queued and stream is not None:   # never hand back pool bytes the GPU may still write
@@ -672,7 +671,6 @@ class DataPlane:
                             copy=sync.copy, stream=stream)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
-
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
