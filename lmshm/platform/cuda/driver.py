@@ -400,8 +400,9 @@ class CudaDriver:
 
     # ---- streams and stream memory operations ----------------------------------------------
     # The isolated mode's ordering (``lmshm.core.cuda_sync``): a word in legacy-IPC device
-    # memory that one process's stream writes and another's waits on. Needs nothing an IPC
-    # event needs (no shared /dev/shm), only what a legacy memory handle needs.
+    # memory that the worker's stream writes and the server reads on its host (never a GPU-side
+    # wait: a dead worker would block it for good). Needs nothing an IPC event needs (no shared
+    # /dev/shm), only what a legacy memory handle needs.
     def can_use_64bit_stream_mem_ops(self, ordinal: int) -> bool:
         try:
             return bool(self.device_attribute("CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", ordinal))
@@ -422,13 +423,6 @@ class CudaDriver:
         """Queue ``*ptr = value`` (8 bytes) on ``stream``, after the work queued before it."""
         with self.bound(ordinal):
             self._call("cuStreamWriteValue64", self.b.CUstream(stream), ptr, value, 0,
-                       subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
-
-    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
-        """Make ``stream`` wait until ``(int64)(*ptr - value) >= 0`` (the driver's cyclic
-        greater-or-equal, ``CU_STREAM_WAIT_VALUE_GEQ``)."""
-        with self.bound(ordinal):
-            self._call("cuStreamWaitValue64", self.b.CUstream(stream), ptr, value, 0,
                        subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
 
     def synchronize(self, ordinal: int) -> None:

@@ -94,7 +94,6 @@ class FakeCudaDriver:
         self.held: set[int] = set()                 # streams whose queued work never finishes
         self._next_event = 0x9000
         self.events: dict[int, int | None] = {}     # event -> stream it waits on (None: done)
-        self.waits: list[dict] = []                 # cuStreamWaitValue64 calls, in order
 
     # ---- test controls ---------------------------------------------------------------------
     def fail_next(self, call: str, error: str = "CUDA_ERROR_INVALID_VALUE") -> None:
@@ -385,26 +384,6 @@ class FakeCudaDriver:
 
     def read_u64(self, ptr: int) -> int:
         return int.from_bytes(self.read(ptr, 8), "little")
-
-    def _wait_met(self, ptr: int, value: int) -> bool:
-        # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*ptr - value) >= 0
-        diff = (self.read_u64(ptr) - value) & ((1 << 64) - 1)
-        return diff < (1 << 63)
-
-    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
-        """Records the wait; it is met at once if the word already is >= ``value`` (cyclic),
-        else pending until a later write makes it so (see ``pending_waits``)."""
-        with self._lock:
-            self._enter("cuStreamWaitValue64", f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
-            self.waits.append(dict(stream=stream, ptr=ptr, value=value, met=self._wait_met(ptr, value)))
-
-    def pending_waits(self, stream: int | None = None) -> list[dict]:
-        """The waits (of ``stream``, or all) whose word has not reached their value yet."""
-        with self._lock:
-            for w in self.waits:
-                if not w["met"]:
-                    w["met"] = self._wait_met(w["ptr"], w["value"])
-            return [dict(w) for w in self.waits if not w["met"] and (stream is None or w["stream"] == stream)]
 
     def synchronize(self, ordinal: int) -> None:
         self._enter("cuCtxSynchronize", f"device=cuda:{ordinal}")
