@@ -1,47 +1,63 @@
 """The CUDA ordering leg of the data plane: streams, ordering signals, async copies, pinning.
 
-A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work on the
-GPU, never by a host-side wait in the worker. The request carries the worker's *ordering
-token*, one of two kinds:
+A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work
+without a host-side wait in the worker. The request carries the worker's *ordering token*, one
+of two kinds:
 
 - **an interprocess CUDA event** (64 bytes, the default mode): the worker records it on its
   stream after the work that wrote (STORE) or last used (RETRIEVE) the blocks and keeps it
-  alive until the reply. The server's stream waits on it before its copies. The server then
-  records an interprocess event of its own and answers with its handle; the worker's stream
-  waits on it before it touches the blocks again. Opening an interprocess event needs both
-  processes to share ``/dev/shm`` (the driver keeps the event's state there).
+  alive until the reply. The server waits on the host for it to complete before it queues its
+  copies. The server then records an interprocess event of its own and answers with its
+  handle; the worker's stream waits on it before it touches the blocks again. Opening an
+  interprocess event needs both processes to share ``/dev/shm`` (the driver keeps the event's
+  state there).
 - **a flag word** (``FLAG_MAGIC`` tokens, isolated mode, ``--isolated-ipc``): the worker owns
-  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server once per
-  client like any KV cache (a raw IPC wrapper: only what a legacy memory handle needs, no
+  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server like any
+  KV cache, once per connection (a raw IPC wrapper: only what a legacy memory handle needs, no
   ``/dev/shm``). Per request the worker's stream writes a new sequence number into the
-  request's slot after its work (``cuStreamWriteValue64``); the token names the slot and the
-  number; the server's stream waits until the word reaches it (``cuStreamWaitValue64``, cyclic
-  greater-or-equal) before its copies. There is no server-to-worker signal on the GPU: the server
-  answers only once its copies have completed, so the reply itself is the ordering. A worker
-  that dies or never writes its word cannot hold the server's stream forever: past the
-  deadline the server writes the word itself (``rescue``) and fails the request.
+  request's slot after its work (``cuStreamWriteValue64``, which fences the work before it);
+  the token names the slot and the number; the server reads the word on the host until it
+  reaches the number (cyclic greater-or-equal) before it queues its copies. There is no
+  server-to-worker signal: the server answers only once its copies have completed, so the
+  reply itself is the ordering. A flag token is answered so whatever mode the server was
+  started in, and never with an interprocess event.
+
+The one thing easy to get wrong: **the server's streams never wait on the GPU for a worker's
+signal.** A GPU-side wait (``cuStreamWaitEvent``, ``cuStreamWaitValue64``) looks cheaper, but
+a worker that dies before its signal tears down its queued work and the signal never comes:
+the session's stream blocks for good, its copies never complete, and what they hold (the dead
+worker's mapping, its whole KV cache, and the pool's bytes) stays held until the server
+restarts. A host wait ends at the request's deadline, or as soon as its session ends, with
+nothing queued.
 
 Rules on the server side (``lmshm.core.dataplane``):
 
 - one stream per session (``stream(device, session)``), dropped when the session ends, so a
   slow or hung worker's signal stalls only its own requests;
 - every host wait is bounded (``poll_until``: a blocking-sync event or the worker's word polled
-  with sleeps, never spinning a core); a RETRIEVE waits on the host for the worker's token before
-  any copy into its blocks is queued, so its copies never wait on the GPU behind a signal; a copy that has not completed by its deadline fails its request, and the
-  pool bytes and registration it touches are held until the GPU is done with them (the data
-  plane's quarantine), never handed back under DMA;
+  with sleeps, never spinning a core); a STORE or RETRIEVE waits on the host for the worker's
+  token before any copy is queued, until the sender's deadline or ``--cuda-timeout``, and no
+  longer than its session lives, so no copy ever waits on the GPU behind a signal (and a copy
+  to pageable memory, ``--cuda-pin off``, which returns only when done, never blocks a thread
+  on one); a copy that has not completed by its deadline fails its request, and the pool bytes
+  and registration it touches are held until the GPU is done with them (the data plane's
+  quarantine), never handed back under DMA;
 - the server's events for default-mode replies live until their copies completed *and* at
   least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
-  each reply's event at its next step, never opens a destroyed one;
+  each reply's event at its next step, never opens a destroyed one; past ``EVENT_CAP`` in a
+  session or ``EVENT_TOTAL_CAP`` in the process the oldest completed ones go early, and when
+  none has completed a new default-mode request is refused;
 - the pool is page-locked (``cudaHostRegister``) in extents of ``--cuda-pin-extent`` bytes
   (``PIN_EXTENT``) as copies first use them (``--cuda-pin lazy``, the default), or whole at
   start (``start``, still extent by extent), or never (``off``: copies are staged by the
   driver, slower). The driver refuses a copy whose host range is registered in part, so copies
-  are cut at extent boundaries; a request pins its objects' extents before its stream waits on
-  the worker's signal. A pin that fails is the server's problem, answered ``UNAVAILABLE``;
+  are cut at extent boundaries; a request pins its objects' extents before its host wait for
+  the worker's signal, so its copies are queued as soon as the signal is seen. A pin that
+  fails is the server's problem, answered ``UNAVAILABLE``;
 - a request's copies are planned with numpy (``copier.plan_cuda_copies``) and go to the driver
   in one ``cuMemcpyBatchAsync`` (CUDA 12.8+), else one ``cuMemcpyAsync`` per piece
-  (``submit_copies``; ``--cuda-copy-batch off`` forces that).
+  (``submit_copies``; ``--cuda-copy-batch off`` forces that), on the session's stream, after
+  the host wait and with no GPU-side wait before them.
 
 ``TorchCudaSync`` does this with ``torch.cuda`` and the driver gateway; the logic tests inject
 a fake with the same methods (``tests/v1/platform/cuda/fake_sync.py``). **Unverified on a GPU
@@ -69,8 +85,13 @@ SLOTS = 1024
 FLAG_LAYER = "lmshm.flags"
 #: Default-mode server events are kept at least this long after their reply...
 EVENT_MIN_AGE_S = 30.0
-#: ...and at most this many per session (the oldest completed ones go first past it).
+#: ...and at most this many per session (the oldest completed ones go first past it)...
 EVENT_CAP = 4096
+#: ...and in the whole process: interprocess events are a scarce driver resource (PyTorch's
+#: CudaIPCTypes.h reports about 22,000 recorded blocking ones as a practical limit, and keeps
+#: 1,000 itself; the workers hold theirs too). Past it the oldest completed ones go early; when
+#: none has completed, new default-mode requests are refused until some have.
+EVENT_TOTAL_CAP = 8192
 #: The pool is page-locked in extents of this many bytes, as copies first touch them
 #: (``--cuda-pin-extent``). The driver refuses a copy whose host range is registered in part,
 #: so every copy is cut at extent boundaries (``copier.plan_cuda_copies``).
@@ -148,13 +169,14 @@ def submit_copies(drv: Any, plan: Any, stream: int, device: int, batch: bool) ->
     return len(plan)
 
 
-def poll_until(ready: Callable[[], bool], deadline: float) -> bool:
-    """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not. Sleeps between
-    polls, from 20 us doubling to 1 ms: a host wait never spins a core."""
+def poll_until(ready: Callable[[], bool], deadline: float, stop: Optional[Callable[[], bool]] = None) -> bool:
+    """True once ``ready()`` is; False at ``deadline`` (monotonic) if it is not, or as soon as
+    ``stop()`` is true (its request's session ended). Sleeps between polls, from 20 us doubling
+    to 1 ms: a host wait never spins a core."""
     pause = 20e-6
     while not ready():
         now = time.monotonic()
-        if now >= deadline:
+        if now >= deadline or (stop is not None and stop()):
             return False
         time.sleep(min(pause, deadline - now))
         pause = min(pause * 2, 1e-3)
@@ -181,7 +203,6 @@ class TorchCudaSync:
         self.copy_calls = 0                 # driver calls that queued copies
         self.copy_pieces = 0                # contiguous pieces they copied
         self._streams: dict[tuple[int, Hashable], Any] = {}
-        self._rescue: dict[int, Any] = {}
         self._pinned: dict[int, set[int]] = {}     # pool base -> pinned extent indices
         self._lock = threading.Lock()
 
@@ -223,27 +244,11 @@ class TorchCudaSync:
         except Exception as exc:  # noqa: BLE001 - a peer's bytes
             raise CudaSyncError(f"cannot open the worker's CUDA event: {exc}") from None
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        """Make ``stream`` wait for ``event`` (on the GPU)."""
-        stream.wait_event(event)
-
-    def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
-        """Wait on the host, until ``deadline`` at most, for the worker's word to reach ``seq``
-        (the driver's cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
-        return poll_until(lambda: ((int(page[slot].item()) - seq) & _U64) < 1 << 63, deadline)
-
-    def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
-        """Make ``stream`` wait until the worker's word at ``ptr`` reaches ``seq``."""
-        self._drv.stream_wait_value64(int(stream.cuda_stream), ptr, seq, device)
-
-    def rescue(self, ptr: int, seq: int, device: int) -> None:
-        """Write ``seq`` into a worker's word from the server's side, on a stream of its own,
-        so a stream waiting on a signal that never comes goes on (its request has failed)."""
-        with self._lock:
-            s = self._rescue.get(device)
-            if s is None:
-                s = self._rescue[device] = self._drv.stream_create(device)
-        self._drv.stream_write_value64(s, ptr, seq, device)
+    def wait_word(self, page: Any, slot: int, seq: int, deadline: float,
+                  stop: Optional[Callable[[], bool]] = None) -> bool:
+        """Wait on the host, until ``deadline`` at most (or ``stop()``), for the worker's word to
+        reach ``seq`` (cyclic greater-or-equal); the word is read with a synchronous 8-byte copy."""
+        return poll_until(lambda: ((int(page[slot].item()) - seq) & _U64) < 1 << 63, deadline, stop)
 
     # ---- copies and completion -------------------------------------------------------------
     def copy_path(self, device: int) -> str:
@@ -276,9 +281,10 @@ class TorchCudaSync:
     def done(self, event: Any) -> bool:
         return bool(event.query())
 
-    def wait(self, event: Any, deadline: float) -> bool:
-        """True once ``event`` has completed; False at ``deadline`` (monotonic) if it has not."""
-        return poll_until(lambda: bool(event.query()), deadline)
+    def wait(self, event: Any, deadline: float, stop: Optional[Callable[[], bool]] = None) -> bool:
+        """True once ``event`` has completed; False at ``deadline`` (monotonic), or once
+        ``stop()`` is true, if it has not."""
+        return poll_until(lambda: bool(event.query()), deadline, stop)
 
     # ---- pinning the pool --------------------------------------------------------------------
     def pin(self, pool: Any, offset: int = 0, nbytes: int = -1) -> None:
@@ -334,8 +340,12 @@ class WorkerCudaSync:
     """The worker's half: an ordering token per request, and the wait on the server's reply.
 
     In isolated mode (``ipc_policy.is_isolated_ipc()``, or ``isolated=True``) it needs the
-    ``client`` (an ``MPClient``, or a callable returning one or None): on first use it registers a flag page of ``SLOTS`` words with
-    the server, under an instance id of its own, and unregisters it in ``close()``."""
+    ``client`` (an ``MPClient``, or a callable returning one or None): on first use it registers
+    a flag page of ``SLOTS`` words with the server, under an instance id of its own, registers it
+    again (under a new id) whenever the client, or the server behind it, is another one than it
+    was registered with (a server restart forgets it), and unregisters it in ``close()``. A
+    device without 64-bit stream memory operations cannot write flag words: every token is
+    refused then, saying so."""
 
     def __init__(self, device: int, client: Any = None, *, isolated: Optional[bool] = None) -> None:
         import torch
@@ -353,27 +363,59 @@ class WorkerCudaSync:
         self._client = client
         self._page: Any = None
         self._page_id = ""
+        self._registered_with: Any = None
+        self._registered_at: Any = None          # the server id the page was registered with
         self._seq = 0
         self._lock = threading.Lock()
+        self._refused = ""
+        if self.isolated:
+            from lmshm.platform.cuda.driver import get_driver
+
+            try:
+                usable = get_driver().can_use_64bit_stream_mem_ops(device)
+            except Exception as exc:  # noqa: BLE001 - no driver: every token says why
+                usable, self._refused = False, f"isolated mode needs the CUDA driver's stream memory operations: {exc}"
+            if not usable and not self._refused:
+                self._refused = (f"isolated mode (--isolated-ipc, LMSHM_ISOLATED_IPC) orders requests with 64-bit "
+                                 f"stream memory operations (cuStreamWriteValue64), which cuda:{device} or its driver "
+                                 "does not support (CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS is 0); run "
+                                 "worker and server without isolated mode, sharing /dev/shm")
+            if self._refused:
+                logger.error("lmshm: %s", self._refused)
 
     def _flag_page(self) -> tuple[Any, str]:
-        if self._page is None:
-            import secrets
+        import secrets
 
+        client = self._client() if callable(self._client) else self._client   # a client, or what gives one
+        if client is None:
+            raise RuntimeError("no connection to lmshm-server yet: the flag page cannot be registered")
+        server = getattr(client, "server_id", None)
+        if self._page is not None and client is self._registered_with and server == self._registered_at:
+            return self._page, self._page_id
+        if self._page is None:
             page = self._torch.zeros(SLOTS, dtype=self._torch.int64, device=f"cuda:{self.device}")
             self._torch.cuda.synchronize(self.device)          # the zeros are there before any wait
-            iid = f"lmshm-flags-{secrets.token_hex(8)}"
-            client = self._client() if callable(self._client) else self._client   # a client, or what gives one
-            if client is None:
-                raise RuntimeError("no connection to lmshm-server yet: the flag page cannot be registered")
-            client.register_kv_caches({FLAG_LAYER: page}, iid, model_name=FLAG_LAYER)
-            self._registered_with = client
-            self._page, self._page_id = page, iid
-        return self._page, self._page_id
+        else:
+            page = self._page                 # its words only grow: the server reads the newest
+        old, old_client = self._page_id, self._registered_with
+        iid = f"lmshm-flags-{secrets.token_hex(8)}"      # a new id: never one the client re-sent itself
+        client.register_kv_caches({FLAG_LAYER: page}, iid, model_name=FLAG_LAYER)
+        self._registered_with, self._registered_at = client, server
+        self._page, self._page_id = page, iid
+        if old:
+            logger.info("lmshm: the isolated-mode flag page is registered again (%s, after %s): the server or "
+                        "the client is another one", iid, old)
+            try:
+                old_client.unregister_kv_caches(old)
+            except Exception:  # noqa: BLE001 - a server that restarted does not know it
+                logger.debug("lmshm: unregistering the old flag page failed", exc_info=True)
+        return page, iid
 
     def ready(self) -> tuple[Any, bytes]:
         """The token for a request sent now: after the work queued so far on the current
         stream. Keep the first item alive until the reply."""
+        if self._refused:
+            raise CudaSyncError(self._refused)
         stream = self._torch.cuda.current_stream(self.device)
         if not self.isolated:
             ev = self._torch.cuda.Event(interprocess=True, blocking=False)
@@ -391,10 +433,17 @@ class WorkerCudaSync:
 
     def wait(self, handle: bytes) -> None:
         """Make the current stream wait for the server's event (no host-side wait). Isolated
-        mode's replies carry none: they come once the server's copies are done."""
-        if handle:
-            ev = self._torch.cuda.Event.from_ipc_handle(self.device, handle)
-            self._torch.cuda.current_stream(self.device).wait_event(ev)
+        mode's replies carry none: they come once the server's copies are done, and an
+        interprocess event in one is refused (``CudaSyncError``): it would need the /dev/shm
+        isolated mode does without, and a reply that carries one did not wait for the copies."""
+        if not handle:
+            return
+        if self.isolated:
+            raise CudaSyncError("the server answered an isolated-mode request with an interprocess CUDA event; "
+                                "its copies may still be running: treat the request as failed (is lmshm-server "
+                                "older than this client?)")
+        ev = self._torch.cuda.Event.from_ipc_handle(self.device, handle)
+        self._torch.cuda.current_stream(self.device).wait_event(ev)
 
     def close(self) -> None:
         if self._page is not None:
@@ -407,16 +456,21 @@ class WorkerCudaSync:
 
 class EventKeeper:
     """The server's default-mode reply events per session: each is kept until its copies have
-    completed and ``EVENT_MIN_AGE_S`` have passed since its reply; past ``EVENT_CAP`` in one
-    session, the oldest completed ones go early (``dropped_early`` counts them)."""
+    completed and ``EVENT_MIN_AGE_S`` have passed since its reply. Past ``EVENT_CAP`` in one
+    session, or ``EVENT_TOTAL_CAP`` in all, the oldest completed ones go early (``dropped_early``
+    counts them; past the total, down to 7/8 of it, so the sort runs once per many requests).
+    An event whose copies have not completed is never dropped: ``room()`` says whether a new one
+    may be made."""
 
     def __init__(self, min_age_s: float = EVENT_MIN_AGE_S, cap: int = EVENT_CAP,
-                 done: Any = None) -> None:
+                 done: Any = None, total_cap: int = EVENT_TOTAL_CAP) -> None:
         self._min_age = min_age_s
         self._cap = cap
+        self._total_cap = total_cap
         self._done = done if done is not None else (lambda ev: bool(ev.query()))
         self._lock = threading.Lock()
         self._by_session: dict[Any, collections.deque] = {}
+        self._count = 0
         self.dropped_early = 0
 
     def keep(self, session: Any, event: Any, now: Optional[float] = None) -> None:
@@ -424,9 +478,23 @@ class EventKeeper:
         with self._lock:
             q = self._by_session.setdefault(session, collections.deque())
             q.append((now, event))
+            self._count += 1
             self._trim(q, now)
+            if self._count > self._total_cap:
+                self._drop_oldest_completed(self._count - self._total_cap * 7 // 8)
+
+    def room(self) -> bool:
+        """True if one more event may be kept: under ``EVENT_TOTAL_CAP``, after dropping the
+        oldest completed ones early if need be. False: every kept event's copies are still
+        running (refuse the request)."""
+        with self._lock:
+            if self._count < self._total_cap:
+                return True
+            self._drop_oldest_completed(self._count - self._total_cap * 7 // 8)
+            return self._count < self._total_cap
 
     def _trim(self, q: collections.deque, now: float) -> None:
+        before = len(q)
         while q and now - q[0][0] >= self._min_age and self._done(q[0][1]):
             q.popleft()
         if len(q) > self._cap:           # the oldest completed ones, wherever they are
@@ -440,6 +508,24 @@ class EventKeeper:
                     keep.append(item)
             q.clear()
             q.extend(keep)
+        self._count -= before - len(q)
+
+    def _drop_oldest_completed(self, n: int) -> None:
+        """Drop up to ``n`` completed events, oldest first, over all sessions (under the lock)."""
+        done = sorted((t, id(ev), session) for session, q in self._by_session.items() for t, ev in q
+                      if self._done(ev))[:max(n, 0)]
+        if not done:
+            return
+        gone = {(session, i) for _, i, session in done}
+        for session, q in list(self._by_session.items()):
+            kept = [(t, ev) for t, ev in q if (session, id(ev)) not in gone]
+            if len(kept) != len(q):
+                q.clear()
+                q.extend(kept)
+            if not q:
+                del self._by_session[session]
+        self._count -= len(done)
+        self.dropped_early += len(done)
 
     def expire(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
@@ -451,8 +537,8 @@ class EventKeeper:
 
     def drop(self, session: Any) -> None:
         with self._lock:
-            self._by_session.pop(session, None)
+            self._count -= len(self._by_session.pop(session, ()))
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(q) for q in self._by_session.values())
+            return self._count

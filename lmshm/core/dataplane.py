@@ -34,6 +34,7 @@ from lmshm.core.copier import (
 )
 from lmshm.core.cuda_sync import (
     FLAG_LAYER,
+    FLAG_MAGIC,
     PIN_EXTENT,
     PIN_MODES,
     SLOTS,
@@ -119,6 +120,7 @@ class DataPlane:
         self._reply = reply
         self._cuda_sync = cuda_sync        # TorchCudaSync, made on first CUDA use (tests inject a fake)
         self.events = EventKeeper()
+        self._no_events_logged = -1e9
         if cuda_pin not in PIN_MODES:
             raise DataPlaneError(ErrorCode.INVALID_ARG, f"--cuda-pin {quote(cuda_pin, 40)} is not one of "
                                                         f"{', '.join(PIN_MODES)}")
@@ -165,16 +167,22 @@ class DataPlane:
         if not self.pool.capacity:
             raise DataPlaneError(ErrorCode.UNAVAILABLE,
                                  f"{what}: this lmshm-server has no pool (started with --capacity 0)")
+        reg = self._owner_of(session, instance_id, what)
+        if self.copier.pending(session.id) >= self.max_inflight:
+            raise DataPlaneError(ErrorCode.UNAVAILABLE,
+                                 f"{what}: this session already has {self.max_inflight} STORE/RETRIEVE requests in "
+                                 "flight, the server's limit (lmshm-server --max-inflight-per-session)")
+        return reg
+
+    def _owner_of(self, session: Any, instance_id: str, what: str) -> Any:
+        """``instance_id``'s registration if ``session`` owns it (nothing about the in-flight
+        limit: a running request's flag page is checked with this, and it counts itself)."""
         reg = self.registry.get(instance_id)
         if reg.owner != session.id:
             raise DataPlaneError(ErrorCode.PERMISSION_DENIED,
                                  f"{what}: instance {quote(instance_id, 60)} belongs to another session "
                                  f"(pid {reg.owner_pid}); only the worker that registered it may copy blocks "
                                  "in or out of it")
-        if self.copier.pending(session.id) >= self.max_inflight:
-            raise DataPlaneError(ErrorCode.UNAVAILABLE,
-                                 f"{what}: this session already has {self.max_inflight} STORE/RETRIEVE requests in "
-                                 "flight, the server's limit (lmshm-server --max-inflight-per-session)")
         return reg
 
     def _layout(self, reg: Any) -> BlockLayout:
@@ -450,46 +458,40 @@ class DataPlane:
         return protocol.RetrieveReply(len(req.keys), layout.chunk_bytes(cb) * len(req.keys))
 
     # ---- CUDA registrations (cuda_sync.py has the ordering rules) ----------------------
-    def _cuda_order(self, session: Any, req: Any, sync: Any, stream: Any, dev: int, what: str,
-                    until: Optional[float] = None) -> Any:
-        """Queue the wait on the worker's ordering token; the flag registration held for it
-        (or None), and the word's address and number (for a rescue).
-
-        With ``until`` (a RETRIEVE), first wait on the host, until then at most, for the token
-        to be signalled: a RETRIEVE's copies write the worker's blocks, so none is queued that
-        could run after the worker stopped waiting and computed the blocks itself
-        (``NotSignalled``: nothing was queued)."""
+    def _cuda_order(self, session: Any, req: Any, sync: Any, dev: int, what: str, until: float) -> None:
+        """Wait on the host for the worker's ordering token, until ``until`` at most, and no
+        longer than the session lives (``NotSignalled`` otherwise); nothing is queued on the GPU
+        before it returns, and nothing queued after it waits on the worker. A worker that died
+        with its signal pending thus holds no stream, no copy thread past its deadline or its
+        session's end, and no mapping (cuda_sync's docstring: never wait on the GPU for a
+        worker)."""
         token = req.event
         if not token:
-            return None, None
+            return
+        ended = lambda: session.ended   # noqa: E731 - the worker is gone: stop waiting
         flag = parse_flag_token(token)
         if flag is None:
             ev = sync.open_ipc_event(token, dev)
-            if until is not None and not sync.wait(ev, until):
+            if not sync.wait(ev, until, ended):
                 raise NotSignalled("the worker's CUDA event")
-            sync.wait_event(stream, ev)
-            return None, None
+            return
         slot, seq, iid = flag
         try:
-            freg = self._owned(session, iid, what)
+            self._owner_of(session, iid, what)
             freg = self.registry.acquire(iid)
         except ServerError as exc:
             raise CudaSyncError(f"the flag page {quote(iid, 60)} of the token: {exc.message}") from None
-        try:
+        try:       # held while its word is read: an unregister waits for the read
             page = freg.tensor(FLAG_LAYER)
             kinds = {(w.device_type, w.device) for w in freg.wrappers}
             if page is None or page.dtype.itemsize != 8 or page.numel() < SLOTS or len(kinds) != 1 \
                     or self._cuda_ordinal(next(iter(kinds))) != dev:
                 raise CudaSyncError(f"instance {quote(iid, 60)} is not a flag page on cuda:{dev} "
                                     f"(one layer {FLAG_LAYER!r} of {SLOTS} 64-bit words)")
-            ptr = page.data_ptr() + 8 * slot
-            if until is not None and not sync.wait_word(page, slot, seq, until):
+            if not sync.wait_word(page, slot, seq, until, ended):
                 raise NotSignalled("the worker's flag word")
-            sync.wait_flag(stream, ptr, seq, dev)
-        except BaseException:
+        finally:
             self.registry.let_go(freg)
-            raise
-        return freg, (ptr, seq)
 
     @staticmethod
     def _cuda_ordinal(kind: tuple[str, str]) -> int:
@@ -499,6 +501,22 @@ class DataPlane:
 
         return get_driver().local_ordinal(kind[1])
 
+    def _no_events(self, what: str, outcome: str) -> protocol.ErrorReply:
+        now = time.monotonic()
+        if now - self._no_events_logged >= 10.0:      # at most every 10 s: it may hit every request
+            self._no_events_logged = now
+            logger.warning("lmshm: %d interprocess CUDA events are kept and none of their copies has completed; "
+                           "refusing default-mode requests until some have", len(self.events))
+        return _error(ErrorCode.UNAVAILABLE, f"{what}: the server holds {len(self.events)} interprocess CUDA events "
+                                             "whose copies have not completed, its limit (cuda_sync.EVENT_TOTAL_CAP); "
+                                             f"{outcome}, retry later")
+
+    def _replies_after_copies(self, token: bytes) -> bool:
+        """True: answer once the copies have completed, with no event (isolated mode). A flag
+        token always is, whatever mode this server was started in: an isolated worker cannot
+        open an interprocess event (no shared /dev/shm) and orders its work by the reply."""
+        return token.startswith(FLAG_MAGIC) or self._cuda_mode()
+
     def _cuda_mode(self) -> bool:
         """True in isolated mode: flag words, replies after completion, no IPC events."""
         if self._isolated is None:
@@ -507,20 +525,14 @@ class DataPlane:
             self._isolated = ipc_policy.is_isolated_ipc()
         return self._isolated
 
-    def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float, rescue: Any,
+    def _settle_cuda(self, sync: Any, done: Any, stream: Any, dev: int, deadline: float,
                      hold: list, release: Callable[[bool], None]) -> bool:
-        """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline, rescue a flag
-        wait (the worker's signal never came: only a STORE queues copies behind one), and if the
-        GPU is still not done, quarantine: ``release(False)`` runs once it is, with the
-        registrations in ``hold`` still held."""
+        """Wait (bounded) for ``done``; then ``release(True)``. Past the deadline (the GPU is
+        stuck: no copy waits on a worker's signal), quarantine: ``release(False)`` runs once
+        the GPU is done, with the registrations in ``hold`` still held."""
         if done is not None and sync.wait(done, deadline):
             release(True)
             return True
-        if rescue is not None:
-            try:
-                sync.rescue(rescue[0], rescue[1], dev)
-            except Exception:  # noqa: BLE001
-                logger.exception("lmshm: writing a worker's flag word from the server failed")
         if done is None:
             try:
                 done, _ = sync.record(stream, dev, False)
@@ -572,11 +584,13 @@ class DataPlane:
         if time.monotonic() > sender:
             return self._late("STORE", "nothing was stored")
         sync, dev, cb = self._sync(), layout.cuda_device, req.chunk_blocks
-        isolated = self._cuda_mode()
+        isolated = self._replies_after_copies(req.event)
+        if not isolated and not self.events.room():
+            return self._no_events("STORE", "nothing was stored")
         size = layout.chunk_bytes(cb)
         objs: list = []
         results: list[int] = []
-        freg = rescue = done = stream = None
+        done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
@@ -590,26 +604,26 @@ class DataPlane:
                     objs.append(obj)
                     chunks.append(i)
                     addrs.append(self.pool.view(obj).data_ptr())
-            for addr in addrs:   # before the stream waits on the worker: a pin is a host call of its own
+            for addr in addrs:   # before the host waits for the worker: a pin is a host call of its own
                 sync.pin(self.pool.tensor, addr - base, size)
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "STORE")
-            queued = freg is not None or bool(req.event)
+            self._cuda_order(session, req, sync, dev, "STORE", min(sender, deadline))
             if chunks:
                 plan = self._cuda_plan(sync, layout, req.block_ids, chunks, addrs, cb, store=True)
                 queued = True
                 sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001
-            hold = [reg] + ([freg] if freg is not None else [])
-
             def failed(_ok: bool) -> None:
                 self.pool.abort(objs)
             if queued and stream is not None:   # never hand back pool bytes the GPU may still write
-                self._settle_cuda(sync, None, stream, dev, deadline, rescue, hold, failed)
+                self._settle_cuda(sync, None, stream, dev, deadline, [reg], failed)
             else:
                 failed(False)
-            if freg is not None:
-                self.registry.let_go(freg)
+            if isinstance(exc, NotSignalled):     # nothing was queued; what was reserved is handed back
+                self.late_requests += 1
+                return _error(ErrorCode.UNAVAILABLE,
+                              f"STORE: {exc} was not signalled in time (by the sender's wait_s, or within "
+                              f"--cuda-timeout {self.cuda_timeout_s:g} s), or the session ended; nothing was stored")
             self.pool.count_failure()
             if isinstance(exc, CudaSyncError):
                 return _error(ErrorCode.INVALID_ARG, f"STORE: {exc}; nothing was stored")
@@ -620,7 +634,6 @@ class DataPlane:
             logger.warning("lmshm: CUDA STORE from %s failed: %s", quote(reg.instance_id, 60), str(exc))
             return _error(ErrorCode.DATA_LOSS, f"STORE: the copies could not be queued ({clip(str(exc), 300)}); "
                                                "nothing was stored")
-        hold = [reg] + ([freg] if freg is not None else [])
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # visible only once the copies have completed
@@ -640,11 +653,7 @@ class DataPlane:
                 self.tiers.write_through(objs)
 
         def after() -> None:
-            try:
-                self._settle_cuda(sync, done, stream, dev, deadline, rescue, hold, release)
-            finally:
-                if freg is not None:
-                    self.registry.let_go(freg)
+            self._settle_cuda(sync, done, stream, dev, deadline, [reg], release)
 
         if not isolated:
             self.events.keep(session.id, done)
@@ -652,8 +661,8 @@ class DataPlane:
         after()                       # isolated: the reply is the ordering, sent once the copies are done
         if not outcome or not outcome[0]:
             return _error(ErrorCode.UNAVAILABLE,
-                          f"STORE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
-                          "ordering signal never came, or the GPU is stuck); nothing was stored")
+                          f"STORE: the copies did not complete within {self.cuda_timeout_s:g} s (the GPU is "
+                          "stuck, or they ended past the sender's wait_s); nothing was stored")
         return protocol.StoreReply(results, size * len(objs), b"")
 
     def _retrieve_cuda(self, session: Any, reg: Any, layout: BlockLayout, uid: int, req: protocol.Retrieve,
@@ -666,18 +675,20 @@ class DataPlane:
             return self._late("RETRIEVE", "no block was written")
         cb = req.chunk_blocks
         sync, dev = self._sync(), layout.cuda_device
-        isolated = self._cuda_mode()
-        freg = rescue = done = stream = None
+        isolated = self._replies_after_copies(req.event)
+        if not isolated and not self.events.room():
+            self.pool.unpin(objs, retrieved=False)
+            return self._no_events("RETRIEVE", "no block was written")
+        done = stream = None
         queued = False
         deadline = time.monotonic() + self.cuda_timeout_s
         try:
             stream = sync.stream(dev, session.id)
             base = self.pool.tensor.data_ptr()
             views = [self.pool.view(obj) for obj in objs]
-            for view in views:   # before the stream waits on the worker: a pin is a host call of its own
+            for view in views:   # before the host waits for the worker: a pin is a host call of its own
                 sync.pin(self.pool.tensor, view.data_ptr() - base, view.numel() * view.element_size())
-            freg, rescue = self._cuda_order(session, req, sync, stream, dev, "RETRIEVE", min(sender, deadline))
-            queued = freg is not None or bool(req.event)
+            self._cuda_order(session, req, sync, dev, "RETRIEVE", min(sender, deadline))
             if views:
                 plan = self._cuda_plan(sync, layout, req.block_ids, range(len(views)),
                                        [v.data_ptr() for v in views], cb, store=False)
@@ -685,21 +696,18 @@ class DataPlane:
                 sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
         except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
-            hold = [reg] + ([freg] if freg is not None else [])
-
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
-                self._settle_cuda(sync, None, stream, dev, deadline, None, hold, failed)
+                self._settle_cuda(sync, None, stream, dev, deadline, [reg], failed)
             else:
                 failed(False)
-            if freg is not None:
-                self.registry.let_go(freg)
             if isinstance(exc, NotSignalled):     # nothing was queued
                 self.late_requests += 1
                 return _error(ErrorCode.UNAVAILABLE,
                               f"RETRIEVE: {exc} was not signalled in time (by the sender's wait_s, or within "
-                              f"--cuda-timeout {self.cuda_timeout_s:g} s); no block was written")
+                              f"--cuda-timeout {self.cuda_timeout_s:g} s), or the session ended; no block was "
+                              "written")
             self.pool.count_failure()
             if isinstance(exc, PinError):
                 logger.error("lmshm: %s", str(exc))   # str: a record keeping exc keeps its frames' tensors
@@ -707,7 +715,6 @@ class DataPlane:
                                                      f"({exc}); recompute these blocks")
             code = ErrorCode.INVALID_ARG if isinstance(exc, CudaSyncError) else ErrorCode.DATA_LOSS
             return _error(code, f"RETRIEVE: {clip(str(exc), 300)}; recompute these blocks")
-        hold = [reg] + ([freg] if freg is not None else [])
         outcome: list[bool] = []
 
         def release(ok: bool) -> None:   # the pool's bytes stay pinned until the GPU has read them
@@ -717,11 +724,7 @@ class DataPlane:
                 self.pool.count_failure()
 
         def after() -> None:
-            try:
-                self._settle_cuda(sync, done, stream, dev, deadline, None, hold, release)
-            finally:
-                if freg is not None:
-                    self.registry.let_go(freg)
+            self._settle_cuda(sync, done, stream, dev, deadline, [reg], release)
 
         nbytes = layout.chunk_bytes(cb) * len(req.keys)
         if not isolated:
@@ -730,8 +733,8 @@ class DataPlane:
         after()
         if not outcome or not outcome[0]:
             return _error(ErrorCode.DATA_LOSS,
-                          f"RETRIEVE: the copies did not complete within {self.cuda_timeout_s:g} s (the worker's "
-                          "ordering signal never came, or the GPU is stuck); recompute these blocks")
+                          f"RETRIEVE: the copies did not complete within {self.cuda_timeout_s:g} s (the GPU is "
+                          "stuck); recompute these blocks")
         return protocol.RetrieveReply(len(req.keys), nbytes, b"")
 
     def _cancelled(self, reg: Any) -> Callable[[bytes, bytes], None]:

@@ -184,8 +184,10 @@ SETTINGS: tuple[Setting, ...] = (
             "which path runs (default on)", kind="bool"),
     Setting("cuda_timeout_s", "--cuda-timeout", "LMSHM_CUDA_TIMEOUT", "cuda_timeout",
             "longest a CUDA STORE/RETRIEVE's copies may take, waiting for the worker's ordering signal "
-            "included, in seconds; past it the request fails and the pool bytes it touched stay out of use until "
-            "the GPU is done with them (default 30)", "SECONDS"),
+            "included, in seconds (the signal is waited for on the server's host before any copy is queued: one "
+            "not given in time, or by a worker that died, fails the request with nothing queued); past it the "
+            "request fails and the pool bytes it touched stay out of use until the GPU is done with them "
+            "(default 30)", "SECONDS"),
     Setting("lease_ttl_s", "--lease-ttl", "LMSHM_LEASE_TTL", "lease_ttl",
             "longest a LOOKUP keeps its hits pinned, in seconds (default 30)", "SECONDS"),
     Setting("max_inflight_per_session", "--max-inflight-per-session", "LMSHM_MAX_INFLIGHT",

@@ -363,11 +363,13 @@ class CudaDriver:
                                       self._handle_type("fabric"),
                                       subject=f"fabric handle={handle_digest(data)}, device=cuda:{ordinal}"))
 
-    def granularity(self, ordinal: int) -> int:
+    def granularity(self, ordinal: int, handle_type: str | None = None) -> int:
+        """The minimum granularity of an allocation on ``ordinal`` exportable as ``handle_type``
+        (the allocation's own: the driver may answer another one per requestedHandleTypes)."""
         flag = self.b.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
         with self.bound(ordinal):
-            return int(self._call("cuMemGetAllocationGranularity", self._device_prop(ordinal), flag,
-                                  subject=f"device=cuda:{ordinal}"))
+            return int(self._call("cuMemGetAllocationGranularity", self._device_prop(ordinal, handle_type), flag,
+                                  subject=f"device=cuda:{ordinal}, handle type={handle_type or 'none'}"))
 
     def reserve(self, size: int, ordinal: int) -> int:
         with self.bound(ordinal):
@@ -404,8 +406,9 @@ class CudaDriver:
 
     # ---- streams and stream memory operations ----------------------------------------------
     # The isolated mode's ordering (``lmshm.core.cuda_sync``): a word in legacy-IPC device
-    # memory that one process's stream writes and another's waits on. Needs nothing an IPC
-    # event needs (no shared /dev/shm), only what a legacy memory handle needs.
+    # memory that the worker's stream writes and the server reads on its host (never a GPU-side
+    # wait: a dead worker would block it for good). Needs nothing an IPC event needs (no shared
+    # /dev/shm), only what a legacy memory handle needs.
     def can_use_64bit_stream_mem_ops(self, ordinal: int) -> bool:
         try:
             return bool(self.device_attribute("CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS", ordinal))
@@ -426,13 +429,6 @@ class CudaDriver:
         """Queue ``*ptr = value`` (8 bytes) on ``stream``, after the work queued before it."""
         with self.bound(ordinal):
             self._call("cuStreamWriteValue64", self.b.CUstream(stream), ptr, value, 0,
-                       subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
-
-    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
-        """Make ``stream`` wait until ``(int64)(*ptr - value) >= 0`` (the driver's cyclic
-        greater-or-equal, ``CU_STREAM_WAIT_VALUE_GEQ``)."""
-        with self.bound(ordinal):
-            self._call("cuStreamWaitValue64", self.b.CUstream(stream), ptr, value, 0,
                        subject=f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
 
     # ---- copies (``lmshm.core.cuda_sync``: a request's copies between the pool and a KV cache) ---
@@ -497,7 +493,8 @@ class CudaDriver:
         ``dsts``, ``srcs``, ``sizes``: C-contiguous ``uint64`` numpy arrays of one length (> 0).
         One attribute set for all copies: sources read in stream order
         (``CU_MEMCPY_SRC_ACCESS_ORDER_STREAM``: a STORE reads blocks the worker's GPU work
-        wrote before the stream's wait), no location hints, no flags.
+        wrote; the server's host wait saw its signal before the batch was queued), no location
+        hints, no flags.
 
         Called through the raw entry point, not cuda-bindings' wrapper: in cuda-bindings 13.0.3
         (``driver.pyx``) the wrapper is ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs,

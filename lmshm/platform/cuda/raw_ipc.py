@@ -15,8 +15,10 @@ least a shared PID namespace. That two-container case is unverified: no GPU run 
 Consumer: ``cuIpcOpenMemHandle`` maps the whole allocation and returns its base; the tensor is
 rebuilt at ``base + alloc_offset``. The driver keeps one mapping per (process, allocation) (older
 drivers tore it down at the first ``cuIpcCloseMemHandle``; current ones count opens), so the
-open goes through the process-wide ``MAPPINGS`` table keyed by the handle bytes: one open per
-allocation, the last release closes -- after ``streams.quiesce`` says no registered copy stream
+open goes through the process-wide ``MAPPINGS`` table keyed by the session and the handle
+bytes: one open per session and allocation (each closed after its own session's copy
+streams; two sessions naming one allocation open it twice, which the driver counts), the last
+release closes -- after ``streams.quiesce`` says no registered copy stream
 still works on the device (else the mapping is leaked and counted, never closed under DMA) --
 close is idempotent and a failing close is logged.
 
@@ -126,7 +128,11 @@ class RawCudaIPCWrapper(FlatCudaWrapper):
         check_bytes(type(self), "ipc_handle", self.ipc_handle, sizes=(IPC_HANDLE_BYTES,))
 
     def _mapping_key(self) -> Hashable:
-        return ("cuda-ipc", self.ipc_handle)
+        # Scoped to the session, as the VMM key is: a mapping's close waits only for its own
+        # session's copy streams (``streams.quiesce(scope=...)``), so a mapping shared with
+        # another session could be closed under that session's copies. The driver counts opens
+        # of one allocation in one process, so each session's open and close are its own.
+        return ("cuda-ipc", self._scope(), self.ipc_handle)
 
     def _open(self, ordinal: int) -> DeviceMapping:
         if self._exported_here():

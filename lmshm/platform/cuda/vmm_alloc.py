@@ -34,7 +34,7 @@ class VmmAllocation:
     def __init__(self, nbytes: int, ordinal: int, handle_type: str, chunk_bytes: int | None) -> None:
         drv = get_driver()
         self.ordinal = ordinal
-        gran = drv.granularity(ordinal)
+        gran = drv.granularity(ordinal, handle_type)
         chunk = _round_up(chunk_bytes or nbytes, gran)
         self.chunk_bytes = chunk
         self.size = _round_up(nbytes, chunk)

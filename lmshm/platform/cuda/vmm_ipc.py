@@ -235,7 +235,7 @@ class VmmCudaIPCWrapper(FlatCudaWrapper):
         va: int | None = None
         mapped = False
         try:
-            gran = drv.granularity(ordinal)
+            gran = drv.granularity(ordinal, self.handle_type)
             if size % gran:
                 raise ValueError(
                     f"{type(self).__name__}: alloc_size {size} is not a multiple of the device's "

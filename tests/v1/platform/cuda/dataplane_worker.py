@@ -213,8 +213,9 @@ class Worker:
     def op_put_and_die(self, instance_id: str, keys: list, blocks: list, delay_ms: float = 500.0,
                        seed: int = 7) -> None:
         """Queue fills ``delay_ms`` late, send one STORE per block (``wait=False``), let the first
-        reply come (its copies are queued in the server then, waiting on this stream) or 0.3 s
-        pass, say so, and SIGKILL this process with everything in flight."""
+        reply come or 0.3 s pass (the server waits on its host for this stream's signals before
+        it queues any copy, so with a delay longer than that no reply has come), say so, and
+        SIGKILL this process with everything in flight: the signals never complete."""
         from cuda_testing import gpu_delay
 
         torch = self.torch

@@ -95,12 +95,12 @@ class FakeCudaDriver:
         self._free_handles: list[int] = []          # released handle values, reused first
         self.sequence: list[str] = []               # successful calls, in order
         self.stream_mem_ops = True                  # CAN_USE_64_BIT_STREAM_MEM_OPS
+        self.granularity_queries: list = []         # the handle type each granularity query named
         self._next_stream = 0x5000
         self.streams: set[int] = set()              # live streams
         self.held: set[int] = set()                 # streams whose queued work never finishes
         self._next_event = 0x9000
         self.events: dict[int, int | None] = {}     # event -> stream it waits on (None: done)
-        self.waits: list[dict] = []                 # cuStreamWaitValue64 calls, in order
         self.batch_supported = True                 # cuMemcpyBatchAsync exists (a 12.8+ driver)
         self.batches: list[dict] = []               # memcpy_batch_async's arguments, in order
         self.copies: list[tuple[int, int, int]] = []   # memcpy_async's (dst, src, bytes), in order
@@ -238,8 +238,9 @@ class FakeCudaDriver:
             bits = HANDLE_TYPE_BITS[handle_type] if handle_type in HANDLE_TYPE_BITS else 0
             return self._handle(Physical(size, ordinal, "vmm", handle_bits=bits))
 
-    def granularity(self, ordinal: int) -> int:
+    def granularity(self, ordinal: int, handle_type: str | None = None) -> int:
         self._enter("cuMemGetAllocationGranularity")
+        self.granularity_queries.append(handle_type)
         return GRANULARITY
 
     def reserve(self, size: int, ordinal: int) -> int:
@@ -395,26 +396,6 @@ class FakeCudaDriver:
 
     def read_u64(self, ptr: int) -> int:
         return int.from_bytes(self.read(ptr, 8), "little")
-
-    def _wait_met(self, ptr: int, value: int) -> bool:
-        # CU_STREAM_WAIT_VALUE_GEQ: (int64)(*ptr - value) >= 0
-        diff = (self.read_u64(ptr) - value) & ((1 << 64) - 1)
-        return diff < (1 << 63)
-
-    def stream_wait_value64(self, stream: int, ptr: int, value: int, ordinal: int) -> None:
-        """Records the wait; it is met at once if the word already is >= ``value`` (cyclic),
-        else pending until a later write makes it so (see ``pending_waits``)."""
-        with self._lock:
-            self._enter("cuStreamWaitValue64", f"stream=0x{stream:x}, ptr={hexptr(ptr)}")
-            self.waits.append(dict(stream=stream, ptr=ptr, value=value, met=self._wait_met(ptr, value)))
-
-    def pending_waits(self, stream: int | None = None) -> list[dict]:
-        """The waits (of ``stream``, or all) whose word has not reached their value yet."""
-        with self._lock:
-            for w in self.waits:
-                if not w["met"]:
-                    w["met"] = self._wait_met(w["ptr"], w["value"])
-            return [dict(w) for w in self.waits if not w["met"] and (stream is None or w["stream"] == stream)]
 
     def synchronize(self, ordinal: int) -> None:
         self._enter("cuCtxSynchronize", f"device=cuda:{ordinal}")

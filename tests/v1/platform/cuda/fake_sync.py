@@ -1,16 +1,18 @@
 """FakeCudaSync -- a FAKE of ``lmshm.core.cuda_sync.TorchCudaSync`` for CPU-only logic tests.
 
 Same methods; copies run at once on the (host) tensors the fake driver hands out, events are
-small objects that complete at once unless the test holds them (``hold_events``), flag waits
-read the simulated word, and every call is logged in order, so a test can check *what the data
-plane asks the GPU to do, and when* (wait on the worker's token before any copy, reply before
-or after the server's wait, commit or unpin only after it). It proves nothing about CUDA itself;
+small objects that complete at once unless the test holds them (``hold_events``), host waits
+on the worker's token block until it is signalled, the deadline, or ``stop()`` (as the real
+ones do; flag words are read from the simulated memory), and every call is logged in order,
+so a test can check *what the data plane asks the GPU to do, and when* (wait on the worker's
+token before any copy, reply before or after the server's wait, commit or unpin only after it). It proves nothing about CUDA itself;
 the same requests run on a GPU in ``test_cuda_server_e2e.py`` and ``test_cuda_dataplane_gpu.py``
 (``scripts/gpu-check``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 from lmshm.core.cuda_sync import PIN_EXTENT, CudaSyncError, extents, submit_copies
@@ -41,11 +43,11 @@ class FakeCudaSync:
         self.hold_events = False            # new events stay incomplete until complete_all()
         self.made: list[FakeEvent] = []
         self.read_word = read_word          # reads a simulated 8-byte word (flag waits)
-        self.flag_waits: list[tuple[int, int]] = []
-        self.rescued: list[tuple[int, int]] = []
+        self.on_host_wait: Optional[Callable[[], None]] = None   # runs as a host wait on a worker's token starts
         self.pins: list[tuple[int, int]] = []
         self.dropped: list[Any] = []
         self.worker_pending = False         # the worker's events are not signalled (yet)
+        self.worker_events: list[FakeEvent] = []
 
     def stream(self, device: int, session: Any = None) -> str:
         self.log.append(f"stream:{device}")
@@ -59,24 +61,26 @@ class FakeCudaSync:
             raise CudaSyncError(f"cannot open the worker's CUDA event: a handle is 64 bytes, got {len(handle)}")
         ev = FakeEvent(0, not self.worker_pending)
         ev.tag = handle[:1].decode()
+        self.worker_events.append(ev)
         return ev
 
-    def wait_event(self, stream: Any, event: Any) -> None:
-        self.log.append(f"wait:{event.tag}")
-
-    def wait_word(self, page: Any, slot: int, seq: int, deadline: float) -> bool:
+    def wait_word(self, page: Any, slot: int, seq: int, deadline: float,
+                  stop: Optional[Callable[[], bool]] = None) -> bool:
+        """As the real one: True once the word reaches ``seq``; False at ``deadline`` or once
+        ``stop()`` is true (it blocks until then, polling the simulated word)."""
         self.log.append(f"host-wait-flag:{seq}")
-        return self.read_word is None or self.read_word(page.data_ptr() + 8 * slot) >= seq
+        if self.on_host_wait is not None:
+            self.on_host_wait()
+        return self._until(lambda: self.read_word is None or self.read_word(page.data_ptr() + 8 * slot) >= seq,
+                           deadline, stop)
 
-    def wait_flag(self, stream: Any, ptr: int, seq: int, device: int) -> None:
-        self.flag_waits.append((ptr, seq))
-        self.log.append(f"wait-flag:{seq}")
-        if self.read_word is not None and self.read_word(ptr) < seq:
-            self.hold_events = True          # the stream is blocked: nothing after it completes
-
-    def rescue(self, ptr: int, seq: int, device: int) -> None:
-        self.rescued.append((ptr, seq))
-        self.log.append(f"rescue:{seq}")
+    @staticmethod
+    def _until(ready: Callable[[], bool], deadline: float, stop: Optional[Callable[[], bool]]) -> bool:
+        while not ready():
+            if time.monotonic() >= deadline or (stop is not None and stop()):
+                return False
+            time.sleep(0.001)
+        return True
 
     def record(self, stream: Any, device: int, interprocess: bool = True) -> tuple[Any, bytes]:
         self._events += 1
@@ -93,10 +97,12 @@ class FakeCudaSync:
     def done(self, event: Any) -> bool:
         return event.complete
 
-    def wait(self, event: Any, deadline: float) -> bool:
+    def wait(self, event: Any, deadline: float, stop: Optional[Callable[[], bool]] = None) -> bool:
         if getattr(event, "tag", None) is not None:     # the worker's event, waited on from the host
             self.log.append(f"host-wait:{event.tag}")
-            return event.complete
+            if self.on_host_wait is not None:
+                self.on_host_wait()
+            return self._until(lambda: event.complete, deadline, stop)   # blocks, as the real one
         if self.on_synchronize is not None:
             self.on_synchronize()
         self.log.append(f"sync:{event}" if event.complete else f"timeout:{event}")

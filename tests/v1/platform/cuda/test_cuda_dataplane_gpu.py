@@ -330,11 +330,11 @@ def test_gpu_isolated_mode_works_with_a_private_dev_shm_per_worker():
 
 
 def test_gpu_isolated_mode_a_flag_word_never_written_fails_the_store_at_its_deadline_and_the_server_recovers():
-    """Proves the isolated mode's bounded wait on the GPU: a STORE whose flag token names a
-    number the worker never writes blocks the server's stream on cuStreamWaitValue64; at
-    --cuda-timeout (2 s) the server writes the word itself, the request fails UNAVAILABLE,
-    nothing is committed, the reserved bytes come back once the GPU is done, and a later round
-    trip on the same server is byte for byte right."""
+    """Proves the isolated mode's bounded wait: a STORE whose flag token names a number the
+    worker never writes is waited for on the host (the word read with 8-byte copies), never on
+    the GPU; at --cuda-timeout (2 s) the request fails UNAVAILABLE with nothing reserved or
+    queued (counted as late, nothing quarantined), and a later round trip on the same server is
+    byte for byte right."""
     from lmshm.multiprocess.client import query_status
     from lmshm.multiprocess.protocol import ErrorCode
 
@@ -353,7 +353,7 @@ def test_gpu_isolated_mode_a_flag_word_never_written_fails_the_store_at_its_dead
             wait_for(lambda: query_status(server.url).pool.in_flight == 0, 15, 0.05,
                      "the failed STORE's reserved bytes to come back")
             pool = query_status(server.url).pool
-            assert pool.objects == 0 and pool.failed >= 1, pool
+            assert pool.objects == 0 and pool.late >= 1 and pool.cuda_quarantined == 0, pool
             round_trip(server.url, a, b, "stuck-a", "stuck-b", "after", [3, 4], [8, 9], delay_ms=50)
         finally:
             for w in workers:
@@ -368,12 +368,16 @@ def test_gpu_isolated_mode_a_flag_word_never_written_fails_the_store_at_its_dead
 
 
 def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_server_and_pool_sound():
-    """Proves the CUDA error paths do not free or unmap memory under queued copies: a STORE whose
+    """Proves the CUDA error paths do not free or unmap memory under queued copies, and that a
+    dead worker holds neither its GPU memory nor the server's copies (issue 42 §3): a STORE whose
     block ids are partly out of range is refused (or stores only what it may) and leaves no CUDA
-    error; then a cuda-torch worker and a cuda-vmm worker each send 64 STOREs whose fills are
-    500 ms late on their stream and are SIGKILLed with those copies queued. The server must stay
-    up, reclaim both, answer the others, a later STORE/RETRIEVE round trip between two other
-    workers must compare equal, and its log must show no illegal address or launch failure."""
+    error; then a cuda-torch worker and a cuda-vmm worker, each with a 2 GiB KV cache, send 64
+    STOREs whose fills are 500 ms late on their stream and are SIGKILLed with their ordering
+    signals pending. The server must stay up, reclaim both, quarantine nothing
+    (``cuda_quarantined`` 0: no copy waited on a dead worker's signal), give the dead workers'
+    device memory back (``cudaMemGetInfo`` at least what it was before they allocated their
+    caches), answer the others, a later STORE/RETRIEVE round trip between two other workers must
+    compare equal, and its log must show no illegal address or launch failure."""
     from lmshm.multiprocess.client import query_status
 
     with scratch_dir() as tmp:
@@ -383,8 +387,12 @@ def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_serve
             workers = start_workers(server, ("err-a", {}), ("err-b", {}), ("doomed-torch", {}),
                                     ("doomed-vmm", {"memory": "vmm"}))
             a, b, doomed_torch, doomed_vmm = workers
-            for w, iid in zip(workers, ("err-a", "err-b", "doomed-torch", "doomed-vmm")):
+            for w, iid in ((a, "err-a"), (b, "err-b")):
                 w.call("register", instance_id=iid, layers=2, blocks=64, block_bytes=64 << 10)
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info(0)[0]     # before the doomed workers' caches exist
+            for w, iid in ((doomed_torch, "doomed-torch"), (doomed_vmm, "doomed-vmm")):
+                w.call("register", instance_id=iid, layers=2, blocks=64, block_bytes=16 << 20)   # 2 GiB each
 
             # 1. partly invalid block ids: the first chunk's are fine, the second's beyond the pool
             bad = a.call("store_raw", instance_id="err-a", keys=keys(2, "bad"), blocks=[1, 2, 63, 1 << 20],
@@ -405,6 +413,12 @@ def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_serve
                 assert server.alive, f"lmshm-server died after {iid} was killed:\n{server.log()[-4000:]}"
             time.sleep(1.0)                   # whatever the server still had queued has run by now
             assert query_status(server.url).registrations is not None
+            assert query_status(server.url).pool.cuda_quarantined == 0, \
+                "a copy was queued behind a dead worker's signal: its bytes and mapping went to the quarantine"
+            # their contexts, scratch and 4 GiB of caches are gone; the server's new streams may cost a little
+            slack = 256 << 20
+            wait_for(lambda: torch.cuda.mem_get_info(0)[0] >= free_before - slack, 10, 0.05,
+                     "the dead workers' device memory to come back")
             round_trip(server.url, a, b, "err-a", "err-b", "after-kill", list(range(20, 36)), list(range(40, 56)),
                        chunk_blocks=2)
             assert_clean_log(server)

@@ -66,10 +66,11 @@ def test_a_store_waits_for_the_worker_replies_then_commits_after_the_gpu_is_done
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == bytes([1]) * 64
-    # the pool's extent pinned before the stream waits on the worker's event; then the copies
-    # (2 layers x 1 run) in one driver call; the server's event; the reply; and only then the
-    # wait for that event, after which the chunk becomes visible
-    assert g.sync.log == ["stream:0", "pin", "wait:W", "copy", "record:1", "sync:event1"]
+    # the pool's extent pinned first; then the worker's event waited for on the host (never on
+    # the GPU: no stream wait); then the copies (2 layers x 1 run) in one driver call; the
+    # server's event; the reply; and only then the wait for that event, after which the chunk
+    # becomes visible
+    assert g.sync.log == ["stream:0", "pin", "host-wait:W", "copy", "record:1", "sync:event1"]
     (batch,) = g.fake.batches
     assert batch["sizes"].tolist() == [2 * BLOCK_BYTES] * 2 and g.sync.copy_calls == 1
     from lmshm.cli import format_status_table
@@ -95,7 +96,7 @@ def test_a_retrieve_writes_the_blocks_and_unpins_only_after_the_gpu_read_them(gp
     assert isinstance(reply, protocol.RetrieveReply) and reply.chunks == 1 and reply.event == bytes([2]) * 64
     # the worker's event is waited on from the host first: no copy into its blocks is queued
     # that could run after it stopped waiting
-    assert g.sync.log == ["stream:0", "pin", "host-wait:X", "wait:X", "copy", "record:2", "sync:event2"]
+    assert g.sync.log == ["stream:0", "pin", "host-wait:X", "copy", "record:2", "sync:event2"]
     assert pinned_at_sync == [1] and g.dp.pool.info()["pinned"] == 0 and g.dp.pool.info()["leases"] == 0
     for layer in range(2):
         assert block(g.fake, g.base, layer, 5) == block(g.fake, g.base, layer, 1)
@@ -117,7 +118,7 @@ def test_an_unusable_worker_event_stores_nothing(gpu_registration):
 def test_a_sessions_events_go_with_it(gpu_registration):
     g = gpu_registration
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2))
-    assert "wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
+    assert "host-wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
     g.dp.session_ended("s1")
     assert len(g.dp.events) == 0
 
@@ -194,6 +195,7 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
 
 # ---- isolated mode's flag words, deadlines, quarantine, event lifetimes (issue 26: 2, 4, 5, 7) ----
 import ctypes  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 from lmshm.core import cuda_sync  # noqa: E402
@@ -247,9 +249,8 @@ def test_isolated_store_waits_on_the_workers_word_and_replies_only_after_the_cop
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
     (reply,) = g.replies
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == b""   # no IPC event to open
-    assert g.sync.log == ["stream:0", "pin", "wait-flag:41", "copy", "record:1", "sync:event1"]
+    assert g.sync.log == ["stream:0", "pin", "host-wait-flag:41", "copy", "record:1", "sync:event1"]
     assert seen == [(0, 0)]                      # the wait came before the reply and the commit
-    assert g.sync.flag_waits == [(g.page.data_ptr() + 8 * 5, 41)]
     assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 0
     assert g.dp.registry.get("flags-1").holds == 0
 
@@ -266,25 +267,82 @@ def test_isolated_retrieve_unpins_before_its_reply(isolated):
     assert block(g.fake, g.base, 0, 5) == block(g.fake, g.base, 0, 1)
 
 
-def test_a_flag_word_that_never_comes_is_rescued_and_fails_the_store_with_nothing_handed_back(isolated):
+def test_an_isolated_store_whose_word_never_comes_queues_nothing_and_holds_nothing(isolated):
+    """The worker's word is waited for on the host: at the deadline the STORE fails with nothing
+    queued (the pool bytes it reserved and pinned before the wait are handed back), so no stream
+    waits on the worker and nothing goes to the quarantine."""
     g = isolated
     g.dp.cuda_timeout_s = 0.05
     reg = g.dp.registry.get("gpu")
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 9, "flags-1")))
     (reply,) = g.replies
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
-    assert "ordering signal never came" in reply.message
-    assert g.sync.rescued == [(g.page.data_ptr() + 8 * 3, 9)]      # the server unblocked its own stream
+    assert "flag word was not signalled in time" in reply.message and "nothing was stored" in reply.message
+    assert g.sync.log == ["stream:0", "pin", "host-wait-flag:9"]     # no copy, no GPU-side wait
     info = g.dp.pool.info()
-    assert info["in_flight"] == 1 and info["objects"] == 0          # reserved bytes still out of use...
-    assert reg.holds == 1 and g.dp.registry.get("flags-1").holds == 1 and g.dp.cuda_quarantined == 1
-    g.dp.tick()
-    assert g.dp.pool.info()["in_flight"] == 1                       # ...while the GPU may write them
-    g.sync.complete_all()
-    g.dp.tick()
-    info = g.dp.pool.info()
-    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0) and info["failed"] == 1
+    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
     assert reg.holds == 0 and g.dp.registry.get("flags-1").holds == 0
+    assert g.dp.cuda_quarantined == 0 and not g.dp._quarantine and g.dp.late_requests == 1
+
+
+def test_a_default_mode_store_whose_worker_event_never_completes_queues_nothing_and_holds_nothing(gpu_registration):
+    """Issue 42 §3: the worker died before its event completed. Queued behind that event on the
+    GPU, the copies never ran: the stream blocked for good and the quarantine held the dead
+    worker's mapping and the reserved pool bytes until a restart."""
+    g = gpu_registration
+    g.dp.cuda_timeout_s = 0.05
+    g.sync.worker_pending = True
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "CUDA event was not signalled in time" in reply.message and "nothing was stored" in reply.message
+    assert g.sync.log == ["stream:0", "pin", "host-wait:W"] and g.sync.made == []   # nothing queued, no event
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
+    assert g.dp.registry.get("gpu").holds == 0 and g.dp.cuda_quarantined == 0 and not g.dp._quarantine
+    assert len(g.dp.events) == 0 and g.dp.late_requests == 1
+
+
+@pytest.mark.parametrize("what", ["STORE", "RETRIEVE"])
+@pytest.mark.parametrize("token", ["event", "flag"])
+def test_a_worker_that_dies_during_the_host_wait_frees_the_copy_thread_at_once(isolated, what, token):
+    """The session ends (the worker died) while its request waits for its signal: the wait stops
+    then, not at --cuda-timeout, and its registrations are let go, so the reclaim can unmap."""
+    g = isolated
+    _set_word(g, 1, 1)
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
+    lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)[1] if what == "RETRIEVE" else b""
+    g.dp._isolated = token == "flag"
+    g.sync.log.clear()
+    g.sync.worker_pending = True                                       # an event: never completes
+    g.dp.cuda_timeout_s = 30.0
+    ev = b"W" * 64 if token == "event" else flag_token(2, 5, "flags-1")   # a word: never written
+    req = (protocol.Store("gpu", [b"k1"], [3, 4], 2, event=ev) if what == "STORE"
+           else protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=ev))
+    g.sync.on_host_wait = lambda: threading.Timer(0.05, setattr, (g.session, "ended", True)).start()
+    t0 = time.monotonic()
+    run(g.dp, g.session, req)
+    assert time.monotonic() - t0 < 2.0, "the host wait went on after the session ended"
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "copy" not in g.sync.log
+    info = g.dp.pool.info()
+    assert (info["in_flight"], info["pinned"]) == (0, 0) and g.dp.cuda_quarantined == 0
+    assert g.dp.registry.get("gpu").holds == 0 and g.dp.registry.get("flags-1").holds == 0
+
+
+def test_with_cuda_pin_off_no_copy_is_queued_before_the_token_is_seen_on_the_host(isolated):
+    """--cuda-pin off: a copy to pageable memory returns only when it is done, so a copy queued
+    behind a GPU-side wait on the worker would block its thread without a bound. The word is
+    read on the host first, and the copies come after it reached the number."""
+    g = isolated
+    g.dp.cuda_pin = "off"
+    g.sync.on_host_wait = lambda: threading.Timer(0.05, _set_word, (g, 6, 12)).start()   # written late
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(6, 12, "flags-1")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply), reply
+    assert g.sync.log[:3] == ["stream:0", "pin", "host-wait-flag:12"] and "copy" in g.sync.log
+    assert not any(x.startswith("wait") for x in g.sync.log)          # nothing waits on the GPU
 
 
 def test_a_default_mode_copy_past_its_deadline_holds_its_bytes_until_the_gpu_is_done(gpu_registration):
@@ -484,7 +542,7 @@ def test_a_retrieve_whose_signal_never_comes_queues_nothing_and_writes_no_block(
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "flag word was not signalled in time" in reply.message and "no block was written" in reply.message
-    assert "copy" not in g.sync.log and "wait-flag:7" not in g.sync.log and g.sync.rescued == []
+    assert g.sync.log == ["stream:0", "pin", "host-wait-flag:7"]
     assert [block(g.fake, g.base, 0, b) for b in (5, 6)] == before
     info = g.dp.pool.info()
     assert info["pinned"] == 0 and info["leases"] == 0 and g.dp.late_requests == 1
@@ -497,6 +555,7 @@ def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gp
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
     g.sync.log.clear()
     g.sync.worker_pending = True
+    g.dp.cuda_timeout_s = 0.05
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=b"X" * 64))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
@@ -588,3 +647,146 @@ def test_the_copy_settings_are_in_help_environment_and_reach_the_data_plane():
     with pytest.raises(Exception, match="cuda-pin-extent.*multiple of 4 KiB"):
         DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
                   max_leases_per_session=8, reply=lambda *a: None, cuda_pin_extent=5000)
+
+
+# ---- isolated mode across reconnects and mixed modes (issue 42 §4) ----------------------------
+
+def test_a_flag_token_gets_a_reply_after_the_copies_and_no_event_from_a_server_not_started_isolated(isolated):
+    """An isolated worker cannot open an interprocess event (no shared /dev/shm) and orders its
+    work by the reply: a server started without --isolated-ipc must answer its flag tokens so."""
+    g = isolated
+    g.dp._isolated = False
+    _set_word(g, 5, 41)
+    seen = []
+    g.sync.on_synchronize = lambda: seen.append((len(g.replies), g.dp.pool.info()["objects"]))
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply) and reply.event == b"", reply
+    assert seen == [(0, 0)] and len(g.dp.events) == 0           # answered after the copies completed
+    hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
+    _set_word(g, 6, 42)
+    run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(6, 42, "flags-1")))
+    assert isinstance(g.replies[-1], protocol.RetrieveReply) and g.replies[-1].event == b""
+    assert g.dp.pool.info()["pinned"] == 0 and len(g.dp.events) == 0
+
+
+class FakeClient:
+    """A FAKE of ``MPClient``'s registration calls (what ``WorkerCudaSync`` uses of it)."""
+
+    def __init__(self, server_id: str = "server-1") -> None:
+        self.server_id = server_id
+        self.registered: list[str] = []
+        self.unregistered: list[str] = []
+
+    def register_kv_caches(self, kv, instance_id, *, model_name=""):
+        assert list(kv) == [FLAG_LAYER] and model_name == FLAG_LAYER
+        self.registered.append(instance_id)
+        return instance_id
+
+    def unregister_kv_caches(self, instance_id):
+        self.unregistered.append(instance_id)
+        return False
+
+
+def _worker_sync(fake_driver, client, monkeypatch):
+    """An isolated ``WorkerCudaSync`` whose page lives in the fake driver's memory (no GPU)."""
+    page_ptr = fake_driver.malloc(SLOTS * 8)
+    page = SimpleNamespace(data_ptr=lambda: page_ptr)
+    sync = cuda_sync.WorkerCudaSync(0, client=client, isolated=True)
+    sync._torch = SimpleNamespace(int64=torch.int64, zeros=lambda *a, **k: page,
+                                  cuda=SimpleNamespace(synchronize=lambda device=None: None,
+                                                       current_stream=lambda device=None: SimpleNamespace(
+                                                           cuda_stream=fake_driver.stream_create(0))))
+    return sync, page_ptr
+
+
+def test_the_flag_page_is_registered_again_after_a_server_restart_and_with_a_new_client(fake_driver, monkeypatch):
+    """The page was registered once: after a server restart the tokens named a page the new
+    server did not know, and every CUDA request answered INVALID_ARG for good."""
+    first = FakeClient()
+    current = [first]
+    sync, page_ptr = _worker_sync(fake_driver, lambda: current[0], monkeypatch)
+    ids = [parse_flag_token(sync.ready()[1])[2] for _ in range(3)]
+    assert len(set(ids)) == 1 and first.registered == ids[:1]               # once while the server is the same
+    first.server_id = "server-2"                                             # it restarted
+    _, token = sync.ready()
+    slot, seq, iid = parse_flag_token(token)
+    assert first.registered == [ids[0], iid] and iid != ids[0] and first.unregistered == [ids[0]]
+    assert fake_driver.read_u64(page_ptr + 8 * slot) == seq == 4              # the same page, its count goes on
+    second = current[0] = FakeClient("server-2")                             # another client (a new link)
+    iid2 = parse_flag_token(sync.ready()[1])[2]
+    assert second.registered == [iid2] and iid2 not in (ids[0], iid)
+    sync.close()
+    assert second.unregistered == [iid2]
+
+
+def test_an_isolated_worker_refuses_an_interprocess_event_in_a_reply(fake_driver):
+    sync = cuda_sync.WorkerCudaSync(0, client=FakeClient(), isolated=True)
+    sync.wait(b"")                                                           # isolated replies carry none
+    with pytest.raises(cuda_sync.CudaSyncError, match="interprocess CUDA event"):
+        sync.wait(b"E" * 64)
+
+
+def test_isolated_mode_is_refused_on_a_device_without_64bit_stream_memory_operations(fake_driver, monkeypatch):
+    fake_driver.stream_mem_ops = False
+    client = FakeClient()
+    sync, _ = _worker_sync(fake_driver, client, monkeypatch)
+    with pytest.raises(cuda_sync.CudaSyncError, match="64-bit stream memory operations.*without isolated mode"):
+        sync.ready()
+    assert client.registered == []
+
+
+def test_a_flag_token_is_not_refused_by_the_in_flight_limit_its_own_request_fills(isolated):
+    """The running request counts in the session's in-flight jobs: checking its flag page
+    against the limit refused it at the limit, as an unusable flag page (INVALID_ARG)."""
+    g = isolated
+    g.dp.max_inflight = 1
+    _set_word(g, 3, 3)
+    d = g.dp.store(g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 3, "flags-1")))
+    g.dp.copier.submit(d.session, lambda: d.job(b"id", b"rid"), lambda: d.cancel(b"id", b"rid"))
+    deadline = time.monotonic() + 5
+    while not g.replies and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (reply,) = g.replies
+    assert isinstance(reply, protocol.StoreReply) and reply.results == [protocol.StoreResult.STORED], reply
+
+
+def test_reply_events_are_capped_in_the_whole_process_oldest_completed_first_never_a_running_one():
+    """Interprocess events are scarce (PyTorch reports about 22,000 as a practical limit): the
+    per-session cap alone let many sessions keep 4,096 each, 30 s long."""
+    keeper = EventKeeper(min_age_s=30, cap=100, done=lambda ev: ev.finished, total_cap=8)
+    running = _Ev(False)
+    keeper.keep("a", running, now=0)
+    olds = [_Ev(True) for _ in range(4)]
+    for i, ev in enumerate(olds):
+        keeper.keep("b" if i % 2 else "c", ev, now=1 + i)
+    for i in range(3):
+        keeper.keep(f"s{i}", _Ev(True), now=10 + i)
+    assert len(keeper) == 8 and keeper.dropped_early == 0
+    keeper.keep("d", _Ev(False), now=20)          # 9 > 8: down to 7, the oldest completed first
+    assert len(keeper) == 7 and keeper.dropped_early == 2 and keeper.room() is True
+    left = [ev for q in keeper._by_session.values() for _, ev in q]
+    assert running in left and olds[0] not in left and olds[1] not in left and olds[2] in left
+    busy = EventKeeper(min_age_s=30, cap=100, done=lambda ev: ev.finished, total_cap=2)
+    busy.keep("a", _Ev(False), now=0)
+    busy.keep("b", _Ev(False), now=1)
+    assert busy.room() is False and len(busy) == 2 and busy.dropped_early == 0   # running: never dropped
+
+
+def test_when_every_kept_event_is_still_running_a_default_mode_request_is_refused_with_nothing_queued(gpu_registration):
+    g = gpu_registration
+    g.dp.events = EventKeeper(total_cap=1, done=g.sync.done)
+    g.sync.hold_events = True                      # the first STORE's copies keep running
+    g.dp.cuda_timeout_s = 0.05
+    run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
+    assert isinstance(g.replies[0], protocol.StoreReply)
+    g.sync.log.clear()
+    run(g.dp, g.session, protocol.Store("gpu", [b"k1"], [3, 4], 2, event=b"W" * 64))
+    reply = g.replies[-1]
+    assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
+    assert "interprocess CUDA events" in reply.message and "retry" in reply.message
+    assert g.sync.log == [] and len(g.dp.events) == 1
+    g.sync.complete_all()
+    g.dp.tick()
+    run(g.dp, g.session, protocol.Store("gpu", [b"k1"], [3, 4], 2, event=b"W" * 64))
+    assert isinstance(g.replies[-1], protocol.StoreReply)   # a completed one made room

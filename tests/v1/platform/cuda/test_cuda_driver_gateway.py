@@ -365,10 +365,6 @@ class StreamBindings(EventBindings):
         self.log.append(("write", stream, addr, value, flags))
         return (self.ok,)
 
-    def cuStreamWaitValue64(self, stream, addr, value, flags):  # noqa: N802
-        self.log.append(("wait", stream, addr, value, flags))
-        return (self.ok,)
-
     def cuCtxSynchronize(self):  # noqa: N802
         self.log.append(("ctx-sync",))
         return (self.ok,)
@@ -378,17 +374,17 @@ class StreamBindings(EventBindings):
         return (self.ok, 1)
 
 
-def test_stream_memory_operations_pass_typed_streams_and_the_geq_and_default_flags():
-    """The isolated mode's flag words: cuda-bindings 13's signatures are (stream, addr, value,
-    flags); flags 0 is CU_STREAM_WRITE_VALUE_DEFAULT and CU_STREAM_WAIT_VALUE_GEQ."""
+def test_stream_memory_operations_pass_typed_streams_and_the_default_flags():
+    """The isolated mode's flag words: cuda-bindings 13's signature is (stream, addr, value,
+    flags); flags 0 is CU_STREAM_WRITE_VALUE_DEFAULT (a fence before the write: the work queued
+    before it is visible once the word is). The server reads words on its host, never waits on
+    them on the GPU, so the gateway has no cuStreamWaitValue64."""
     b = StreamBindings()
     gateway = driver.CudaDriver(b)
     s = gateway.stream_create(0)
     assert s == 0x5100 and ("stream-create", 0x1) in b.log            # CU_STREAM_NON_BLOCKING
     gateway.stream_write_value64(s, 0x7000_0008, 41, 0)
-    gateway.stream_wait_value64(s, 0x7000_0008, 41, 0)
     assert ("write", ("stream", 0x5100), 0x7000_0008, 41, 0) in b.log
-    assert ("wait", ("stream", 0x5100), 0x7000_0008, 41, 0) in b.log
     gateway.synchronize(0)
     assert ("ctx-sync",) in b.log
     assert gateway.can_use_64bit_stream_mem_ops(0) is True
@@ -528,3 +524,43 @@ def test_the_copy_path_follows_the_driver_and_the_setting(fake_driver):
     assert cuda_sync.TorchCudaSync("lazy").copy_path(0) == "per-piece"
     with pytest.raises(ValueError, match="multiple of 4 KiB"):
         cuda_sync.TorchCudaSync("lazy", pin_extent=1000)
+
+
+class GranularityBindings(ContextBindings):
+    """ContextBindings plus what a granularity query builds: the allocation property (as
+    cuda-python's struct, attributes only) and cuMemGetAllocationGranularity, which records the
+    property's requestedHandleTypes."""
+
+    class CUmemAllocationType:  # noqa: N801
+        CU_MEM_ALLOCATION_TYPE_PINNED = 1
+
+    class CUmemLocationType:  # noqa: N801
+        CU_MEM_LOCATION_TYPE_DEVICE = 1
+
+    class CUmemAllocationHandleType:  # noqa: N801
+        CU_MEM_HANDLE_TYPE_NONE = 0
+        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+        CU_MEM_HANDLE_TYPE_FABRIC = 8
+
+    class CUmemAllocationGranularity_flags:  # noqa: N801
+        CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
+
+    class CUmemAllocationProp:
+        def __init__(self):
+            import types
+
+            self.type = 0
+            self.location = types.SimpleNamespace(type=0, id=0)
+            self.requestedHandleTypes = 0            # CU_MEM_HANDLE_TYPE_NONE
+
+    def cuMemGetAllocationGranularity(self, prop, flag):  # noqa: N802
+        self.log.append(("granularity", prop.location.id, prop.requestedHandleTypes, flag))
+        return (self.ok, 2 << 20)
+
+
+def test_granularity_is_asked_with_the_allocations_own_handle_type():
+    b = GranularityBindings()
+    gateway = driver.CudaDriver(b)
+    assert gateway.granularity(1, "fabric") == 2 << 20
+    assert gateway.granularity(0, "posix-fd") == 2 << 20
+    assert [e for e in b.log if e[0] == "granularity"] == [("granularity", 1, 8, 0), ("granularity", 0, 1, 0)]

@@ -160,6 +160,32 @@ def test_two_wrappers_open_once_closing_one_keeps_the_other_and_the_last_close_u
     producer.call("free", name)
 
 
+def test_gpu_two_sessions_naming_one_raw_allocation_open_it_each_and_one_close_leaves_the_other_valid(producer):
+    """Raw IPC mappings are keyed by session (issue 42 §4), so two sessions naming one
+    allocation open it twice in this process. That relies on the driver counting opens
+    (cuda-bindings 13: a second cuIpcOpenMemHandle in one context bumps a refcount and returns
+    the same pointer): after session A's close, B's tensor must still read the producer's bytes,
+    and B's close is the second cuIpcCloseMemHandle."""
+    name = "raw-two-sessions"
+    producer.call("alloc", name, (2, 4096), "float16", memory="torch", seed=13)
+    drv = get_driver()
+    opens, closes = drv.calls["cuIpcOpenMemHandle"], drv.calls["cuIpcCloseMemHandle"]
+    out = producer.call("wrap", name, "cuda-raw", ())
+    a, b = receive(out["payload"], session="session-a"), receive(out["payload"], session="session-b")
+    ta, tb = a.to_tensor(), b.to_tensor()
+    assert drv.calls["cuIpcOpenMemHandle"] - opens == 2 and ta.data_ptr() == tb.data_ptr()
+    a.close()
+    del ta
+    gc.collect()
+    assert drv.calls["cuIpcCloseMemHandle"] - closes == 1
+    assert digest(tb) == producer.call("digest", name), "session A's close unmapped session B's view"
+    b.close()
+    del tb
+    gc.collect()
+    assert drv.calls["cuIpcCloseMemHandle"] - closes == 2
+    producer.call("free", name)
+
+
 @pytest.mark.parametrize("handle_type", ["posix-fd", "fabric"])
 def test_a_cumemcreate_pool_is_exported_both_ways(producer, handle_type):
     if handle_type == "fabric" and not producer.call("device_attribute", "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"):

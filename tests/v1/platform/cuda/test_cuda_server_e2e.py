@@ -49,10 +49,10 @@ def scratch():
     path.rmdir()
 
 
-def start_server(scratch: Path, isolated: bool) -> tuple[subprocess.Popen, str, str, Path]:
+def start_server(scratch: Path, isolated: bool, url: str = "tcp://127.0.0.1:0") -> tuple[subprocess.Popen, str, str, Path]:
     log = scratch / "server.log"
     fd_socket = str(scratch / "fds.sock")
-    cmd = [sys.executable, "-m", "lmshm.server", "--url", "tcp://127.0.0.1:0",
+    cmd = [sys.executable, "-m", "lmshm.server", "--url", url,
            "--fd-socket", fd_socket, "--log-level", "INFO", "--admin-uid", str(os.geteuid()),  # the reader peeks
            "--isolated-ipc" if isolated else "--no-isolated-ipc"]
     with open(log, "w") as err:
@@ -246,16 +246,15 @@ def test_gpu_store_and_retrieve_are_ordered_by_events(scratch, kind):
     in isolated mode the flag word): the fill STOREd and the worker's last write of the RETRIEVE's
     destination are queued 100 ms late on the worker's stream while the requests go at once, so
     a server that did not wait for the worker's signal would store zeros, and its RETRIEVE would
-    be overwritten by the late write; the overwrite after the STORE's reply is ordered only by
-    the server's signal. ``test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes`` is the
+    be overwritten by the late write; the server waits for the signal on the host, so the STORE
+    is answered only after the fill; the overwrite after the STORE's reply is ordered only by
+    the server's signal (default mode) or by the reply (isolated). ``test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes`` is the
     control that shows the delay is long enough for this to fail."""
     out = _delayed_round_trip(scratch, kind, signal_store=True)
-    if kind == "cuda-raw":
-        # isolated mode answers after its copies completed, and those waited for the fill
-        assert out["store_reply_s"] >= 0.5 * DELAY_MS / 1000, \
-            f"isolated STORE answered after {out['store_reply_s'] * 1000:.0f} ms, before the fill it should wait for"
-    else:
-        assert out["fill_pending_at_reply"], "the fill had completed by the STORE's reply: the test proved nothing"
+    # the server waits on the host for the worker's signal before it queues a copy (issue 42 §3),
+    # so in both modes the STORE is answered only after the late fill
+    assert out["store_reply_s"] >= 0.5 * DELAY_MS / 1000, \
+        f"the STORE was answered after {out['store_reply_s'] * 1000:.0f} ms, before the fill it should wait for"
     assert out["dst_is_fill"], f"RETRIEVE did not bring back what the delayed fill wrote: blocks hold {out['dst_values']}"
     assert out["src_is_overwrite"], "the overwrite after the STORE's reply did not land"
 
@@ -274,3 +273,61 @@ def test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes(scratch, kind
         pytest.skip(f"the server refuses a CUDA STORE without an ordering signal ({exc}): no control possible")
     assert out["dst_is_stale"], (f"a STORE sent with no ordering signal still saw the delayed fill (blocks hold "
                                  f"{out['dst_values']}): {DELAY_MS} ms is too short for the ordering tests to fail")
+
+
+def test_gpu_an_isolated_worker_stores_and_retrieves_again_after_a_server_restart(scratch):
+    """Issue 42 §4: in isolated mode the worker's flag page was registered once, so after a
+    restart of lmshm-server every CUDA request could answer INVALID_ARG for good. A worker with
+    a heartbeat (MPClient re-registers its KV caches) and a WorkerCudaSync round-trips a block,
+    the server is restarted on the same URL, and the same round trip must work again: the page
+    registered with the new server (one page registration, not two), and every reply without an
+    interprocess event (isolated mode orders by the reply)."""
+    from lmshm.core.cuda_sync import FLAG_LAYER, WorkerCudaSync
+    from lmshm.multiprocess.client import MPClient, query_status
+    from lmshm.platform import ipc_policy
+
+    server, url, fd_socket, log = start_server(scratch, True)
+    ipc_policy.set_isolated_ipc(True)
+    try:
+        pool = torch.zeros(2, 16, 4096, dtype=torch.float16, device="cuda:0")
+        torch.cuda.synchronize()
+        kv = {f"model.layers.{i}.attn": pool[i] for i in range(2)}
+        with MPClient(url, fd_socket=fd_socket, heartbeat_interval_s=0.1) as client:
+            iid = client.register_kv_caches(kv, "gpu-restart")
+            sync = WorkerCudaSync(0, client=client)
+
+            def round_trip(value: float, key: bytes) -> None:
+                pool[:, 3].fill_(value)
+                keep, token = sync.ready()
+                stored = client.store(iid, [key], [3], 1, event=token)
+                del keep
+                assert stored.results == [0] and stored.event == b"", stored
+                lease = _lookup(client, [key])
+                keep, token = sync.ready()
+                got = client.retrieve(iid, [key], [9], 1, lease, event=token)
+                assert got.chunks == 1 and got.event == b"", got
+                sync.wait(got.event)
+                del keep
+                assert bool((pool[:, 9] == value).all()), f"RETRIEVE brought back {pool[:, 9].unique().tolist()}"
+
+            round_trip(1.5, b"r" * 16)
+            server.terminate()
+            assert server.wait(30) == 0, log.read_text()[-4000:]
+            server.stdout.close()
+            server, _, _, log = start_server(scratch, True, url=url)
+            deadline = time.monotonic() + 20
+            while client.reregistrations < 1 or not any(r.instance_id == iid for r in
+                                                         query_status(url).registrations):
+                assert time.monotonic() < deadline, "the client did not re-register after the restart"
+                time.sleep(0.05)
+            round_trip(2.5, b"s" * 16)
+            pages = [r for r in query_status(url).registrations if r.model_name == FLAG_LAYER]
+            assert len(pages) == 1, [r.instance_id for r in pages]
+            sync.close()
+            client.unregister_kv_caches(iid)
+    finally:
+        ipc_policy.set_isolated_ipc(None)
+        server.terminate()
+        rc = server.wait(30)
+        server.stdout.close()
+    assert rc == 0, log.read_text()[-4000:]

@@ -491,7 +491,7 @@ def test_threads_mapping_one_wrapper_at_once_leave_one_lease(fake_driver, as_con
     for t in threads:
         t.join()
     assert len(tensors) == 4 and fake_driver.calls["cuIpcOpenMemHandle"] == 1
-    key = ("cuda-ipc", peer.ipc_handle)
+    key = ("cuda-ipc", None, peer.ipc_handle)        # no session outside a server
     assert MAPPINGS.refcount(key) == 1 + 4            # the wrapper's lease + one per tensor
     tensors.clear()
     peer.close()
@@ -796,3 +796,59 @@ def test_cuda_torch_on_expandable_segments_says_the_server_needs_pidfd_getfd_rig
     assert "LMSHM_USE_VMM_API=1" in msg
     with pytest.raises(RuntimeError, match=r"^pidfd_getfd: Operation not permitted$"):
         malloc._open(0)                                         # cudaMalloc blocks: torch's error as is
+
+
+def test_fabric_imports_and_allocations_ask_the_granularity_of_fabric_handles(fake_driver, as_consumer):
+    """cuMemGetAllocationGranularity answers per allocation property, requestedHandleTypes
+    included: asking without the handle type asked about some other allocation (issue 42 §4)."""
+    from lmshm.platform.cuda.vmm_alloc import VmmAllocation
+
+    va = fake_driver.vmm_pool(GRANULARITY, 1, handle_type="fabric")
+    w = VmmCudaIPCWrapper.from_pointer(va, 1024, torch.bfloat16, (512,), 0, handle_type="fabric")
+    as_consumer()
+    peer = over_the_wire(w)
+    t = peer.to_tensor()
+    del t
+    peer.close()
+    w.close()
+    assert fake_driver.granularity_queries == ["fabric"]
+    alloc = VmmAllocation(GRANULARITY, 0, "fabric", None)
+    alloc.release()
+    assert fake_driver.granularity_queries == ["fabric", "fabric"]
+
+
+def test_two_sessions_naming_one_raw_handle_each_close_their_own_mapping_after_their_own_streams(
+        fake_driver, as_consumer, monkeypatch):
+    """Keyed by the handle alone, a raw mapping opened by session A was shared with session B,
+    and its last close quiesced only A's copy streams: B's copies could still run into it."""
+    import functools
+
+    from lmshm.platform.base.mappings import MAPPINGS
+    from lmshm.platform.base.peer import local_peer
+    from lmshm.platform.cuda import streams
+
+    monkeypatch.setattr(streams, "quiesce", functools.partial(streams.quiesce, timeout_s=0.05))
+    base = fake_driver.malloc(1 * MiB)
+    w = RawCudaIPCWrapper.from_pointer(base, 16, torch.uint8, (16,), 0)
+    as_consumer()
+    a, b = over_the_wire(w), over_the_wire(w)
+    a.admit(local_peer("session-a"))
+    b.admit(local_peer("session-b"))
+    a.to_tensor()
+    b.to_tensor()
+    assert sorted(k[1] for k in MAPPINGS.keys() if k[0] == "cuda-ipc") == ["session-a", "session-b"]
+    assert fake_driver.calls["cuIpcOpenMemHandle"] == 2                   # one open each: the driver counts
+    busy = fake_driver.stream_create(0)
+    streams.register(busy, 0, "session-b")                                # B's copy still runs
+    fake_driver.hold_stream(busy)
+    try:
+        a.close()                                                         # A's own: closed at once
+        assert fake_driver.calls["cuIpcCloseMemHandle"] == 1 and fake_driver.live_mappings() == 1
+        b.close()                                                         # under B's copy: leaked, not closed
+        assert fake_driver.calls["cuIpcCloseMemHandle"] == 1
+    finally:
+        streams.unregister(busy, 0, "session-b")
+        fake_driver.finish_stream(busy)
+        if fake_driver.live_mappings():                                   # what the leak kept
+            fake_driver.ipc_close(next(iter(fake_driver.ipc_open_refs)), 0)
+        w.close()
