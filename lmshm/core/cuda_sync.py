@@ -184,8 +184,9 @@ def poll_until(ready: Callable[[], bool], deadline: float, stop: Optional[Callab
 
 
 class TorchCudaSync:
-    """The real gateway: streams per session, events through ``torch.cuda``, the driver's
-    stream memory operations for flag words, extent-wise pool pinning."""
+    """The real gateway: streams per session, events through ``torch.cuda``, flag words read on
+    the host, extent-wise pool pinning, a request's copies through the driver gateway (one
+    batch, or one call per piece)."""
 
     def __init__(self, pin: str = "lazy", pin_extent: int = PIN_EXTENT, copy_batch: bool = True) -> None:
         import torch

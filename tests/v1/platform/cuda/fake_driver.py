@@ -16,8 +16,8 @@ Simulated: cudaMalloc-style allocations with legacy IPC handles; VMM chunks (cuM
 mapped into reserved ranges, exported as real memfd file descriptors or fabric bytes;
 one mapping per (process, allocation) for IPC opens; allocation handle values recycled once
 released (as the real driver does); failure injection by call name; streams whose work can be
-held unfinished (``hold_stream``), events on them, and the 64-bit stream memory operations
-(a write lands at once; a wait is recorded and pending until the word reaches its value).
+held unfinished (``hold_stream``), events on them, and the 64-bit stream memory write (it
+lands at once; nothing waits on a word on the GPU: the server reads it on its host).
 ``sequence`` lists every successful call in order.
 """
 

@@ -4,10 +4,10 @@ Same methods; copies run at once on the (host) tensors the fake driver hands out
 small objects that complete at once unless the test holds them (``hold_events``), host waits
 on the worker's token block until it is signalled, the deadline, or ``stop()`` (as the real
 ones do; flag words are read from the simulated memory), and every call is logged in order,
-so a test can check *what the data plane asks the GPU to do, and when* (wait on the worker's
-token before any copy, reply before or after the server's wait, commit or unpin only after it). It proves nothing about CUDA itself;
-the same requests run on a GPU in ``test_cuda_server_e2e.py`` and ``test_cuda_dataplane_gpu.py``
-(``scripts/gpu-check``).
+so a test can check *what the data plane asks the GPU to do, and when* (pin, then wait on the
+host for the worker's token before any copy, reply before or after the server's wait, commit
+or unpin only after it). It proves nothing about CUDA itself; the same requests run on a GPU in
+``test_cuda_server_e2e.py`` and ``test_cuda_dataplane_gpu.py`` (``scripts/gpu-check``).
 """
 
 from __future__ import annotations
