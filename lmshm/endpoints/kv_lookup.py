@@ -263,7 +263,8 @@ def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Op
     """The ``POST`` answer's counts for a checked request (``check_request``)."""
     if kind == "tokens":
         blocks = len(values) // block_size
-        forms = [index.hashes_of_tokens(values, block_size, lora, salt)]   # the index's own hashes, as far as it knows them
+        # the index's own hashes, as far as each uid's adverts know them (KvIndex.chains_of_tokens)
+        forms = index.chains_of_tokens(values, block_size, lora, salt) or [[]]
     else:
         blocks = len(values)
         forms = hash_forms(values)
@@ -313,7 +314,7 @@ class KvLookup:
         tiers = tier_names(self.server.core)
         body = {**self._identity(),
                 "tiers": {t: {"medium": _media(t)[0], "locality": _media(t)[1]} for t in tiers},
-                "chunks": len(index), "block_sizes": sorted(index.block_sizes()),
+                "chunks": index.chunks, "block_sizes": sorted(index.block_sizes()),     # counters: O(1)
                 "limits": {"max_blocks": MAX_BLOCKS, "max_tokens": MAX_TOKENS, "max_block_size": MAX_BLOCK_SIZE,
                            "max_body_bytes": self.server.config.http_max_body_bytes}}
         return web.json_response(body, headers={"Cache-Control": "no-store"})

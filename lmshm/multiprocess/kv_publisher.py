@@ -45,7 +45,7 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
 from lmshm.core.logs import Throttle
 from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
 from lmshm.platform.base.files import unlink_if_same
@@ -339,6 +339,8 @@ class KvEventPublisher:
                     self._attach_pod(r.uid, r.space, r.pod)
                 continue
             for topic in self._topics(r.uid, r.space, r.model, event):
+                if r.scope == (OWNER if topic.startswith(self._node_prefix) else NODE):
+                    continue        # Record.scope: an owner-only record on a node topic, a node-only one on a pod's
                 group = groups.get(topic)
                 if group is None:
                     group = groups[topic] = []
