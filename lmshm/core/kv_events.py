@@ -310,25 +310,34 @@ BOTH, OWNER, NODE = 0, 1, 2
 
 
 class _Stored(msgspec.Struct, gc=False):
-    """A ``BlockStored`` kept as its chunk and tier: the tokens stay packed (4 bytes a token,
-    shared with the index) until a reader asks for the event (``Record.event``)."""
+    """A ``BlockStored`` kept packed: its chunk's own hashes, tokens (4 bytes a token) and extra
+    keys, shared with the index while the chunk is indexed, never its token keys or maps (what a
+    record keeps alive is what ``event_bytes`` charges it); the event is built when a reader
+    asks for it (``Record.event``)."""
 
-    chunk: _Chunk
+    hashes: tuple
+    parent: Any
+    tokens: bytes
+    block_size: int
+    lora: Optional[str]
+    extra: Optional[tuple]
+    group: int
     medium: str
     locality: str
 
     def build(self) -> BlockStored:
-        c = self.chunk
         # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
         # GC's care at its first collection, where a list stays
-        return BlockStored(c.hashes, c.parent, _int_tuple(c.tokens), c.block_size, None, self.medium, c.lora,
-                           c.extra, c.group, None, None, self.locality)
+        return BlockStored(self.hashes, self.parent, _int_tuple(self.tokens), self.block_size, None, self.medium,
+                           self.lora, self.extra, self.group, None, None, self.locality)
 
 
 class Record(msgspec.Struct, frozen=True, gc=False):
     """One entry of the event log: an event (or an engine seen for the first time: ``pod``),
     whose it is (``uid``, ``space``, ``model``) and who it is for (``scope``: ``BOTH``,
-    ``OWNER`` or ``NODE``, see above). Readers of the owner's feed (``EventLog.read`` with a
+    ``OWNER`` or ``NODE``, see above). ``pod`` with ``ev`` None: an engine attached to
+    (uid, space), or with ``detach`` left it (its uid had ``MAX_PODS_PER_UID`` newer ones, or
+    the namespace has no chunk left). Readers of the owner's feed (``EventLog.read`` with a
     ``uid``) never get ``NODE`` records; the node stream must skip ``OWNER`` records on node
     topics (and may use them, not ``NODE`` ones, on a uid's engine topics). ``event`` builds a
     ``BlockStored`` from its packed form on each call (``ev``); ``size``: what ``event_bytes``
@@ -342,6 +351,7 @@ class Record(msgspec.Struct, frozen=True, gc=False):
     pod: str = ""            # attach records: an engine that advertises into (uid, space)
     scope: int = BOTH
     size: int = 0
+    detach: bool = False     # with ``pod``: that engine is gone from (uid, space) (its topic may go)
 
     @property
     def event(self) -> Optional[KvEvent]:
@@ -388,7 +398,7 @@ class EventLog:
 
     def __init__(self, records: int = 65536, max_bytes: Optional[int] = None) -> None:
         self.capacity = max(16, records)
-        self.max_bytes = max_bytes if max_bytes is not None else LOG_BYTES_PER_RECORD * self.capacity
+        self.max_bytes = max_bytes if max_bytes is not None else max(LOG_BYTES, LOG_BYTES_PER_RECORD * self.capacity)
         self._ring: deque[Record] = deque()
         self._runs: dict[Any, _Run] = {}        # uid -> its run, (uid, space) -> its run
         self._lock = threading.Lock()
@@ -402,15 +412,15 @@ class EventLog:
         self.extend(((uid, space, model, event, pod),))
 
     def extend(self, entries: Iterable[tuple]) -> None:
-        """Append ``(uid, space, model, event, pod[, scope])`` tuples in order (``event`` a
-        ``KvEvent``, a ``_Stored`` or None), under one hold of the lock."""
+        """Append ``(uid, space, model, event, pod[, scope[, detach]])`` tuples in order
+        (``event`` a ``KvEvent``, a ``_Stored`` or None), under one hold of the lock."""
         with self._lock:
             ring, runs, n = self._ring, self._runs, self._next
             for entry in entries:
                 uid, space, model, ev, pod = entry[:5]
                 scope = entry[5] if len(entry) > 5 else BOTH
                 size = event_bytes(ev)
-                r = Record(n, uid, space, model, ev, pod, scope, size)
+                r = Record(n, uid, space, model, ev, pod, scope, size, len(entry) > 6 and entry[6])
                 ring.append(r)
                 self.bytes += size
                 n += 1
@@ -510,8 +520,7 @@ def event_bytes(event: Any) -> int:
     """About how many bytes ``event`` (a ``KvEvent`` or its packed ``_Stored`` form) encodes to
     (a bound for replies, buffers and the log)."""
     if type(event) is _Stored:
-        c = event.chunk
-        return 160 + 34 * len(c.hashes) + (5 * len(c.tokens) >> 2) + 64 * len(c.extra or ())
+        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ())
     if isinstance(event, BlockStored):
         return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ())
     if isinstance(event, BlockRemoved):
@@ -519,18 +528,25 @@ def event_bytes(event: Any) -> int:
     return 32
 
 
-#: The log's byte bound per record it may hold (``EventLog.max_bytes``: 64 MiB for the default
-#: 65,536 records): a full ring of the largest adverts' events would be gigabytes.
+#: The log's byte bound (``EventLog.max_bytes``): 1 KiB per record it may hold, at least 64 MiB
+#: (64 MiB for the default 65,536 records; 150 of the largest adverts' events at least): a full
+#: ring of the largest adverts' events would be 28 GiB.
 LOG_BYTES_PER_RECORD = 1024
-#: The index's byte bound per chunk it may hold (``KvIndex.max_bytes``: 512 MiB for the default
-#: 262,144 chunks; ``chunk_cost``): one chunk of the wire's largest adverts costs about 1 MiB.
+LOG_BYTES = 64 << 20
+#: The index's byte bound (``KvIndex.max_bytes``, ``chunk_cost``): 2 KiB per chunk it may hold,
+#: at least 64 MiB (512 MiB for the default 262,144 chunks): one chunk of the wire's largest
+#: adverts costs about 0.9 MiB, one of 16 tokens about 1.5 KiB.
 INDEX_BYTES_PER_CHUNK = 2048
+INDEX_BYTES = 64 << 20
 #: Adverts whose chunk is not resident yet (a STORE's, before its copy commits; forever, for a
 #: STORE that stores nothing, until ``prune``), per uid: at most this many, and an eighth of
 #: the index's bytes or UNRESIDENT_BYTES, whichever is more; past that the uid's oldest such
 #: advert is forgotten (the index's own bounds apply besides).
 MAX_UNRESIDENT = 1 << 16
 UNRESIDENT_BYTES = 64 << 20
+#: Engines (``Store.pod``) remembered per uid: attach records name them, a detach record
+#: forgets the least recently seen past this many (the publisher frees its topic)
+MAX_PODS_PER_UID = 64
 #: Chunks of one uid posted under one block hash (more are indexed, but not found by that hash):
 #: a lookup visits each chunk posted under a hash, so a tenant cannot make that list long.
 MAX_SAME_HASH = 4
@@ -614,7 +630,7 @@ class KvIndex:
     def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536, max_bytes: Optional[int] = None,
                  log_bytes: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
-        self.max_bytes = max_bytes if max_bytes is not None else INDEX_BYTES_PER_CHUNK * max_chunks
+        self.max_bytes = max_bytes if max_bytes is not None else max(INDEX_BYTES, INDEX_BYTES_PER_CHUNK * max_chunks)
         self.max_unresident_bytes = max(self.max_bytes >> 3, UNRESIDENT_BYTES)
         self.log = EventLog(records, log_bytes)
         self.log.before_read = self.drain
@@ -635,7 +651,8 @@ class KvIndex:
         self._by_tokens: dict[TokenKey, Any] = {}  # a block's token_key -> its hash, or {hash: chunks}
         self._block_sizes: dict[int, int] = {}     # block size -> chunks of it
         self.bytes = 0                             # chunk_cost of every chunk indexed
-        self._pods: set[tuple[int, bytes, str]] = set()
+        self._pods: dict[int, OrderedDict[tuple[bytes, str], str]] = {}   # uid -> (space, pod) -> model, LRU
+        self._space_chunks: dict[tuple[int, bytes], int] = {}   # (uid, space) -> chunks indexed
         self._pruned_at = 0.0
         self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
@@ -830,9 +847,32 @@ class KvIndex:
 
     # ---- applying them (under the index's lock) -----------------------------------------
     def _attach(self, uid: int, space: bytes, model: str, pod: str) -> None:
-        if (uid, space, pod) not in self._pods and len(self._pods) < 4096:
-            self._pods.add((uid, space, pod))
-            self._pending.append((uid, space, model, None, pod))
+        """An engine (``pod``) advertises into (uid, space): an attach record the first time; a
+        uid keeps its ``MAX_PODS_PER_UID`` most recently seen (a detach record for the one it
+        forgets), and no uid's engines ever push out another's."""
+        pods = self._pods.get(uid)
+        if pods is None:
+            pods = self._pods[uid] = OrderedDict()
+        if (space, pod) in pods:
+            pods.move_to_end((space, pod))
+            return
+        pods[(space, pod)] = model
+        self._pending.append((uid, space, model, None, pod))
+        if len(pods) > MAX_PODS_PER_UID:
+            (old_space, old_pod), old_model = pods.popitem(last=False)
+            self._pending.append((uid, old_space, old_model, None, old_pod, BOTH, True))
+
+    def _space_left(self, uid: int, space: bytes) -> None:
+        """(uid, space) has no chunk left: its engines detach (their topics may be freed)."""
+        pods = self._pods.get(uid)
+        if not pods:
+            return
+        for (s, pod), model in list(pods.items()):
+            if s == space:
+                del pods[(s, pod)]
+                self._pending.append((uid, s, model, None, pod, BOTH, True))
+        if not pods:
+            del self._pods[uid]
 
     def _describe(self, uid: int, space: bytes, model: str, rank: int, world: int,
                   keys: Sequence[bytes], adverts: Sequence[CheckedAdvert]) -> None:
@@ -848,7 +888,9 @@ class KvIndex:
             if chunk is not None and not chunk.posted and not any(chunk.where.values()) and (
                     chunk.hashes != tuple(advert.block_hashes) or chunk.tokens != advert.tokens):
                 ranks = dict(chunk.keys)        # held nowhere yet: the newer advert says what it is
+                self._space_chunks[(uid, space)] += 1       # (not emptied meanwhile: its engines stay)
                 self._drop_chunk(chunk)
+                self._space_chunks[(uid, space)] -= 1
                 chunk = None
             if chunk is None:
                 chunk = _new_chunk(ident, uid, space, model, world, advert, born)
@@ -856,6 +898,7 @@ class KvIndex:
                 if self._shares.get(uid) is not share:      # its uid's last chunk was forgotten
                     share = self._shares[uid] = _Share()
                 by_id[ident] = chunk
+                self._space_chunks[(uid, space)] = self._space_chunks.get((uid, space), 0) + 1
                 share.lru[ident] = chunk
                 share.unresident[ident] = chunk
                 share.bytes += chunk.cost
@@ -1003,6 +1046,12 @@ class KvIndex:
         self.bytes -= chunk.cost
         if not share.lru:
             del self._shares[chunk.uid]
+        left = self._space_chunks[(chunk.uid, chunk.space)] - 1
+        if left:
+            self._space_chunks[(chunk.uid, chunk.space)] = left
+        else:
+            del self._space_chunks[(chunk.uid, chunk.space)]
+            self._space_left(chunk.uid, chunk.space)
         left = self._block_sizes[chunk.block_size] - 1
         if left:
             self._block_sizes[chunk.block_size] = left
@@ -1017,7 +1066,9 @@ class KvIndex:
     def _emit_stored(self, chunk: _Chunk, tier: str) -> None:
         medium, locality = TIER_MEDIA.get(tier, _OTHER_MEDIA)
         self.stored_events += 1
-        self._pending.append((chunk.uid, chunk.space, chunk.model, _Stored(chunk, medium, locality), ""))
+        self._pending.append((chunk.uid, chunk.space, chunk.model,
+                              _Stored(chunk.hashes, chunk.parent, chunk.tokens, chunk.block_size, chunk.lora,
+                                      chunk.extra, chunk.group, medium, locality), ""))
 
     def _emit_removed(self, chunk: _Chunk, tier: str) -> None:
         """``chunk`` (no longer counting ``tier`` in its ``servable``) left ``tier``: its owner
@@ -1055,6 +1106,9 @@ class KvIndex:
                         break
                     self._drop_chunk(chunk)
                     stale += 1
+            if self._pending:               # detach records of namespaces left empty
+                self.log.extend(self._pending)
+                self._pending.clear()
         return stale
 
     def cleared(self, model: str = "") -> None:
@@ -1067,6 +1121,7 @@ class KvIndex:
             self._by_hash.clear()
             self._by_tokens.clear()
             self._block_sizes.clear()
+            self._space_chunks.clear()
             self.bytes = 0
             self.log.append(-1, b"", model, AllBlocksCleared())
 

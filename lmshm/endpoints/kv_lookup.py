@@ -314,7 +314,7 @@ class KvLookup:
         tiers = tier_names(self.server.core)
         body = {**self._identity(),
                 "tiers": {t: {"medium": _media(t)[0], "locality": _media(t)[1]} for t in tiers},
-                "chunks": index.chunks, "block_sizes": sorted(index.block_sizes()),     # counters: O(1)
+                "chunks": len(index), "block_sizes": sorted(index.block_sizes()),     # counters: O(1)
                 "limits": {"max_blocks": MAX_BLOCKS, "max_tokens": MAX_TOKENS, "max_block_size": MAX_BLOCK_SIZE,
                            "max_body_bytes": self.server.config.http_max_body_bytes}}
         return web.json_response(body, headers={"Cache-Control": "no-store"})

@@ -190,7 +190,7 @@ def test_the_log_is_bounded_in_bytes_and_keeps_tokens_packed():
     assert kv.log.bytes <= 4 << 20 and kv.log.trimmed > 0
     records, _, _ = kv.log.read(-1, 1 << 20)
     stored = [r for r in records if r.ev is not None and type(r.ev).__name__ == "_Stored"]
-    assert stored and isinstance(stored[-1].ev.chunk.tokens, bytes)         # packed until read
+    assert stored and isinstance(stored[-1].ev.tokens, bytes)         # packed until read
     assert list(stored[-1].event.token_ids) == list(range(1024 * 64))
 
 
@@ -271,3 +271,23 @@ def test_a_uid_read_never_gets_node_only_records(scope):
     log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "", scope)])
     got, _, _ = log.read(-1, 10, uid=A, spaces=[SPACE])
     assert len(got) == (0 if scope == NODE else 1)
+
+
+def pods_of(kv: KvIndex) -> list[tuple]:
+    records, _, _ = kv.log.read(-1, 1 << 20)
+    return [("detach" if r.detach else "attach", r.uid, r.pod) for r in records if r.ev is None and r.pod]
+
+
+def test_engines_are_kept_per_uid_and_detached_when_pushed_out_or_their_namespace_empties(monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_PODS_PER_UID", 2)
+    kv = KvIndex()
+    kv.describe(A, SPACE, "m", "a0", 0, 1, [key(A, 0)], [advert(0)])
+    for i in range(4):                                       # B's engines push out B's own, never A's
+        kv.describe(B, SPACE, "m", f"b{i}", 0, 1, [key(B, i)], [advert(i)])
+    kv.drain()
+    assert pods_of(kv) == [("attach", A, "a0"), ("attach", B, "b0"), ("attach", B, "b1"), ("attach", B, "b2"),
+                           ("detach", B, "b0"), ("attach", B, "b3"), ("detach", B, "b1")]
+    kv._pruned_at = -1e9
+    kv.prune(older_than_s=0.0)                               # every chunk goes: the namespaces empty
+    assert pods_of(kv)[7:] == [("detach", A, "a0"), ("detach", B, "b2"), ("detach", B, "b3")]
+    assert not kv._pods and not kv._space_chunks
