@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import hashlib
 import heapq
 import itertools
 import logging
@@ -221,30 +222,38 @@ def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, adv
     extra = advert.extra_keys
     chunk = _Chunk(ident, uid, space, model, world, advert.group, tuple(advert.block_hashes),
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
-                   None if extra is None else _frozen(extra), born)
+                   None if extra is None else _frozen(extra, {}), born)
     chunk.tkeys = token_keys(chunk)
     chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0))
     return chunk
 
 
 #: What an indexed chunk costs the server's memory, as ``chunk_cost`` estimates it (calibrated
-#: with tracemalloc on CPython 3.11: bench/kv_index_bounds.py prints the measured against it):
-#: the chunk and its entries in the index's maps, each block's hash and map entries, its token
-#: key (a tuple and the block's packed tokens, a copy), and its extra keys decoded
-CHUNK_BYTES = 1024
-BLOCK_BYTES = 320
-EXTRA_FACTOR = 6
+#: with tracemalloc on CPython 3.11, rounded up: 1.5 KiB measured for a one-block chunk of 16
+#: tokens, 0.48 MiB for the wire's largest advert, 0.57 MiB charged): the chunk and its entries
+#: in the index's maps and its share, each block's hash, token key (a tuple and a 16-byte
+#: digest) and map entries, its packed tokens, and its extra keys decoded (equal values shared)
+CHUNK_BYTES = 1280
+BLOCK_BYTES = 256
+EXTRA_FACTOR = 2
 
 
 def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int) -> int:
     """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids and
     ``extra_bytes`` of encoded extra keys is charged (its uid's share, the index's bound)."""
-    return CHUNK_BYTES + BLOCK_BYTES * blocks + 2 * token_bytes + EXTRA_FACTOR * extra_bytes
+    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes
 
 
-def _frozen(value: Any) -> Any:
-    """``value`` with every list made a tuple (extra keys: plain values, ``check_advert``)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+def _frozen(value: Any, seen: dict) -> Any:
+    """``value`` with every list made a tuple (extra keys: plain values, ``check_advert``), equal
+    values one object (``seen``: a LoRA's name on each of 1,024 blocks is one string and one
+    tuple, not 1,024 of each)."""
+    if isinstance(value, (list, tuple)):
+        value = tuple([_frozen(v, seen) for v in value])
+    try:
+        return seen.setdefault((type(value), value), value)
+    except TypeError:           # not hashable (never, for checked extra keys): kept as it is
+        return value
 
 
 def token_keys(chunk: _Chunk) -> tuple:
@@ -257,10 +266,10 @@ def token_keys(chunk: _Chunk) -> tuple:
     hashes, uid = chunk.hashes, chunk.uid
     if chunk.extra is None and chunk.lora is None:      # no salt, nothing unnamed: the common case
         if len(hashes) == 1:
-            return ((uid, chunk.parent, tokens, None, None),)
+            return ((uid, chunk.parent, _digest(tokens), None, None),)
         # a list first: tuple() of a generator allocates the outer tuple before its items, and
         # the GC untracks a tuple only once its items are (a collection later, or never)
-        return tuple([(uid, hashes[i - 1] if i else chunk.parent, tokens[i * step:(i + 1) * step], None, None)
+        return tuple([(uid, hashes[i - 1] if i else chunk.parent, _digest(tokens[i * step:(i + 1) * step]), None, None)
                       for i in range(len(hashes))])
     extra = chunk.extra or (None,) * len(hashes)
     out: list[Optional[TokenKey]] = []
@@ -268,19 +277,26 @@ def token_keys(chunk: _Chunk) -> tuple:
         parent = hashes[i - 1] if i else chunk.parent
         salt = block_salt(extra[i], chunk.lora, parent is None)
         out.append(None if salt is UNNAMED else
-                   token_key(uid, parent, tokens[i * step:(i + 1) * step], chunk.lora, salt))
+                   token_key(uid, parent, _digest(tokens[i * step:(i + 1) * step]), chunk.lora, salt))
     return tuple(out)
 
 
-#: ``(uid, parent block hash, the block's packed tokens, LoRA name, cache salt)``: what a lookup
-#: by token ids can name a block by, in one uid's chains (a uid's adverts never name a block in
-#: another's). The salt is the first block's only (None elsewhere).
+#: ``(uid, parent block hash, the digest of the block's packed tokens, LoRA name, cache salt)``:
+#: what a lookup by token ids can name a block by, in one uid's chains (a uid's adverts never
+#: name a block in another's). The salt is the first block's only (None elsewhere). The digest
+#: (``_digest``: BLAKE2b, 16 bytes) keeps the key small: a block of 64 tokens is 256 bytes packed.
 TokenKey = tuple[int, Any, bytes, Optional[str], Optional[str]]
 UNNAMED = object()
 
 
-def token_key(uid: int, parent: Any, tokens: bytes, lora: Optional[str], salt: Optional[str]) -> TokenKey:
-    return (uid, parent, tokens, lora, salt)
+def token_key(uid: int, parent: Any, digest: bytes, lora: Optional[str], salt: Optional[str]) -> TokenKey:
+    return (uid, parent, digest, lora, salt)
+
+
+def _digest(tokens: bytes) -> bytes:
+    """A block's packed tokens as a token key holds them (collision-resistant: within one uid's
+    keys, a tenant could only confuse its own lookups)."""
+    return hashlib.blake2b(tokens, digest_size=16).digest()
 
 
 def block_salt(extra: Any, lora: Optional[str], first: bool) -> Any:
@@ -535,7 +551,7 @@ LOG_BYTES_PER_RECORD = 1024
 LOG_BYTES = 64 << 20
 #: The index's byte bound (``KvIndex.max_bytes``, ``chunk_cost``): 2 KiB per chunk it may hold,
 #: at least 64 MiB (512 MiB for the default 262,144 chunks): one chunk of the wire's largest
-#: adverts costs about 0.9 MiB, one of 16 tokens about 1.5 KiB.
+#: adverts is charged about 0.57 MiB, one of 16 tokens about 1.6 KiB.
 INDEX_BYTES_PER_CHUNK = 2048
 INDEX_BYTES = 64 << 20
 #: Adverts whose chunk is not resident yet (a STORE's, before its copy commits; forever, for a
@@ -1094,7 +1110,9 @@ class KvIndex:
         now = time.monotonic()
         if now - self._pruned_at < min(10.0, older_than_s) or not self._shares:
             return 0
-        self.drain()
+        # no drain first: this runs on the request loop's tick, and an advert still queued is
+        # younger than any it forgets; each share's oldest come first, so it visits no more
+        # than it forgets (and one more per uid)
         self._pruned_at = now
         cutoff = now - older_than_s
         stale = 0
@@ -1160,7 +1178,7 @@ class KvIndex:
         blocks: list[bytes] = []
         for b in range(len(token_ids) // block_size):
             try:
-                blocks.append(_packed(token_ids[b * block_size:(b + 1) * block_size]))
+                blocks.append(_digest(_packed(token_ids[b * block_size:(b + 1) * block_size])))
             except (OverflowError, TypeError):       # not int32: no advert has it
                 break
         chains: dict[tuple, None] = {}

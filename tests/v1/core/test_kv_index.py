@@ -231,6 +231,7 @@ def test_block_sizes_and_the_chunk_count_are_counters():
     kv.drain()
     assert sorted(kv.block_sizes()) == [BLOCK, 16] and kv.chunks == 4
     kv.note(A, key(A, 0), "pool", False)
+    kv.drain()
     kv._pruned_at = -1e9
     kv.prune(older_than_s=0.0)
     assert kv.block_sizes() == [BLOCK] and kv.chunks == 2
