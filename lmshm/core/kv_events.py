@@ -11,26 +11,37 @@ engine's block hashes, parent hash, token ids, LoRA name and extra keys (``messa
 *servable* from a tier when every rank of its engine has it there; the index emits
 ``BlockStored`` when a chunk becomes servable from a tier and ``BlockRemoved`` when it stops
 being so (eviction, corruption found, a remote value gone), into ``EventLog``: a bounded ring of
-records, each with the uid and namespace ("space") it belongs to. Readers keep a cursor: the
-server's ZMQ publisher reads every record, a connector reads its own uid's and space's
-(``KV_EVENTS``) and republishes them on its engine's stream.
+records, each with the uid and namespace ("space") it belongs to and who it is for (``scope``).
+Readers keep a cursor: the server's ZMQ publisher reads every record, a connector reads its own
+uid's and space's (``KV_EVENTS``) and republishes them on its engine's stream.
+
+Tenants. An advert is a tenant's claim: nothing one uid advertises may remove, hide or replace
+what another's resident chunks advertise. A chunk is its uid's (its identity and keys carry the
+uid); its hashes and token keys are looked up only once a tier holds it; a hash keeps every
+resident chunk posted under it, token keys carry the uid; a ``BlockRemoved`` reaches the node
+stream only for blocks no other chunk of the model still serves from that tier (``Record.scope``);
+a full index forgets from the uid whose chunks cost the most (``KvIndex``'s docstring).
 
 Medium and locality per tier (``TIER_MEDIA``): the pool is ``CPU``/``LOCAL``, the disk
 ``STORAGE``/``LOCAL``, the remote ``STORAGE``/``REMOTE``.
 
 ``describe`` and ``note`` only queue; ``drain`` applies the queue in order, off the STORE's
-path (``KvIndex``'s docstring says who drains when); every reader drains first.
+path, in units of work (a STORE of 65,536 adverts over many calls: ``_advance``); every reader
+drains first (``KvIndex``'s docstring says who drains when, and how much).
 
 The easy thing to get wrong: the pool and the disk tier call ``note`` under their own locks
 (the same locks their removals are told under, so a chunk is never announced after its
 removal), from any thread, and the queue keeps that order. So this module never calls back
-into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
-queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes,
-``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some),
-``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a
-``BlockRemoved`` for each tier it was servable from, counted: the remote evicts without
-telling, so entries it alone held would otherwise stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
-reader behind them is told it lost some).
+into the pool or a tier, holds its own lock only for bounded work, and is bounded everywhere,
+in bytes as well as counts: the queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts
+and batched notes, ``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds
+applies some), the index (``max_chunks`` chunks and ``max_bytes``, each chunk charged
+``chunk_cost`` to its uid's share; a full index forgets the least recently stored chunk of the
+uid holding the most, with a ``BlockRemoved`` for each tier it was servable from, counted: the
+remote evicts without telling, so entries it alone held would otherwise stay until the index
+refused every new chunk; adverts not resident yet, per uid, ``MAX_UNRESIDENT``), the ring
+(``records`` and ``max_bytes``; the oldest go, a reader behind them is told it lost some;
+``BlockStored`` records keep their tokens packed), engines (``MAX_PODS_PER_UID``).
 """
 
 from __future__ import annotations
@@ -417,6 +428,9 @@ class EventLog:
         self.max_bytes = max_bytes if max_bytes is not None else max(LOG_BYTES, LOG_BYTES_PER_RECORD * self.capacity)
         self._ring: deque[Record] = deque()
         self._runs: dict[Any, _Run] = {}        # uid -> its run, (uid, space) -> its run
+        # uid or (uid, space) -> n of its newest record trimmed (MAX_GONE kept; older: the floor)
+        self._gone: OrderedDict[Any, int] = OrderedDict()
+        self._gone_floor = 0
         self._lock = threading.Lock()
         self._next = 1
         self.bytes = 0            # event_bytes of the records in the ring
@@ -457,11 +471,17 @@ class EventLog:
         r = self._ring.popleft()
         self.bytes -= r.size
         if r.scope != NODE and r.uid >= 0:
+            gone = self._gone
             for k in (r.uid, (r.uid, r.space)):
                 run = self._runs[k]
                 run.drop_first()
                 if not len(run):
                     del self._runs[k]
+                gone[k] = r.n
+                gone.move_to_end(k)
+            while len(gone) > MAX_GONE:
+                _, n = gone.popitem(last=False)
+                self._gone_floor = max(self._gone_floor, n)
 
     @property
     def last(self) -> int:
@@ -477,7 +497,8 @@ class EventLog:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
         from next, and whether records the reader had not read were dropped from the ring
-        (``after`` below the oldest one kept). ``after`` -1: from the oldest kept, nothing lost.
+        (``after`` below the oldest one kept; for a uid's read, one of *its* records: another
+        tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
         ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
         returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
         all; ``KvIndex.drain``)."""
@@ -492,6 +513,9 @@ class EventLog:
             if uid is None:
                 return self._scan(after, first, limit, max_bytes, lost)
             keys = [uid] if spaces is None else [(uid, s) for s in dict.fromkeys(spaces)]
+            if lost:
+                gone = self._gone
+                lost = after < self._gone_floor or any(after < gone.get(k, 0) for k in keys)
             parts = []
             for k in keys:
                 run = self._runs.get(k)
@@ -544,6 +568,10 @@ def event_bytes(event: Any) -> int:
     return 32
 
 
+#: Readers' keys whose newest trimmed record the log remembers (to tell a reader it lost one of
+#: its own); a reader whose key was forgotten is told it lost some if it is behind the newest
+#: record forgotten so.
+MAX_GONE = 1 << 16
 #: The log's byte bound (``EventLog.max_bytes``): 1 KiB per record it may hold, at least 64 MiB
 #: (64 MiB for the default 65,536 records; 150 of the largest adverts' events at least): a full
 #: ring of the largest adverts' events would be 28 GiB.

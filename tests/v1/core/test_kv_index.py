@@ -292,3 +292,17 @@ def test_engines_are_kept_per_uid_and_detached_when_pushed_out_or_their_namespac
     kv.prune(older_than_s=0.0)                               # every chunk goes: the namespaces empty
     assert pods_of(kv)[7:] == [("detach", A, "a0"), ("detach", B, "b2"), ("detach", B, "b3")]
     assert not kv._pods and not kv._space_chunks
+
+
+def test_another_uids_flood_of_records_never_tells_a_reader_it_lost_its_own():
+    log = EventLog(records=64)
+    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
+    records, cursor, lost = log.read(-1, 10, uid=A, spaces=[SPACE])
+    assert len(records) == 1 and not lost
+    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(1000)])     # B's flood
+    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
+    records, cursor2, lost = log.read(cursor, 10, uid=A, spaces=[SPACE])
+    assert [r.n for r in records] == [1002] and not lost
+    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(100)])     # A's own, trimmed
+    assert log.read(cursor2, 10, uid=A, spaces=[SPACE])[2]
+    assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss

@@ -244,3 +244,23 @@ def test_engine_topics_are_kept_per_uid_so_another_uids_engines_never_take_a_new
                 if any(e.get("block_hashes", [None])[0] == hashes_of(0)[0] for e in decode_batch(p)[1])}
     wait_for(lambda: a_topics(), 10, 0.1, "A's BlockStored on the stream")
     assert a_topics() == {b"kv@pod-a@m"}
+
+
+def test_another_uids_flood_of_events_never_makes_a_connector_start_over(start_server, tenant_a):
+    """A connector told ``lost`` sends its engine's stream a BlockRemoved for every block it
+    advertised (docs/design/kv-events.md, "Restarts and gaps"): so another tenant that churns
+    the shared ring (its own stores and evictions) could wipe A's blocks from the routers."""
+    server, http, _ = serve(start_server, "--kv-events-buffer", "64", "--max-objects", "8")
+    a = tenant_a(server.url)
+    assert a.store(0, [advert(0)]) == [0]
+    wait_for(lambda: a.client.kv_events([SPACE], -1).events, 10, 0.05, "A's BlockStored")
+    cursor = a.client.kv_events([SPACE], -1).cursor
+
+    def churn(b: Tenant) -> int:
+        for i in range(100):         # each a BlockStored, and soon a BlockRemoved: 200 records
+            b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [9000 + i], None, list(range(BLOCK)))])
+        return b.client.kv_events([SPACE], -1).cursor
+    assert as_nobody(server.url, churn) > cursor + 64
+    reply = a.client.kv_events([SPACE], cursor)
+    assert not reply.lost and reply.events == []
+    assert a_prompt(http, 1) == (2, 2)
