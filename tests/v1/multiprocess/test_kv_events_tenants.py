@@ -1,6 +1,6 @@
 """Two uids, one server: nothing uid B advertises may remove, hide or replace what uid A's
-resident chunks advertise (issue 41, round 4, §2). A is this process (root); B is a forked
-child that switches to uid ``nobody`` and talks to the server over its own connection, so the
+resident chunks advertise (issue 41, round 4, §2). A is this process (root); B is a new
+interpreter that switches to uid ``nobody`` and talks to the server over its own connection, so the
 server sees two kernel-verified uids. Every check reads what a router reads: ``POST
 /v1/kv/lookup`` and the ``--kv-events`` node stream (its replay).
 
@@ -12,9 +12,9 @@ import gc
 import hashlib
 import json
 import os
-import select
-import signal
-from typing import Any, Callable
+import subprocess
+import sys
+from typing import Any
 
 import msgspec
 import pytest
@@ -68,43 +68,36 @@ class Tenant:
         gc.collect()
 
 
-def as_nobody(url: str, work: Callable[[Tenant], Any], width: int = 64, timeout_s: float = 60) -> Any:
-    """Fork; the child switches to uid nobody, runs ``work(its Tenant)``; its result (JSON)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                                         # the child: never returns
-        code = 1
-        try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            b = Tenant(url, "b", width)
-            out = {"result": work(b)}
-            b.close()
-            code = 0
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
-            out = {"error": repr(exc)}
-        os.write(w, json.dumps(out).encode())
-        os._exit(code)
-    os.close(w)
-    data = b""
-    try:
-        ready, _, _ = select.select([r], [], [], timeout_s)
-        while ready:
-            part = os.read(r, 1 << 20)
-            if not part:
-                break
-            data += part
-            ready, _, _ = select.select([r], [], [], 1)
-    finally:
-        os.close(r)
-        if not data:
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    out = json.loads(data)
+def as_nobody(url: str, work: str, *args: Any, width: int = 64, timeout_s: float = 120) -> Any:
+    """Run ``work(its Tenant, *args)`` (a function of this module, by name) in a new interpreter
+    that imports what it needs as root, then switches to uid nobody; its result (JSON).
+
+    A new interpreter, not a fork of this one: a fork of a process with other threads (a
+    client's, an earlier test's) can inherit a lock held, and hang."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import json, os, sys; sys.path[:0] = %r; import test_kv_events_tenants as t; "
+            "print(json.dumps(t._child(*json.loads(sys.argv[1]))))" % [here, os.path.dirname(here)])
+    done = subprocess.run([sys.executable, "-c", code, json.dumps([url, work, width, list(args)])],
+                          capture_output=True, text=True, timeout=timeout_s)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
     assert "error" not in out, out
     return out["result"]
+
+
+def _child(url: str, work: str, width: int, args: list) -> dict:
+    try:
+        import encodings.idna  # noqa: F401 - urllib's, imported lazily: after setuid it could not be read
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        b = Tenant(url, "b", width)
+        try:
+            return {"result": globals()[work](b, *args)}
+        finally:
+            b.close()
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        return {"error": repr(exc)}
 
 
 def serve(start_server, *args: str) -> tuple[Any, Http, str]:
@@ -151,7 +144,7 @@ def test_a_store_of_another_uid_that_stores_nothing_hides_nothing(start_server, 
     assert a_prompt(http) == (8, 8)
     # B advertises A's first chunk (A's first hash and tokens, another second hash), stores nothing
     hostile = advert(0, hashes=[hashes_of(0)[0], 12345], tokens=tokens_of(0))
-    reply = as_nobody(server.url, lambda b: repr(b.store_nothing(0, [hostile])))
+    reply = as_nobody(server.url, "_b_store_nothing")
     assert "UNAVAILABLE" in reply or "waited past" in reply, reply
     assert a_prompt(http) == (8, 8)
     assert a.store(0, [advert(c) for c in range(4)]) == [1] * 4           # A stores it again: present
@@ -163,16 +156,7 @@ def test_a_chunk_another_uid_stores_with_the_same_first_hash_hides_nothing_and_i
     server, http, replay = serve(start_server, "--max-objects", "7")
     a = tenant_a(server.url)
     assert a.store(0, [advert(c) for c in range(4)]) == [0] * 4
-    hostile = advert(0, hashes=[hashes_of(0)[0], 12345], tokens=tokens_of(0))
-
-    def attack(b: Tenant) -> list:
-        first = b.store(0, [hostile])
-        seen = [a_prompt(http)]
-        # B's chunks are 16 times A's: filling the pool, B holds the most and loses its own first
-        for i in range(1, 4):
-            b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [777 + i], None, list(range(BLOCK)))])
-        return [first, seen]
-    first, seen = as_nobody(server.url, attack, width=1024)
+    first, seen = as_nobody(server.url, "_b_hide_then_fill", http.base, width=1024)
     assert first == [0] and [tuple(s) for s in seen] == [(8, 8)]
     wait_for(lambda: hashes_of(0)[0] in node_removals(replay) or http.leading(block_hashes=[hashes_of(0)[0], 12345])[0] == 0,
              10, 0.05, "B's chunk evicted")
@@ -185,13 +169,7 @@ def test_another_uids_eviction_of_the_same_blocks_sends_the_node_no_removal_whil
     server, http, replay = serve(start_server, "--max-objects", "7")
     a = tenant_a(server.url)
     assert a.store(0, [advert(c) for c in range(4)]) == [0] * 4
-
-    def attack(b: Tenant) -> list:
-        out = [b.store(0, [advert(0)])]                      # A's chunk 0, advertised as A's is
-        for i in range(1, 4):
-            out.append(b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [777 + i], None, list(range(BLOCK)))]))
-        return out
-    assert as_nobody(server.url, attack, width=1024) == [[0]] * 4
+    assert as_nobody(server.url, "_b_copy_then_fill", width=1024) == [[0]] * 4
     wait_for(lambda: a.client.status().pool.evictions >= 1, 10, 0.05, "the pool evicted B's oldest")
     assert http.leading(block_hashes=[778])[0] == 1          # B's oldest (A's chunk 0 again) went, no other
     assert a_prompt(http) == (8, 8)
@@ -202,21 +180,7 @@ def test_a_flood_of_stores_that_store_nothing_pushes_none_of_another_uids_chunks
     server, http, replay = serve(start_server, "--kv-events-index", "4096")
     a = tenant_a(server.url)
     assert a.store(0, [advert(c) for c in range(4)]) == [0] * 4
-
-    def flood(b: Tenant) -> int:
-        n = 1 << 14
-        for s in range(3):
-            adverts = [protocol.Advert(b"f%d-%d" % (s, i), 0, BLOCK, [(s << 20) | i], None, list(range(BLOCK)))
-                       for i in range(n)]
-            msg = protocol.Store(b.iid, [hashlib.sha256(b"f%d-%d" % (s, i)).digest() for i in range(n)],
-                                 [i % 16 for i in range(n)], 1, b"", wait_s=1e-6,
-                                 adverts=protocol.pack_adverts(adverts), space=SPACE, pod="pod-b")
-            try:
-                b.client.submit(msg, 30).result()
-            except Exception:  # noqa: BLE001 - answered UNAVAILABLE: nothing stored
-                pass
-        return n
-    as_nobody(server.url, flood, timeout_s=120)
+    as_nobody(server.url, "_b_flood")
     assert a_prompt(http) == (8, 8)
     assert not set(chain(4)) & set(node_removals(replay))
     seen = a.client.kv_events([SPACE], -1)
@@ -228,13 +192,7 @@ def test_engine_topics_are_kept_per_uid_so_another_uids_engines_never_take_a_new
     engine's events went out on the node topic only. Now each uid keeps its 64 most recently
     seen engines, and another uid's never count."""
     server, http, replay = serve(start_server, "--kv-events-topic", "engine")
-
-    def many_engines(b: Tenant) -> int:
-        adverts = [protocol.Advert(b"b-0", 0, BLOCK, [4242], None, list(range(BLOCK)))]
-        for i in range(4200):       # the same chunk (present after the first), a new engine each time
-            b.client.store(b.iid, b.keys(0, 1), [0], 1, adverts=adverts, space=SPACE, pod=f"b-engine-{i}")
-        return 4200
-    as_nobody(server.url, many_engines, timeout_s=180)
+    as_nobody(server.url, "_b_many_engines", timeout_s=180)
     a = tenant_a(server.url)
     assert a.store(0, [advert(0)]) == [0]
     wait_for(lambda: http.leading(block_hashes=hashes_of(0))[0] == 2, 10, 0.05, "A's chunk indexed")
@@ -255,12 +213,66 @@ def test_another_uids_flood_of_events_never_makes_a_connector_start_over(start_s
     assert a.store(0, [advert(0)]) == [0]
     wait_for(lambda: a.client.kv_events([SPACE], -1).events, 10, 0.05, "A's BlockStored")
     cursor = a.client.kv_events([SPACE], -1).cursor
-
-    def churn(b: Tenant) -> int:
-        for i in range(100):         # each a BlockStored, and soon a BlockRemoved: 200 records
-            b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [9000 + i], None, list(range(BLOCK)))])
-        return b.client.kv_events([SPACE], -1).cursor
-    assert as_nobody(server.url, churn) > cursor + 64
+    assert as_nobody(server.url, "_b_churn") > cursor + 64
     reply = a.client.kv_events([SPACE], cursor)
     assert not reply.lost and reply.events == []
     assert a_prompt(http, 1) == (2, 2)
+
+
+# ---- what tenant B does (in its own process, as uid nobody: as_nobody) ---------------------
+
+
+def _b_store_nothing(b: Tenant) -> str:
+    """Advertise A's first chunk (A's first hash and tokens, another second hash); store nothing."""
+    return repr(b.store_nothing(0, [advert(0, hashes=[hashes_of(0)[0], 12345], tokens=tokens_of(0))]))
+
+
+def _b_hide_then_fill(b: Tenant, http_base: str) -> list:
+    """Store for real a chunk with A's first hash (another second) and A's tokens; what a lookup
+    of A's prompt says then; then fill the pool so that B (16 times A's bytes a chunk) loses it."""
+    first = b.store(0, [advert(0, hashes=[hashes_of(0)[0], 12345], tokens=tokens_of(0))])
+    http = Http(0)
+    http.base = http_base
+    seen = [a_prompt(http)]
+    for i in range(1, 4):
+        b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [777 + i], None, list(range(BLOCK)))])
+    return [first, seen]
+
+
+def _b_copy_then_fill(b: Tenant) -> list:
+    """Store A's very chunk 0 (same model, as A advertises it), then fill the pool."""
+    out = [b.store(0, [advert(0)])]
+    for i in range(1, 4):
+        out.append(b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [777 + i], None, list(range(BLOCK)))]))
+    return out
+
+
+def _b_flood(b: Tenant) -> int:
+    """3 STOREs of 16,384 one-block adverts each, answered UNAVAILABLE: nothing stored."""
+    n = 1 << 14
+    for s in range(3):
+        adverts = [protocol.Advert(b"f%d-%d" % (s, i), 0, BLOCK, [(s << 20) | i], None, list(range(BLOCK)))
+                   for i in range(n)]
+        msg = protocol.Store(b.iid, [hashlib.sha256(b"f%d-%d" % (s, i)).digest() for i in range(n)],
+                             [i % 16 for i in range(n)], 1, b"", wait_s=1e-6,
+                             adverts=protocol.pack_adverts(adverts), space=SPACE, pod="pod-b")
+        try:
+            b.client.submit(msg, 30).result()
+        except Exception:  # noqa: BLE001 - answered UNAVAILABLE: nothing stored
+            pass
+    return n
+
+
+def _b_many_engines(b: Tenant) -> int:
+    """The same chunk (present after the first) 4,200 times, a new engine each time."""
+    adverts = [protocol.Advert(b"b-0", 0, BLOCK, [4242], None, list(range(BLOCK)))]
+    for i in range(4200):
+        b.client.store(b.iid, b.keys(0, 1), [0], 1, adverts=adverts, space=SPACE, pod=f"b-engine-{i}")
+    return 4200
+
+
+def _b_churn(b: Tenant) -> int:
+    """100 STOREs into a small pool: each a BlockStored, and soon a BlockRemoved (200 records)."""
+    for i in range(100):
+        b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [9000 + i], None, list(range(BLOCK)))])
+    return b.client.kv_events([SPACE], -1).cursor
