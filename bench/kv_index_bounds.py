@@ -19,6 +19,8 @@ prints them side by side:
 - ``get``: ``GET /v1/kv/lookup`` with ``--chunks`` chunks indexed; median of 20.
 
 Each measurement's clients are separate processes (fork). The machine is shared: run twice.
+``--parts rss --rss-args '--kv-events-index 16384' --adverts 600`` shows the byte bound: the
+index there holds 64 MiB (the log 64 MiB), whatever is sent.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ def measure(python_path: str, args: argparse.Namespace) -> dict[str, str]:
     out: dict[str, str] = {}
     tmp = f"/tmp/kv-bench-{os.getpid()}.json"
     # ---- rss: the largest adverts ----
-    with BenchServer("--capacity", "256MiB", env=env, cwd=python_path, quiet=True) as server:
+    with BenchServer("--capacity", "256MiB", *args.rss_args.split(), env=env, cwd=python_path, quiet=True) as server:
         c, iid, kv = client(server.url)
         c.store(iid, [b"warm"], [0], 1, adverts=[largest_advert(99999)], space=SPACE, pod="p")
         c.ping()
@@ -131,6 +133,8 @@ def measure(python_path: str, args: argparse.Namespace) -> dict[str, str]:
         out["rss"] = (f"+{grown / 2**20:.0f} MiB for {sent / 2**20:.1f} MiB of adverts "
                       f"({grown / max(sent, 1):.1f}x)")
         c.close()
+    if args.parts == "rss":
+        return out
     # ---- flood: one STORE, 65,536 adverts, stores nothing ----
     n = 1 << 16
     floods = [(protocol.pack_adverts([protocol.Advert(b"f%d-%d" % (s, i), 0, 4, [(s << 20) | i], None, [1, 2, 3, 4])
@@ -201,11 +205,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=200_000, help="chunks indexed for the readers and get figures")
     ap.add_argument("--readers", type=int, default=4, help="KV_EVENTS readers from the log's start")
     ap.add_argument("--seconds", type=float, default=6.0, help="how long PINGs and readers run")
+    ap.add_argument("--parts", choices=("all", "rss"), default="all")
+    ap.add_argument("--rss-args", default="", help="more server flags for the rss part "
+                    "(e.g. '--kv-events-index 16384': a 64 MiB index, to see the bound)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("after", here)] + ([("before", args.control_tree)] if args.control_tree else [])
     results = {name: measure(tree, args) for name, tree in trees}
-    for what in ("rss", "flood", "readers", "get"):
+    for what in ("rss",) if args.parts == "rss" else ("rss", "flood", "readers", "get"):
         for name, _ in trees:
             print(f"{what:8} {name:7} {results[name][what]}")
 

@@ -602,7 +602,9 @@ MAX_QUEUED = 1 << 16
 MAX_QUEUED_ADVERTS = 1 << 16
 #: Bytes of queued encoded adverts (a STORE's, as they came) past which, as past the above, the
 #: thread that queues more applies a batch itself: a peer's adverts may be 320 KiB each (the
-#: wire's limits), so the count alone would let the queue hold gigabytes
+#: wire's limits), so the count alone would let the queue hold gigabytes. Both bound each
+#: uid's queued adverts too: a STORE that would take its uid past either is not advertised
+#: (``queue_refused``), so the queue holds at most that much per uid, however fast it floods.
 MAX_QUEUED_ADVERT_BYTES = 64 << 20
 #: Units of work (``_units``: a residency report 1, an advert 1 and one more per 16 blocks or
 #: 4 KiB encoded) applied under one hold of the index's lock (a few hundred µs at most).
@@ -684,6 +686,7 @@ class KvIndex:
         self._pending: list[tuple] = []            # records of the batch being applied (drain)
         self._queued_adverts = 0                   # adverts and batched notes in _queue (under _count_lock)
         self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
+        self._queued_by_uid: dict[int, tuple[int, int]] = {}   # uid -> its adverts and bytes queued
         #: decodes a STORE's encoded adverts (``messages.unpack_adverts``, set by the data plane:
         #: the messages import this module, so it cannot import them)
         self.unpack_adverts: Optional[Any] = None
@@ -700,6 +703,7 @@ class KvIndex:
         self._pruned_at = 0.0
         self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
+        self.queue_refused = 0    # ... of them, refused because their uid's queued adverts were at the bound
         self.unresident_dropped = 0   # adverts forgotten: their uid had MAX_UNRESIDENT waiting
         self.stored_events = self.removed_events = 0
         self.failed = 0           # queued entries whose application raised (a bug; logged)
@@ -738,6 +742,14 @@ class KvIndex:
         if not self.enabled or not n:
             return
         with self._count_lock:
+            mine = self._queued_by_uid.get(uid, (0, 0))
+            if mine[0] + n > MAX_QUEUED_ADVERTS or mine[1] + size > MAX_QUEUED_ADVERT_BYTES:
+                # its uid's queued adverts are at the bound: this STORE is stored, not
+                # advertised (so a flood grows neither the queue nor another tenant's wait)
+                self.refused += 1
+                self.queue_refused += 1
+                return
+            self._queued_by_uid[uid] = (mine[0] + n, mine[1] + size)
             self._queued_adverts += n
             self._queued_bytes += size
             over = self._queued_adverts > MAX_QUEUED_ADVERTS or self._queued_bytes > MAX_QUEUED_ADVERT_BYTES
@@ -887,6 +899,9 @@ class KvIndex:
         with self._count_lock:
             self._queued_adverts -= n
             self._queued_bytes -= size
+            mine = self._queued_by_uid.pop(uid)
+            if mine != (n, size):
+                self._queued_by_uid[uid] = (mine[0] - n, mine[1] - size)
         return max(units, 1)
 
     # ---- applying them (under the index's lock) -----------------------------------------

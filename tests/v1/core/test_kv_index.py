@@ -306,3 +306,15 @@ def test_another_uids_flood_of_records_never_tells_a_reader_it_lost_its_own():
     log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(100)])     # A's own, trimmed
     assert log.read(cursor2, 10, uid=A, spaces=[SPACE])[2]
     assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
+
+
+def test_a_uids_queued_adverts_are_bounded_and_another_uids_still_queue(monkeypatch):
+    monkeypatch.setattr(kv_events, "MAX_QUEUED_ADVERTS", 1000)
+    kv = KvIndex()
+    for s in range(10):             # B floods faster than anything applies: 10 x 400 adverts
+        kv.describe(B, SPACE, "m", "", 0, 1, [b"b%d-%d" % (s, i) for i in range(400)],
+                    [advert(i, chunk=b"b%d-%d" % (s, i)) for i in range(400)])
+    assert kv.queue_refused >= 1 and kv._queued_by_uid.get(B, (0, 0))[0] <= 1000
+    store(kv, A, range(4))          # A's adverts are queued and applied all the same
+    assert found(kv) == (8, 8) and kv.queue_refused == kv.refused
+    assert kv._queued_by_uid == {} and kv._queued_adverts == 0
