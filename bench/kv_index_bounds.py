@@ -117,7 +117,8 @@ def measure(python_path: str, args: argparse.Namespace) -> dict[str, str]:
     out: dict[str, str] = {}
     tmp = f"/tmp/kv-bench-{os.getpid()}.json"
     # ---- rss: the largest adverts ----
-    with BenchServer("--capacity", "256MiB", *args.rss_args.split(), env=env, cwd=python_path, quiet=True) as server:
+    with BenchServer("--capacity", "256MiB", "--pool-populate-ahead", "0", *args.rss_args.split(), env=env,
+                     cwd=python_path, quiet=True) as server:      # no pool pages touched ahead: the index alone
         c, iid, kv = client(server.url)
         c.store(iid, [b"warm"], [0], 1, adverts=[largest_advert(99999)], space=SPACE, pod="p")
         c.ping()

@@ -428,7 +428,8 @@ class EventLog:
         self.max_bytes = max_bytes if max_bytes is not None else max(LOG_BYTES, LOG_BYTES_PER_RECORD * self.capacity)
         self._ring: deque[Record] = deque()
         self._runs: dict[Any, _Run] = {}        # uid -> its run, (uid, space) -> its run
-        # uid or (uid, space) -> n of its newest record trimmed (MAX_GONE kept; older: the floor)
+        # uid -> n of its newest record trimmed (per uid, not per space: a tenant makes spaces,
+        # never uids; MAX_GONE kept, then the floor)
         self._gone: OrderedDict[Any, int] = OrderedDict()
         self._gone_floor = 0
         self._lock = threading.Lock()
@@ -471,14 +472,14 @@ class EventLog:
         r = self._ring.popleft()
         self.bytes -= r.size
         if r.scope != NODE and r.uid >= 0:
-            gone = self._gone
             for k in (r.uid, (r.uid, r.space)):
                 run = self._runs[k]
                 run.drop_first()
                 if not len(run):
                     del self._runs[k]
-                gone[k] = r.n
-                gone.move_to_end(k)
+            gone = self._gone
+            gone[r.uid] = r.n
+            gone.move_to_end(r.uid)
             while len(gone) > MAX_GONE:
                 _, n = gone.popitem(last=False)
                 self._gone_floor = max(self._gone_floor, n)
@@ -497,8 +498,8 @@ class EventLog:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
         from next, and whether records the reader had not read were dropped from the ring
-        (``after`` below the oldest one kept; for a uid's read, one of *its* records: another
-        tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
+        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records:
+        another tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
         ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
         returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
         all; ``KvIndex.drain``)."""
@@ -514,8 +515,7 @@ class EventLog:
                 return self._scan(after, first, limit, max_bytes, lost)
             keys = [uid] if spaces is None else [(uid, s) for s in dict.fromkeys(spaces)]
             if lost:
-                gone = self._gone
-                lost = after < self._gone_floor or any(after < gone.get(k, 0) for k in keys)
+                lost = after < max(self._gone_floor, self._gone.get(uid, 0))
             parts = []
             for k in keys:
                 run = self._runs.get(k)
@@ -568,8 +568,8 @@ def event_bytes(event: Any) -> int:
     return 32
 
 
-#: Readers' keys whose newest trimmed record the log remembers (to tell a reader it lost one of
-#: its own); a reader whose key was forgotten is told it lost some if it is behind the newest
+#: Uids whose newest trimmed record the log remembers (to tell a reader it lost one of its
+#: uid's); a reader whose uid was forgotten is told it lost some if it is behind the newest
 #: record forgotten so.
 MAX_GONE = 1 << 16
 #: The log's byte bound (``EventLog.max_bytes``): 1 KiB per record it may hold, at least 64 MiB
