@@ -899,7 +899,7 @@ class KvIndex:
         with self._count_lock:
             self._queued_adverts -= n
             self._queued_bytes -= size
-            mine = self._queued_by_uid.pop(uid)
+            mine = self._queued_by_uid.pop(uid, (n, size))
             if mine != (n, size):
                 self._queued_by_uid[uid] = (mine[0] - n, mine[1] - size)
         return max(units, 1)
