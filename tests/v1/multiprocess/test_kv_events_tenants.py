@@ -25,7 +25,7 @@ from harness import wait_for
 from lmshm.core.kv_events import decode_batch
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.client import MPClient
-from test_kv_events_stream import _replay
+from test_kv_events_stream import _replay, _rss
 from test_kv_lookup_http import BLOCK, Http, advert, chain, chain_tokens, hashes_of, tokens_of
 
 NOBODY = 65534
@@ -276,3 +276,30 @@ def _b_churn(b: Tenant) -> int:
     for i in range(100):
         b.store(i, [protocol.Advert(b"b-%d" % i, 0, BLOCK, [9000 + i], None, list(range(BLOCK)))])
     return b.client.kv_events([SPACE], -1).cursor
+
+
+# ---- bounds (§3): memory grows by the index's bound, not by what is sent ----------------------
+
+
+def test_the_largest_adverts_grow_the_server_by_the_index_bound_not_by_what_is_sent(start_server, tenant_a):
+    """300 of the wire's largest adverts (1,024 hashes, 65,536 tokens, a LoRA name on each block:
+    85 MiB sent). Before round 4 the server grew about 12 times that (a GiB); the index is now
+    bounded in bytes (``--kv-events-index 16384``: 64 MiB) and so is the log (64 MiB)."""
+    server, _, _ = serve(start_server, "--pool-populate-ahead", "0", "--kv-events-index", "16384")
+    a = tenant_a(server.url)
+    lora = "adapter-%020d" % 0
+    extra = msgspec.msgpack.encode([[lora]] * 1024)
+    tokens = (bytes(range(256)) * 1024)[:4 * 65536]
+
+    def largest(i: int) -> protocol.Advert:
+        return protocol.Advert(b"big-%d" % i, 0, 64, [(i << 20) + j for j in range(1024)], None, [],
+                               lora_name=lora, extra_keys=extra, tokens=tokens)
+    for i in range(20):                                     # warm up: the allocator, the log's ring
+        a.store(i, [largest(i)])
+    a.client.kv_events([SPACE], -1, 1)
+    before = _rss(server.proc.pid)
+    for i in range(20, 320):
+        a.store(i, [largest(i)])
+    a.client.kv_events([SPACE], -1, 1)                      # a reader: the index applied everything
+    grown = _rss(server.proc.pid) - before
+    assert grown < 200 << 20, f"the server grew {grown / 2**20:.0f} MiB for 85 MiB of adverts"
