@@ -708,7 +708,8 @@ class ZmqEndpoint:
         log = kv.log
         records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
                                          max_bytes=KV_EVENTS_REPLY_BYTES, apply=self._kv_events_apply(kv.queued))
-        return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
+        # r.ev, not r.event, to skip attach records: r.event builds a BlockStored on each call
+        return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.ev is not None])
 
     # ---- session ends -------------------------------------------------------------------
     def _session_ended(self, session: Session, reason: str, orphaned: bool) -> None:
