@@ -1203,7 +1203,10 @@ class KvIndex:
                     for chunk in (cur.values() if type(cur) is dict else (cur,)):
                         if tier in chunk.servable and chunk.hashes[0] == hashes[p]:
                             m = len(chunk.hashes)
-                            if m > n and tuple(hashes[p:p + m]) == chunk.hashes:
+                            # its last hash first: a chunk posted under this hash that spans
+                            # other blocks costs one comparison, not a slice of m
+                            if m > n and p + m <= len(hashes) and hashes[p + m - 1] == chunk.hashes[-1] \
+                                    and tuple(hashes[p:p + m]) == chunk.hashes:
                                 n = m
                     if not n:
                         break
