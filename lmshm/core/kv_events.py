@@ -11,31 +11,46 @@ engine's block hashes, parent hash, token ids, LoRA name and extra keys (``messa
 *servable* from a tier when every rank of its engine has it there; the index emits
 ``BlockStored`` when a chunk becomes servable from a tier and ``BlockRemoved`` when it stops
 being so (eviction, corruption found, a remote value gone), into ``EventLog``: a bounded ring of
-records, each with the uid and namespace ("space") it belongs to. Readers keep a cursor: the
-server's ZMQ publisher reads every record, a connector reads its own uid's and space's
-(``KV_EVENTS``) and republishes them on its engine's stream.
+records, each with the uid and namespace ("space") it belongs to and who it is for (``scope``).
+Readers keep a cursor: the server's ZMQ publisher reads every record, a connector reads its own
+uid's and space's (``KV_EVENTS``) and republishes them on its engine's stream.
+
+Tenants. An advert is a tenant's claim: nothing one uid advertises may remove, hide or replace
+what another's resident chunks advertise. A chunk is its uid's (its identity and keys carry the
+uid); its hashes and token keys are looked up only once a tier holds it; a hash keeps every
+resident chunk posted under it, token keys carry the uid; a ``BlockRemoved`` reaches the node
+stream only for blocks no other chunk of the model still serves from that tier (``Record.scope``);
+a full index forgets from the uid whose chunks cost the most (``KvIndex``'s docstring).
 
 Medium and locality per tier (``TIER_MEDIA``): the pool is ``CPU``/``LOCAL``, the disk
 ``STORAGE``/``LOCAL``, the remote ``STORAGE``/``REMOTE``.
 
 ``describe`` and ``note`` only queue; ``drain`` applies the queue in order, off the STORE's
-path (``KvIndex``'s docstring says who drains when); every reader drains first.
+path, in units of work (a STORE of 65,536 adverts over many calls: ``_advance``); every reader
+drains first (``KvIndex``'s docstring says who drains when, and how much).
 
 The easy thing to get wrong: the pool and the disk tier call ``note`` under their own locks
 (the same locks their removals are told under, so a chunk is never announced after its
 removal), from any thread, and the queue keeps that order. So this module never calls back
-into the pool or a tier, holds its own lock only for dict work, and is bounded everywhere: the
-queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts and batched notes,
-``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds applies some),
-``max_chunks`` adverts (a full index forgets its least recently stored chunk, with a
-``BlockRemoved`` for each tier it was servable from, counted: the remote evicts without
-telling, so entries it alone held would otherwise stay until the index refused every new chunk), ``records`` in the ring (the oldest go; a
-reader behind them is told it lost some).
+into the pool or a tier, holds its own lock only for bounded work, and is bounded everywhere,
+in bytes as well as counts: the queue (``MAX_QUEUED`` entries, ``MAX_QUEUED_ADVERTS`` adverts
+and batched notes, ``MAX_QUEUED_ADVERT_BYTES`` of encoded adverts: past them, whoever adds
+applies some), the index (``max_chunks`` chunks and ``max_bytes``, each chunk charged
+``chunk_cost`` to its uid's share; a full index forgets the least recently stored chunk of the
+uid holding the most, with a ``BlockRemoved`` for each tier it was servable from, counted: the
+remote evicts without telling, so entries it alone held would otherwise stay until the index
+refused every new chunk; adverts not resident yet, per uid, ``MAX_UNRESIDENT``), the ring
+(``records`` and ``max_bytes``; the oldest go, a reader behind them is told it lost some;
+``BlockStored`` records keep their tokens packed), engines (``MAX_PODS_PER_UID``).
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import hashlib
+import heapq
+import itertools
 import logging
 import struct
 import sys
@@ -200,6 +215,8 @@ class _Chunk(msgspec.Struct, gc=False):
     lora: Optional[str]
     extra: Optional[tuple]              # per block, its extra keys (lists made tuples)
     born: float
+    cost: int = 0                       # bytes charged to its uid's share (chunk_cost)
+    posted: bool = False                # its hashes and token keys are in the lookup maps (resident)
     keys: dict = {}                     # rank -> that rank's key
     where: dict = {}                    # tier -> the ranks holding it there, a bit each
     servable: tuple = ()                # tiers BlockStored was sent for (and not removed)
@@ -216,14 +233,38 @@ def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, adv
     extra = advert.extra_keys
     chunk = _Chunk(ident, uid, space, model, world, advert.group, tuple(advert.block_hashes),
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
-                   None if extra is None else _frozen(extra), born)
+                   None if extra is None else _frozen(extra, {}), born)
     chunk.tkeys = token_keys(chunk)
+    chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0))
     return chunk
 
 
-def _frozen(value: Any) -> Any:
-    """``value`` with every list made a tuple (extra keys: plain values, ``check_advert``)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+#: What an indexed chunk costs the server's memory, as ``chunk_cost`` estimates it (calibrated
+#: with tracemalloc on CPython 3.11, rounded up: 1.5 KiB measured for a one-block chunk of 16
+#: tokens, 0.48 MiB for the wire's largest advert, 0.57 MiB charged): the chunk and its entries
+#: in the index's maps and its share, each block's hash, token key (a tuple and a 16-byte
+#: digest) and map entries, its packed tokens, and its extra keys decoded (equal values shared)
+CHUNK_BYTES = 1280
+BLOCK_BYTES = 256
+EXTRA_FACTOR = 2
+
+
+def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int) -> int:
+    """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids and
+    ``extra_bytes`` of encoded extra keys is charged (its uid's share, the index's bound)."""
+    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes
+
+
+def _frozen(value: Any, seen: dict) -> Any:
+    """``value`` with every list made a tuple (extra keys: plain values, ``check_advert``), equal
+    values one object (``seen``: a LoRA's name on each of 1,024 blocks is one string and one
+    tuple, not 1,024 of each)."""
+    if isinstance(value, (list, tuple)):
+        value = tuple([_frozen(v, seen) for v in value])
+    try:
+        return seen.setdefault((type(value), value), value)
+    except TypeError:           # not hashable (never, for checked extra keys): kept as it is
+        return value
 
 
 def token_keys(chunk: _Chunk) -> tuple:
@@ -233,30 +274,40 @@ def token_keys(chunk: _Chunk) -> tuple:
     if not tokens:
         return ()
     step = 4 * chunk.block_size
-    hashes = chunk.hashes
+    hashes, uid = chunk.hashes, chunk.uid
     if chunk.extra is None and chunk.lora is None:      # no salt, nothing unnamed: the common case
         if len(hashes) == 1:
-            return ((chunk.parent, tokens, None, None),)
-        return tuple((hashes[i - 1] if i else chunk.parent, tokens[i * step:(i + 1) * step], None, None)
-                     for i in range(len(hashes)))
+            return ((uid, chunk.parent, _digest(tokens), None, None),)
+        # a list first: tuple() of a generator allocates the outer tuple before its items, and
+        # the GC untracks a tuple only once its items are (a collection later, or never)
+        return tuple([(uid, hashes[i - 1] if i else chunk.parent, _digest(tokens[i * step:(i + 1) * step]), None, None)
+                      for i in range(len(hashes))])
     extra = chunk.extra or (None,) * len(hashes)
     out: list[Optional[TokenKey]] = []
     for i in range(len(hashes)):
         parent = hashes[i - 1] if i else chunk.parent
         salt = block_salt(extra[i], chunk.lora, parent is None)
         out.append(None if salt is UNNAMED else
-                   token_key(parent, tokens[i * step:(i + 1) * step], chunk.lora, salt))
+                   token_key(uid, parent, _digest(tokens[i * step:(i + 1) * step]), chunk.lora, salt))
     return tuple(out)
 
 
-#: ``(parent block hash, the block's packed tokens, LoRA name, cache salt)``: what a lookup by
-#: token ids can name a block by. The salt is the first block's only (None elsewhere).
-TokenKey = tuple[Any, bytes, Optional[str], Optional[str]]
+#: ``(uid, parent block hash, the digest of the block's packed tokens, LoRA name, cache salt)``:
+#: what a lookup by token ids can name a block by, in one uid's chains (a uid's adverts never
+#: name a block in another's). The salt is the first block's only (None elsewhere). The digest
+#: (``_digest``: BLAKE2b, 16 bytes) keeps the key small: a block of 64 tokens is 256 bytes packed.
+TokenKey = tuple[int, Any, bytes, Optional[str], Optional[str]]
 UNNAMED = object()
 
 
-def token_key(parent: Any, tokens: bytes, lora: Optional[str], salt: Optional[str]) -> TokenKey:
-    return (parent, tokens, lora, salt)
+def token_key(uid: int, parent: Any, digest: bytes, lora: Optional[str], salt: Optional[str]) -> TokenKey:
+    return (uid, parent, digest, lora, salt)
+
+
+def _digest(tokens: bytes) -> bytes:
+    """A block's packed tokens as a token key holds them (collision-resistant: within one uid's
+    keys, a tenant could only confuse its own lookups)."""
+    return hashlib.blake2b(tokens, digest_size=16).digest()
 
 
 def block_salt(extra: Any, lora: Optional[str], first: bool) -> Any:
@@ -275,28 +326,115 @@ def block_salt(extra: Any, lora: Optional[str], first: bool) -> Any:
     return UNNAMED
 
 
+# ---- the event log ------------------------------------------------------------------------
+
+#: ``Record.scope``: who a record is for. ``BOTH``: the owner's feed (KV_EVENTS of its uid and
+#: space, its engines' topics) and the node's (the publisher's node topics). ``OWNER``: the
+#: owner's only (its chunk left a tier, but another chunk advertising those blocks in the same
+#: model and group is still servable from it: the node still holds them). ``NODE``: the node's
+#: only (the part of an ``OWNER`` removal whose blocks no other chunk still serves).
+BOTH, OWNER, NODE = 0, 1, 2
+
+
+class _Stored(msgspec.Struct, gc=False):
+    """A ``BlockStored`` kept packed: its chunk's own hashes, tokens (4 bytes a token) and extra
+    keys, shared with the index while the chunk is indexed, never its token keys or maps (what a
+    record keeps alive is what ``event_bytes`` charges it); the event is built when a reader
+    asks for it (``Record.event``)."""
+
+    hashes: tuple
+    parent: Any
+    tokens: bytes
+    block_size: int
+    lora: Optional[str]
+    extra: Optional[tuple]
+    group: int
+    medium: str
+    locality: str
+
+    def build(self) -> BlockStored:
+        # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
+        # GC's care at its first collection, where a list stays
+        return BlockStored(self.hashes, self.parent, _int_tuple(self.tokens), self.block_size, None, self.medium,
+                           self.lora, self.extra, self.group, None, None, self.locality)
+
+
 class Record(msgspec.Struct, frozen=True, gc=False):
-    """One entry of the event log: an event (or an engine seen for the first time: ``pod``)
-    and whose it is."""
+    """One entry of the event log: an event (or an engine seen for the first time: ``pod``),
+    whose it is (``uid``, ``space``, ``model``) and who it is for (``scope``: ``BOTH``,
+    ``OWNER`` or ``NODE``, see above). ``pod`` with ``ev`` None: an engine attached to
+    (uid, space), or with ``detach`` left it (its uid had ``MAX_PODS_PER_UID`` newer ones, or
+    the namespace has no chunk left). Readers of the owner's feed (``EventLog.read`` with a
+    ``uid``) never get ``NODE`` records; the node stream must skip ``OWNER`` records on node
+    topics (and may use them, not ``NODE`` ones, on a uid's engine topics). ``event`` builds a
+    ``BlockStored`` from its packed form on each call (``ev``); ``size``: what ``event_bytes``
+    says the event encodes to, what the log's byte bound counts."""
 
     n: int                   # position in the log, from 1
     uid: int
     space: bytes
     model: str
-    event: Optional[KvEvent]
+    ev: Any                  # a KvEvent, a _Stored, or None (attach records)
     pod: str = ""            # attach records: an engine that advertises into (uid, space)
+    scope: int = BOTH
+    size: int = 0
+    detach: bool = False     # with ``pod``: that engine is gone from (uid, space) (its topic may go)
+
+    @property
+    def event(self) -> Optional[KvEvent]:
+        ev = self.ev
+        return ev.build() if type(ev) is _Stored else ev
+
+
+class _Run:
+    """One reader key's records (a uid's, or a uid's in one space), oldest first, from ``head``
+    on (the ones before it left the ring): a read finds its start by bisection."""
+
+    __slots__ = ("records", "head")
+
+    def __init__(self) -> None:
+        self.records: list[Record] = []
+        self.head = 0
+
+    def drop_first(self) -> None:
+        self.head += 1
+        if self.head >= 64 and self.head * 2 >= len(self.records):
+            del self.records[:self.head]
+            self.head = 0
+
+    def __len__(self) -> int:
+        return len(self.records) - self.head
+
+    def after(self, n: int) -> int:
+        return bisect.bisect_right(self.records, n, lo=self.head, key=_record_n)
+
+
+def _record_n(r: Record) -> int:
+    return r.n
 
 
 class EventLog:
-    """A bounded ring of ``Record``s; readers keep their own cursor (``n`` of the last read).
-    ``before_read`` (set by the ``KvIndex`` that owns the log) runs before each read: the
-    index applies what it has queued, so a reader sees every STORE answered before it."""
+    """A bounded ring of ``Record``s (``records`` of them and ``max_bytes`` of events, as
+    ``event_bytes`` counts them, at most); readers keep their own cursor (``n`` of the last
+    read). ``before_read`` (set by the ``KvIndex`` that owns the log) runs before each read: the
+    index applies what it has queued, so a reader sees every STORE answered before it.
 
-    def __init__(self, records: int = 65536) -> None:
+    Besides the ring, each uid's records and each (uid, space)'s are kept in order (``_Run``):
+    a reader of its own uid's spaces finds where to start by bisection and visits only its own
+    records, so a read costs what it returns, not the ring's length."""
+
+    def __init__(self, records: int = 65536, max_bytes: Optional[int] = None) -> None:
         self.capacity = max(16, records)
+        self.max_bytes = max_bytes if max_bytes is not None else max(LOG_BYTES, LOG_BYTES_PER_RECORD * self.capacity)
         self._ring: deque[Record] = deque()
+        self._runs: dict[Any, _Run] = {}        # uid -> its run, (uid, space) -> its run
+        # uid -> n of its newest record trimmed (per uid, not per space: a tenant makes spaces,
+        # never uids; MAX_GONE kept, then the floor)
+        self._gone: OrderedDict[Any, int] = OrderedDict()
+        self._gone_floor = 0
         self._lock = threading.Lock()
         self._next = 1
+        self.bytes = 0            # event_bytes of the records in the ring
         self.trimmed = 0          # records dropped from the ring's old end
         self.epoch = ""           # set by the owner: a new value means the log started over
         self.before_read: Optional[Any] = None
@@ -305,18 +443,46 @@ class EventLog:
         self.extend(((uid, space, model, event, pod),))
 
     def extend(self, entries: Iterable[tuple]) -> None:
-        """Append ``(uid, space, model, event, pod)`` tuples in order, under one hold of the lock."""
+        """Append ``(uid, space, model, event, pod[, scope[, detach]])`` tuples in order
+        (``event`` a ``KvEvent``, a ``_Stored`` or None), under one hold of the lock."""
         with self._lock:
-            ring, n = self._ring, self._next
-            for uid, space, model, event, pod in entries:
-                ring.append(Record(n, uid, space, model, event, pod))
+            ring, runs, n = self._ring, self._runs, self._next
+            for entry in entries:
+                uid, space, model, ev, pod = entry[:5]
+                scope = entry[5] if len(entry) > 5 else BOTH
+                size = event_bytes(ev)
+                r = Record(n, uid, space, model, ev, pod, scope, size, len(entry) > 6 and entry[6])
+                ring.append(r)
+                self.bytes += size
                 n += 1
+                if scope != NODE and uid >= 0:          # the owner's feed: what KV_EVENTS reads
+                    for k in (uid, (uid, space)):
+                        run = runs.get(k)
+                        if run is None:
+                            run = runs[k] = _Run()
+                        run.records.append(r)
             self._next = n
-            over = len(ring) - self.capacity
-            if over > 0:
-                for _ in range(over):
-                    ring.popleft()
-                self.trimmed += over
+            over = 0
+            while len(ring) > 1 and (len(ring) > self.capacity or self.bytes > self.max_bytes):
+                self._pop()
+                over += 1
+            self.trimmed += over
+
+    def _pop(self) -> None:
+        r = self._ring.popleft()
+        self.bytes -= r.size
+        if r.scope != NODE and r.uid >= 0:
+            for k in (r.uid, (r.uid, r.space)):
+                run = self._runs[k]
+                run.drop_first()
+                if not len(run):
+                    del self._runs[k]
+            gone = self._gone
+            gone[r.uid] = r.n
+            gone.move_to_end(r.uid)
+            while len(gone) > MAX_GONE:
+                _, n = gone.popitem(last=False)
+                self._gone_floor = max(self._gone_floor, n)
 
     @property
     def last(self) -> int:
@@ -330,45 +496,104 @@ class EventLog:
     def read(self, after: int, limit: int, uid: Optional[int] = None, spaces: Optional[Iterable[bytes]] = None,
              max_bytes: int = 1 << 62, apply: Optional[int] = None) -> tuple[list[Record], int, bool]:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
-        ``spaces``, if given), the cursor to read from next, and whether records the reader had
-        not read were dropped from the ring (``after`` below the oldest one kept). ``after``
-        -1: from the oldest kept, nothing lost. ``max_bytes`` bounds the events' encoded size
-        (roughly; at least one record is returned). ``apply``: how many queued index entries
-        ``before_read`` applies first (None: all)."""
+        ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
+        from next, and whether records the reader had not read were dropped from the ring
+        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records:
+        another tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
+        ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
+        returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
+        all; ``KvIndex.drain``)."""
         if self.before_read is not None:
             self.before_read(apply)
-        wanted = set(spaces) if spaces is not None else None
-        out: list[Record] = []
-        size = 0
         with self._lock:
             ring = self._ring
             first = ring[0].n if ring else self._next
             if after < 0:
                 after = first - 1
             lost = after + 1 < first
-            cursor = max(after, first - 1)
-            for i in range(max(0, after + 1 - first), len(ring)):
-                r = ring[i]
-                cursor = r.n
-                if (uid is None or r.uid == uid) and (wanted is None or r.space in wanted):
-                    size += event_bytes(r.event)
-                    if out and size > max_bytes:
-                        cursor = r.n - 1
-                        break
-                    out.append(r)
-                    if len(out) >= limit:
-                        break
+            if uid is None:
+                return self._scan(after, first, limit, max_bytes, lost)
+            keys = [uid] if spaces is None else [(uid, s) for s in dict.fromkeys(spaces)]
+            if lost:
+                lost = after < max(self._gone_floor, self._gone.get(uid, 0))
+            parts = []
+            for k in keys:
+                run = self._runs.get(k)
+                if run is not None:
+                    i = run.after(after)
+                    if i < len(run.records):
+                        parts.append(itertools.islice(run.records, i, None))
+            source = parts[0] if len(parts) == 1 else heapq.merge(*parts, key=_record_n)
+            out: list[Record] = []
+            size = 0
+            cursor = self._next - 1                 # all read, unless a bound stops it first
+            for r in source:
+                size += r.size
+                if out and size > max_bytes:
+                    cursor = out[-1].n
+                    break
+                out.append(r)
+                if len(out) >= limit:
+                    cursor = r.n
+                    break
+            return out, cursor, lost
+
+    def _scan(self, after: int, first: int, limit: int, max_bytes: int, lost: bool) -> tuple[list[Record], int, bool]:
+        ring = self._ring
+        out: list[Record] = []
+        size = 0
+        cursor = max(after, first - 1)
+        for i in range(max(0, after + 1 - first), len(ring)):
+            r = ring[i]
+            cursor = r.n
+            size += r.size
+            if out and size > max_bytes:
+                cursor = r.n - 1
+                break
+            out.append(r)
+            if len(out) >= limit:
+                break
         return out, min(cursor, self._next - 1), lost
 
 
-def event_bytes(event: Optional[KvEvent]) -> int:
-    """About how many bytes ``event`` encodes to (a bound for replies and buffers)."""
+def event_bytes(event: Any) -> int:
+    """About how many bytes ``event`` (a ``KvEvent`` or its packed ``_Stored`` form) encodes to
+    (a bound for replies, buffers and the log)."""
+    if type(event) is _Stored:
+        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ())
     if isinstance(event, BlockStored):
         return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ())
     if isinstance(event, BlockRemoved):
         return 80 + 34 * len(event.block_hashes)
     return 32
 
+
+#: Uids whose newest trimmed record the log remembers (to tell a reader it lost one of its
+#: uid's); a reader whose uid was forgotten is told it lost some if it is behind the newest
+#: record forgotten so.
+MAX_GONE = 1 << 16
+#: The log's byte bound (``EventLog.max_bytes``): 1 KiB per record it may hold, at least 64 MiB
+#: (64 MiB for the default 65,536 records; 150 of the largest adverts' events at least): a full
+#: ring of the largest adverts' events would be 28 GiB.
+LOG_BYTES_PER_RECORD = 1024
+LOG_BYTES = 64 << 20
+#: The index's byte bound (``KvIndex.max_bytes``, ``chunk_cost``): 2 KiB per chunk it may hold,
+#: at least 64 MiB (512 MiB for the default 262,144 chunks): one chunk of the wire's largest
+#: adverts is charged about 0.57 MiB, one of 16 tokens about 1.6 KiB.
+INDEX_BYTES_PER_CHUNK = 2048
+INDEX_BYTES = 64 << 20
+#: Adverts whose chunk is not resident yet (a STORE's, before its copy commits; forever, for a
+#: STORE that stores nothing, until ``prune``), per uid: at most this many, and an eighth of
+#: the index's bytes or UNRESIDENT_BYTES, whichever is more; past that the uid's oldest such
+#: advert is forgotten (the index's own bounds apply besides).
+MAX_UNRESIDENT = 1 << 16
+UNRESIDENT_BYTES = 64 << 20
+#: Engines (``Store.pod``) remembered per uid: attach records name them, a detach record
+#: forgets the least recently seen past this many (the publisher frees its topic)
+MAX_PODS_PER_UID = 64
+#: Chunks of one uid posted under one block hash (more are indexed, but not found by that hash):
+#: a lookup visits each chunk posted under a hash, so a tenant cannot make that list long.
+MAX_SAME_HASH = 4
 
 #: Queued entries (a STORE's adverts, one residency note, one commit's notes) past which the
 #: thread that queues one applies a batch itself: the queue's bound (the adverts and the
@@ -377,10 +602,53 @@ MAX_QUEUED = 1 << 16
 MAX_QUEUED_ADVERTS = 1 << 16
 #: Bytes of queued encoded adverts (a STORE's, as they came) past which, as past the above, the
 #: thread that queues more applies a batch itself: a peer's adverts may be 320 KiB each (the
-#: wire's limits), so the count alone would let the queue hold gigabytes
+#: wire's limits), so the count alone would let the queue hold gigabytes. Both bound each
+#: uid's queued adverts too: a STORE that would take its uid past either is not advertised
+#: (``queue_refused``), so the queue holds at most that much per uid, however fast it floods.
 MAX_QUEUED_ADVERT_BYTES = 64 << 20
-#: Entries applied under one hold of the index's lock (a few hundred µs at most).
+#: Units of work (``_units``: a residency report 1, an advert 1 and one more per 16 blocks or
+#: 4 KiB encoded) applied under one hold of the index's lock (a few hundred µs at most).
 DRAIN_BATCH = 32
+
+_raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
+
+
+def _array_of(raws: Sequence[msgspec.Raw]) -> msgspec.Raw:
+    """A msgpack array of the already encoded ``raws``."""
+    n = len(raws)
+    head = bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 \
+        else b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + b"".join(bytes(r) for r in raws))
+
+
+def _units(advert: Any) -> int:
+    if isinstance(advert, msgspec.Raw):
+        return 1 + (len(advert) >> 12)
+    return 1 + (len(advert.block_hashes) >> 4)
+
+
+class _Share:
+    """One uid's part of the index: its chunks, least recently stored first (what a full index
+    forgets of the uid holding the most), those not resident yet, and the bytes they cost."""
+
+    __slots__ = ("lru", "unresident", "bytes", "unresident_bytes")
+
+    def __init__(self) -> None:
+        self.lru: OrderedDict[tuple, _Chunk] = OrderedDict()
+        self.unresident: OrderedDict[tuple, _Chunk] = OrderedDict()
+        self.bytes = 0
+        self.unresident_bytes = 0
+
+
+class _Describing:
+    """A queued STORE's adverts being applied in steps (``KvIndex._advance``)."""
+
+    __slots__ = ("entry", "items", "done")
+
+    def __init__(self, entry: tuple) -> None:
+        self.entry = entry
+        self.items: Optional[list] = None       # the adverts, one per key (encoded or not)
+        self.done = 0                           # how many are applied
 
 
 class KvIndex:
@@ -388,37 +656,55 @@ class KvIndex:
 
     ``describe`` and ``note`` only queue (``_queue``, a deque: appending is atomic, and takes
     no lock, so the pool may call ``note`` under its own); ``drain`` applies the queue in the
-    order it was filled, under the index's lock, ``DRAIN_BATCH`` entries at a time. Whatever
-    reads the index drains first (the log's readers, ``leading``, ``hashes_of_tokens``,
-    ``len``), so no reader sees less than the STOREs answered before it (but a KV_EVENTS
-    read, which applies at most ``server.KV_EVENTS_APPLY`` entries); the server's
-    request loop drains a few entries whenever it has nothing else to do (``on_idle``); and a
-    queue past ``MAX_QUEUED`` entries (or ``MAX_QUEUED_ADVERTS`` adverts) is drained in part by
-    whoever adds to it."""
+    order it was filled, under the index's lock, ``DRAIN_BATCH`` units of work at a time (a
+    STORE of many adverts takes several: ``_advance``). Whatever reads the index drains first
+    (the log's readers, ``leading``, ``hashes_of_tokens``, ``len``), so no reader sees less than
+    the STOREs answered before it (but a KV_EVENTS read, which applies at most
+    ``server.KV_EVENTS_APPLY`` units); the server's request loop drains a few whenever it has
+    nothing else to do (``on_idle``); and a queue past ``MAX_QUEUED`` entries (or
+    ``MAX_QUEUED_ADVERTS`` adverts) is drained in part by whoever adds to it.
 
-    def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536) -> None:
+    Who may change what. A chunk is its uid's: its ``ident`` and its keys carry the uid, so no
+    other uid's STORE or residency report names it. Its hashes and token keys are *posted* (the
+    lookup maps, ``_by_hash`` and ``_by_tokens``) only once a tier holds it, and a hash keeps
+    every chunk posted under it (``_by_hash``: one chunk, or a dict of them by ``id``), so
+    another uid's adverts can add to what a lookup finds, never take away from it; token keys
+    carry the uid (``token_key``), and a lookup by tokens walks each uid's chains. A
+    ``BlockRemoved`` goes to the node stream only for the blocks no other servable chunk of the
+    same model and group still holds in that tier (``_emit_removed``)."""
+
+    def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536, max_bytes: Optional[int] = None,
+                 log_bytes: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
-        self.log = EventLog(records)
+        self.max_bytes = max_bytes if max_bytes is not None else max(INDEX_BYTES, INDEX_BYTES_PER_CHUNK * max_chunks)
+        self.max_unresident_bytes = max(self.max_bytes >> 3, UNRESIDENT_BYTES)
+        self.log = EventLog(records, log_bytes)
         self.log.before_read = self.drain
         self._lock = threading.Lock()
         self._queue: deque[tuple] = deque()
+        self._current: Optional[_Describing] = None    # the STORE being applied in steps
         self._pending: list[tuple] = []            # records of the batch being applied (drain)
         self._queued_adverts = 0                   # adverts and batched notes in _queue (under _count_lock)
         self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
+        self._queued_by_uid: dict[int, tuple[int, int]] = {}   # uid -> its adverts and bytes queued
         #: decodes a STORE's encoded adverts (``messages.unpack_adverts``, set by the data plane:
         #: the messages import this module, so it cannot import them)
         self.unpack_adverts: Optional[Any] = None
         self._count_lock = threading.Lock()
         self._by_key: dict[tuple[int, bytes], _Chunk] = {}   # (uid, key) -> its chunk (rank: chunk.rank_of)
-        # (uid, space, group, chunk id) -> chunk, least recently stored first (what a full index forgets)
-        self._by_id: OrderedDict[tuple[int, bytes, int, bytes], _Chunk] = OrderedDict()
-        self._by_hash: dict[Any, _Chunk] = {}                            # an engine block hash -> its chunk
-        self._by_tokens: dict[TokenKey, Any] = {}                        # a block's token_key -> its hash
-        self._pods: set[tuple[int, bytes, str]] = set()
-        self._unresident: dict[tuple, _Chunk] = {}       # indexed, not yet held anywhere (see prune)
+        self._by_id: dict[tuple[int, bytes, int, bytes], _Chunk] = {}   # (uid, space, group, chunk id) -> chunk
+        self._shares: dict[int, _Share] = {}                 # uid -> its chunks (each in one share)
+        self._by_hash: dict[Any, Any] = {}        # a block hash -> the resident chunk(s) posted under it
+        self._by_tokens: dict[TokenKey, Any] = {}  # a block's token_key -> its hash, or {hash: chunks}
+        self._block_sizes: dict[int, int] = {}     # block size -> chunks of it
+        self.bytes = 0                             # chunk_cost of every chunk indexed
+        self._pods: dict[int, OrderedDict[tuple[bytes, str], str]] = {}   # uid -> (space, pod) -> model, LRU
+        self._space_chunks: dict[tuple[int, bytes], int] = {}   # (uid, space) -> chunks indexed
         self._pruned_at = 0.0
         self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
+        self.queue_refused = 0    # ... of them, refused because their uid's queued adverts were at the bound
+        self.unresident_dropped = 0   # adverts forgotten: their uid had MAX_UNRESIDENT waiting
         self.stored_events = self.removed_events = 0
         self.failed = 0           # queued entries whose application raised (a bug; logged)
 
@@ -431,18 +717,24 @@ class KvIndex:
         return len(self._by_id)
 
     @property
+    def chunks(self) -> int:
+        """Chunks indexed, without applying the queue (O(1))."""
+        return len(self._by_id)
+
+    @property
     def queued(self) -> int:
-        """Entries not applied yet."""
-        return len(self._queue)
+        """Entries not applied yet (a STORE being applied in steps counts as one)."""
+        return len(self._queue) + (self._current is not None)
 
     # ---- what a STORE says, what the pool and the tiers hold: queued --------------------
     def describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
                  keys: Sequence[bytes], adverts: Any, source: str = "", count: int = 0) -> None:
         """Remember what each of a STORE's chunks is to its engine (queued before its copy
         commits). ``adverts``: the request's, still encoded (``Store.adverts``, with ``count``:
-        how many, ``messages.advert_count``), or as ``Advert``s, or ``CheckedAdvert``s; decoded and checked when applied
-        (``check_advert``, all or none; ``source`` names the sender in the log line of a
-        refusal)."""
+        how many, ``messages.advert_count``), or as ``Advert``s, or ``CheckedAdvert``s; decoded
+        and checked when applied (``check_advert``; a STORE's adverts are applied in slices of
+        ``DRAIN_BATCH`` units, and from a slice that does not check on, none is; ``source``
+        names the sender in the log line of a refusal)."""
         if isinstance(adverts, msgspec.Raw):        # encoded: its length is bytes, not adverts
             n, size = count or 0, len(adverts)
         else:
@@ -450,6 +742,14 @@ class KvIndex:
         if not self.enabled or not n:
             return
         with self._count_lock:
+            mine = self._queued_by_uid.get(uid, (0, 0))
+            if mine[0] + n > MAX_QUEUED_ADVERTS or mine[1] + size > MAX_QUEUED_ADVERT_BYTES:
+                # its uid's queued adverts are at the bound: this STORE is stored, not
+                # advertised (so a flood grows neither the queue nor another tenant's wait)
+                self.refused += 1
+                self.queue_refused += 1
+                return
+            self._queued_by_uid[uid] = (mine[0] + n, mine[1] + size)
             self._queued_adverts += n
             self._queued_bytes += size
             over = self._queued_adverts > MAX_QUEUED_ADVERTS or self._queued_bytes > MAX_QUEUED_ADVERT_BYTES
@@ -461,7 +761,7 @@ class KvIndex:
         """``(uid, key)`` is now held in ``tier`` (or not); emits, once applied, when that
         changes whether its chunk is servable from the tier. Queued in call order: the pool and
         the disk call it under the locks they evict under."""
-        if not self._by_key and not self._queue:
+        if not self._by_key and not self._queue and self._current is None:
             return
         self._queue.append((uid, key, tier, present))
         if len(self._queue) > MAX_QUEUED:
@@ -473,7 +773,7 @@ class KvIndex:
         queue, by_key, append = self._queue, self._by_key, self._queue.append
 
         def record(uid: int, key: bytes, present: bool) -> None:
-            if not by_key and not queue:
+            if not by_key and not queue and self._current is None:
                 return
             append((uid, key, tier, present))
             if len(queue) > MAX_QUEUED:
@@ -487,7 +787,7 @@ class KvIndex:
         queue, by_key, append = self._queue, self._by_key, self._queue.append
 
         def record(pairs: list) -> None:
-            if not by_key and not queue:
+            if not by_key and not queue and self._current is None:
                 return
             with self._count_lock:          # its reports count as adverts do (MAX_QUEUED_ADVERTS)
                 self._queued_adverts += len(pairs)
@@ -499,96 +799,198 @@ class KvIndex:
 
     def drain(self, limit: Optional[int] = None) -> int:
         """Apply queued entries in order: all of them (at most what was queued when it began,
-        so a producer as fast cannot keep it here), or ``limit``, ``DRAIN_BATCH`` under one
-        hold of the lock (no yield of the CPU between batches: ``sched_yield`` on a busy
-        machine gave it to another process, 340 µs a call measured). Returns how many."""
+        so a producer as fast cannot keep it here), or about ``limit`` units of work (``_units``:
+        a residency report is one, a STORE's advert one and one more per 16 blocks; a STORE of
+        many adverts is applied over several calls), ``DRAIN_BATCH`` under one hold of the lock
+        (no yield of the CPU between batches: ``sched_yield`` on a busy machine gave it to
+        another process, 340 µs a call measured). Returns the units done."""
         queue = self._queue
-        if not queue:
+        if not queue and self._current is None:
             return 0
-        todo = len(queue) if limit is None else min(limit, len(queue))
+        entries = len(queue) if limit is None else -1       # all: what is queued now, no more
+        budget = (1 << 62) if limit is None else limit
         done = 0
-        while done < todo:
-            adverts = size = 0
+        while done < budget:
+            step = 0
             with self._lock:
-                for _ in range(min(DRAIN_BATCH, todo - done)):
+                while step < DRAIN_BATCH and done + step < budget:
+                    if self._current is not None:
+                        step += self._advance(min(DRAIN_BATCH - step, budget - done - step))
+                        continue
+                    if entries == 0:
+                        break
                     try:
                         entry = queue.popleft()
                     except IndexError:          # another thread drained it meanwhile
-                        todo = done
                         break
-                    done += 1
-                    try:
-                        if len(entry) == 4:
-                            self._note(*entry)
-                        elif len(entry) == 2:
-                            pairs, tier = entry
-                            adverts += len(pairs)
-                            for uid, key in pairs:
-                                self._note(uid, key, tier, True)
-                        else:
-                            adverts += entry[9]
-                            size += entry[10]
-                            self._describe(*entry[:9])
-                    except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
-                        self.failed += 1
-                        logger.exception("lmshm: applying a KV event index entry failed")
+                    entries -= 1
+                    step += self._apply(entry)
                 if self._pending:        # the batch's records, in order, under one hold of the log's lock
                     self.log.extend(self._pending)
                     self._pending.clear()
-            if adverts:
-                with self._count_lock:
-                    self._queued_adverts -= adverts
-                    self._queued_bytes -= size
+            if not step:
+                break
+            done += step
         return done
 
-    # ---- applying them (under the index's lock) -----------------------------------------
-    def _describe(self, uid: int, space: bytes, model: str, pod: str, rank: int, world: int,
-                  keys: Sequence[bytes], adverts: Any, source: str) -> None:
+    def _apply(self, entry: tuple) -> int:
+        """One queued entry (under the lock); the units of work it took."""
         try:
-            if isinstance(adverts, msgspec.Raw):
-                adverts = self._unpack(adverts, len(keys))
-            adverts = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in adverts]
+            if len(entry) == 4:
+                self._note(*entry)
+                return 1
+            if len(entry) == 2:
+                pairs, tier = entry
+                try:
+                    for uid, key in pairs:
+                        self._note(uid, key, tier, True)
+                finally:
+                    with self._count_lock:
+                        self._queued_adverts -= len(pairs)
+                return max(1, len(pairs))
+            self._current = _Describing(entry)
+            return 0
+        except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
+            self.failed += 1
+            logger.exception("lmshm: applying a KV event index entry failed")
+            return 1
+
+    def _advance(self, room: int) -> int:
+        """Apply the next slice of the STORE being applied (``_current``): about ``room``
+        units, at least one advert; the units taken."""
+        cur = self._current
+        uid, space, model, pod, rank, world, keys, adverts, source, n, size = cur.entry
+        units = 0
+        try:
+            if cur.items is None:
+                if isinstance(adverts, msgspec.Raw):
+                    if self.unpack_adverts is None:
+                        raise ValueError("encoded adverts, and no decoder for them")
+                    cur.items = _raw_items.decode(adverts)
+                    units = 1 + (len(cur.items) >> 8)
+                else:
+                    cur.items = list(adverts)
+                if len(cur.items) != len(keys):
+                    raise ValueError(f"{len(cur.items)} adverts for {len(keys)} keys")
+            items, start = cur.items, cur.done
+            end = start
+            while end < len(items) and (end == start or units < room):
+                units += _units(items[end])
+                end += 1
+            part = items[start:end]
+            if part and isinstance(part[0], msgspec.Raw):
+                part = self.unpack_adverts(_array_of(part))
+                if len(part) != end - start:
+                    raise ValueError("an advert is not one msgpack value")
+            checked = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in part]
+            if not start and pod:
+                self._attach(uid, space, model, pod)
+            self._describe(uid, space, model, rank, world, keys[start:end], checked)
+            cur.done = end
+            if end < len(items):
+                return units
         except ValueError as exc:     # msgspec's DecodeError and ValidationError among them
             self.refused += 1
             logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(source, 60), exc)
+        except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
+            self.failed += 1
+            logger.exception("lmshm: applying a KV event index entry failed")
+        self._current = None
+        with self._count_lock:
+            self._queued_adverts -= n
+            self._queued_bytes -= size
+            mine = self._queued_by_uid.pop(uid, (n, size))
+            if mine != (n, size):
+                self._queued_by_uid[uid] = (mine[0] - n, mine[1] - size)
+        return max(units, 1)
+
+    # ---- applying them (under the index's lock) -----------------------------------------
+    def _attach(self, uid: int, space: bytes, model: str, pod: str) -> None:
+        """An engine (``pod``) advertises into (uid, space): an attach record the first time; a
+        uid keeps its ``MAX_PODS_PER_UID`` most recently seen (a detach record for the one it
+        forgets), and no uid's engines ever push out another's."""
+        pods = self._pods.get(uid)
+        if pods is None:
+            pods = self._pods[uid] = OrderedDict()
+        if (space, pod) in pods:
+            pods.move_to_end((space, pod))
             return
-        if pod and (uid, space, pod) not in self._pods and len(self._pods) < 4096:
-            self._pods.add((uid, space, pod))
-            self._pending.append((uid, space, model, None, pod))
-        by_id, by_key, unresident = self._by_id, self._by_key, self._unresident
-        by_hash, by_tokens = self._by_hash, self._by_tokens
+        pods[(space, pod)] = model
+        self._pending.append((uid, space, model, None, pod))
+        if len(pods) > MAX_PODS_PER_UID:
+            (old_space, old_pod), old_model = pods.popitem(last=False)
+            self._pending.append((uid, old_space, old_model, None, old_pod, BOTH, True))
+
+    def _space_left(self, uid: int, space: bytes) -> None:
+        """(uid, space) has no chunk left: its engines detach (their topics may be freed)."""
+        pods = self._pods.get(uid)
+        if not pods:
+            return
+        for (s, pod), model in list(pods.items()):
+            if s == space:
+                del pods[(s, pod)]
+                self._pending.append((uid, s, model, None, pod, BOTH, True))
+        if not pods:
+            del self._pods[uid]
+
+    def _describe(self, uid: int, space: bytes, model: str, rank: int, world: int,
+                  keys: Sequence[bytes], adverts: Sequence[CheckedAdvert]) -> None:
+        by_id, by_key = self._by_id, self._by_key
+        share = self._shares.get(uid)
+        if share is None:
+            share = self._shares[uid] = _Share()
         born = time.monotonic()
         for key, advert in zip(keys, adverts):
             ident = (uid, space, advert.group, bytes(advert.chunk))
             chunk = by_id.get(ident)
+            ranks: dict = {}
+            if chunk is not None and not chunk.posted and not any(chunk.where.values()) and (
+                    chunk.hashes != tuple(advert.block_hashes) or chunk.tokens != advert.tokens):
+                ranks = dict(chunk.keys)        # held nowhere yet: the newer advert says what it is
+                self._space_chunks[(uid, space)] += 1       # (not emptied meanwhile: its engines stay)
+                self._drop_chunk(chunk)
+                self._space_chunks[(uid, space)] -= 1
+                chunk = None
             if chunk is None:
-                if len(by_id) >= self.max_chunks:
-                    self._forget_oldest()
-                chunk = by_id[ident] = _new_chunk(ident, uid, space, model, world, advert, born)
-                unresident[ident] = chunk
-                for h in chunk.hashes:
-                    by_hash[h] = chunk
-                for tk, h in zip(chunk.tkeys, chunk.hashes):
-                    if tk is not None:
-                        by_tokens[tk] = h
-                chunk.keys = {rank: key}
+                chunk = _new_chunk(ident, uid, space, model, world, advert, born)
+                self._make_room(share, chunk.cost)
+                if self._shares.get(uid) is not share:      # its uid's last chunk was forgotten
+                    share = self._shares[uid] = _Share()
+                by_id[ident] = chunk
+                self._space_chunks[(uid, space)] = self._space_chunks.get((uid, space), 0) + 1
+                share.lru[ident] = chunk
+                share.unresident[ident] = chunk
+                share.bytes += chunk.cost
+                share.unresident_bytes += chunk.cost
+                self.bytes += chunk.cost
+                self._block_sizes[chunk.block_size] = self._block_sizes.get(chunk.block_size, 0) + 1
+                ranks[rank] = key
+                chunk.keys = ranks
+                for k in ranks.values():
+                    by_key[(uid, k)] = chunk
             else:
-                by_id.move_to_end(ident)
+                share.lru.move_to_end(ident)
                 old = chunk.keys.get(rank)
                 if old is not None and old != key:
                     by_key.pop((uid, old), None)
                 chunk.keys[rank] = key
             by_key[(uid, key)] = chunk
 
-    def _unpack(self, adverts: msgspec.Raw, keys: int) -> list:
-        """A STORE's encoded adverts, decoded by ``unpack_adverts``: ``ValueError`` when they do
-        not decode, or are not one per key."""
-        if self.unpack_adverts is None:
-            raise ValueError("encoded adverts, and no decoder for them")
-        out = self.unpack_adverts(adverts)
-        if len(out) != keys:
-            raise ValueError(f"{len(out)} adverts for {keys} keys")
-        return out
+    def _make_room(self, share: _Share, cost: int) -> None:
+        """Before a chunk costing ``cost`` joins ``share``: forget the uid's oldest adverts not
+        resident yet past its own bound (``MAX_UNRESIDENT``, an eighth of ``max_bytes``), then,
+        while the index is full (``max_chunks``, ``max_bytes``), the least recently stored
+        chunk of the uid whose chunks cost the most: a tenant's adverts push out its own
+        first, never a smaller tenant's."""
+        while share.unresident and (len(share.unresident) >= MAX_UNRESIDENT
+                                    or share.unresident_bytes + cost > self.max_unresident_bytes):
+            self._drop_chunk(next(iter(share.unresident.values())))     # never servable: no event
+            self.unresident_dropped += 1
+        while self._by_id and (len(self._by_id) >= self.max_chunks or self.bytes + cost > self.max_bytes):
+            victim = max(self._shares.values(), key=_share_bytes)
+            if not victim.lru:
+                break
+            self._forget(next(iter(victim.lru.values())))
 
     def _note(self, uid: int, key: bytes, tier: str, present: bool) -> None:
         chunk = self._by_key.get((uid, key))
@@ -598,77 +1000,177 @@ class KvIndex:
         ranks = chunk.where.get(tier, 0)
         if present:
             ranks |= bit
-            self._unresident.pop(chunk.ident, None)
-            if self._by_id.get(chunk.ident) is chunk:
-                self._by_id.move_to_end(chunk.ident)
+            share = self._shares[chunk.uid]
+            if share.unresident.pop(chunk.ident, None) is not None:
+                share.unresident_bytes -= chunk.cost
+            if share.lru.get(chunk.ident) is chunk:
+                share.lru.move_to_end(chunk.ident)
+            if not chunk.posted:
+                self._post(chunk)
         else:
             ranks &= ~bit
         chunk.where[tier] = ranks
         full = ranks.bit_count() >= chunk.world
         if full and tier not in chunk.servable:
             chunk.servable += (tier,)
-            self._emit(chunk, tier, True)
+            self._emit_stored(chunk, tier)
         elif not full and tier in chunk.servable:
             chunk.servable = tuple(t for t in chunk.servable if t != tier)
-            self._emit(chunk, tier, False)
+            self._emit_removed(chunk, tier)
         if not present and not any(chunk.where.values()):
             self._drop_chunk(chunk)
 
-    def _forget_oldest(self) -> None:
-        """Make room (the index is full): forget the least recently stored chunk, and tell
-        readers it is gone from every tier it was servable from. A router then misses a chunk
-        lmshm may still hold, which costs a recomputation, never a request sent for nothing."""
-        _, chunk = self._by_id.popitem(last=False)
+    def _post(self, chunk: _Chunk) -> None:
+        """Put a resident chunk's hashes and token keys in the lookup maps, beside any other
+        chunk's (``MAX_SAME_HASH`` of one uid per hash)."""
+        chunk.posted = True
+        by_hash, by_tokens, cid, uid = self._by_hash, self._by_tokens, id(chunk), chunk.uid
+        for h in chunk.hashes:
+            cur = by_hash.get(h)
+            if cur is None:
+                by_hash[h] = chunk
+            elif cur is chunk:
+                continue
+            elif type(cur) is dict:
+                if cid not in cur and sum(1 for c in cur.values() if c.uid == uid) < MAX_SAME_HASH:
+                    cur[cid] = chunk
+            else:
+                by_hash[h] = {id(cur): cur, cid: chunk}
+        for tk, h in zip(chunk.tkeys, chunk.hashes):
+            if tk is None:
+                continue
+            cur = by_tokens.get(tk, _NONE)
+            if cur is _NONE:
+                by_tokens[tk] = h
+            elif type(cur) is dict:
+                cur[h] = cur.get(h, 0) + 1
+            else:
+                by_tokens[tk] = {cur: 2} if cur == h else {cur: 1, h: 1}
+
+    def _unpost(self, chunk: _Chunk) -> None:
+        chunk.posted = False
+        by_hash, by_tokens, cid = self._by_hash, self._by_tokens, id(chunk)
+        for h in chunk.hashes:
+            cur = by_hash.get(h)
+            if cur is chunk:
+                del by_hash[h]
+            elif type(cur) is dict and cur.pop(cid, None) is not None and len(cur) == 1:
+                by_hash[h] = next(iter(cur.values()))
+        for tk, h in zip(chunk.tkeys, chunk.hashes):
+            if tk is None:
+                continue
+            cur = by_tokens.get(tk, _NONE)
+            if type(cur) is dict:
+                left = cur.get(h, 0) - 1
+                if left > 0:
+                    cur[h] = left
+                elif left == 0:
+                    del cur[h]
+                if len(cur) == 1:
+                    (only, refs), = cur.items()
+                    if refs == 1:
+                        by_tokens[tk] = only
+                elif not cur:
+                    del by_tokens[tk]
+            elif cur is not _NONE and cur == h:
+                del by_tokens[tk]
+
+    def _others(self, chunk: _Chunk, h: Any) -> Iterable[_Chunk]:
+        cur = self._by_hash.get(h)
+        if cur is None or cur is chunk:
+            return ()
+        if type(cur) is dict:
+            return (c for c in cur.values() if c is not chunk)
+        return (cur,)
+
+    def _forget(self, chunk: _Chunk) -> None:
+        """Make room: forget ``chunk`` and tell readers it is gone from every tier it was
+        servable from. A router then misses a chunk lmshm may still hold, which costs a
+        recomputation, never a request sent for nothing."""
         for tier in sorted(chunk.servable):
-            self._emit(chunk, tier, False)
-        chunk.servable = ()
+            chunk.servable = tuple(t for t in chunk.servable if t != tier)
+            self._emit_removed(chunk, tier)
         self._drop_chunk(chunk)
         self.unindexed += 1
 
     def _drop_chunk(self, chunk: _Chunk) -> None:
-        if self._by_id.get(chunk.ident) is chunk:
-            del self._by_id[chunk.ident]
-        if self._unresident.get(chunk.ident) is chunk:
-            del self._unresident[chunk.ident]
+        if self._by_id.get(chunk.ident) is not chunk:
+            return
+        del self._by_id[chunk.ident]
+        share = self._shares[chunk.uid]
+        share.lru.pop(chunk.ident, None)
+        if share.unresident.pop(chunk.ident, None) is not None:
+            share.unresident_bytes -= chunk.cost
+        share.bytes -= chunk.cost
+        self.bytes -= chunk.cost
+        if not share.lru:
+            del self._shares[chunk.uid]
+        left = self._space_chunks[(chunk.uid, chunk.space)] - 1
+        if left:
+            self._space_chunks[(chunk.uid, chunk.space)] = left
+        else:
+            del self._space_chunks[(chunk.uid, chunk.space)]
+            self._space_left(chunk.uid, chunk.space)
+        left = self._block_sizes[chunk.block_size] - 1
+        if left:
+            self._block_sizes[chunk.block_size] = left
+        else:
+            del self._block_sizes[chunk.block_size]
         for key in chunk.keys.values():
             if self._by_key.get((chunk.uid, key)) is chunk:
                 del self._by_key[(chunk.uid, key)]
-        tokens = chunk.tkeys
-        for i, h in enumerate(chunk.hashes):
-            if self._by_hash.get(h) is chunk:
-                del self._by_hash[h]
-                if tokens and tokens[i] is not None and self._by_tokens.get(tokens[i]) == h:
-                    del self._by_tokens[tokens[i]]
+        if chunk.posted:
+            self._unpost(chunk)
 
-    def _emit(self, chunk: _Chunk, tier: str, stored: bool) -> None:
-        # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
-        # GC's care at its first collection, where a list stays: a full log of lists made
-        # every full collection of the server walk 65,536 more objects (3.7 -> 13.7 ms in
-        # process; with tuples 4.5 ms)
+    def _emit_stored(self, chunk: _Chunk, tier: str) -> None:
         medium, locality = TIER_MEDIA.get(tier, _OTHER_MEDIA)
-        if stored:      # positional: BlockStored's fields in order (block_hashes ... locality)
-            event: KvEvent = BlockStored(chunk.hashes, chunk.parent, _int_tuple(chunk.tokens), chunk.block_size,
-                                         None, medium, chunk.lora, chunk.extra, chunk.group, None, None, locality)
-            self.stored_events += 1
-        else:
-            event = BlockRemoved(chunk.hashes, medium, chunk.group, locality)
-            self.removed_events += 1
-        self._pending.append((chunk.uid, chunk.space, chunk.model, event, ""))
+        self.stored_events += 1
+        self._pending.append((chunk.uid, chunk.space, chunk.model,
+                              _Stored(chunk.hashes, chunk.parent, chunk.tokens, chunk.block_size, chunk.lora,
+                                      chunk.extra, chunk.group, medium, locality), ""))
+
+    def _emit_removed(self, chunk: _Chunk, tier: str) -> None:
+        """``chunk`` (no longer counting ``tier`` in its ``servable``) left ``tier``: its owner
+        is told; the node stream only of the blocks no other chunk of the same model and group
+        still serves from ``tier`` (none: the owner alone is told)."""
+        medium, locality = TIER_MEDIA.get(tier, _OTHER_MEDIA)
+        self.removed_events += 1
+        gone = [h for h in chunk.hashes
+                if not any(c.model == chunk.model and c.group == chunk.group and tier in c.servable
+                           for c in self._others(chunk, h))]
+        event = BlockRemoved(chunk.hashes, medium, chunk.group, locality)
+        if len(gone) == len(chunk.hashes):
+            self._pending.append((chunk.uid, chunk.space, chunk.model, event, "", BOTH))
+            return
+        self._pending.append((chunk.uid, chunk.space, chunk.model, event, "", OWNER))
+        if gone:
+            self._pending.append((chunk.uid, chunk.space, chunk.model,
+                                  BlockRemoved(tuple(gone), medium, chunk.group, locality), "", NODE))
 
     def prune(self, older_than_s: float = 60.0) -> int:
         """Forget adverts whose chunk never became resident anywhere (its STORE failed or found
         no room) once they are ``older_than_s`` old; returns how many."""
         now = time.monotonic()
-        if now - self._pruned_at < min(10.0, older_than_s) or not self._unresident:
+        if now - self._pruned_at < min(10.0, older_than_s) or not self._shares:
             return 0
-        self.drain()
+        # no drain first: this runs on the request loop's tick, and an advert still queued is
+        # younger than any it forgets; each share's oldest come first, so it visits no more
+        # than it forgets (and one more per uid)
         self._pruned_at = now
         cutoff = now - older_than_s
+        stale = 0
         with self._lock:
-            stale = [c for c in self._unresident.values() if c.born < cutoff and not any(c.where.values())]
-            for c in stale:
-                self._drop_chunk(c)
-        return len(stale)
+            for share in list(self._shares.values()):
+                while share.unresident:
+                    chunk = next(iter(share.unresident.values()))
+                    if chunk.born >= cutoff:
+                        break
+                    self._drop_chunk(chunk)
+                    stale += 1
+            if self._pending:               # detach records of namespaces left empty
+                self.log.extend(self._pending)
+                self._pending.clear()
+        return stale
 
     def cleared(self, model: str = "") -> None:
         """Everything the index knew is gone (the server starts, or lost its pool)."""
@@ -676,55 +1178,92 @@ class KvIndex:
         with self._lock:
             self._by_key.clear()
             self._by_id.clear()
+            self._shares.clear()
             self._by_hash.clear()
             self._by_tokens.clear()
-            self._unresident.clear()
+            self._block_sizes.clear()
+            self._space_chunks.clear()
+            self.bytes = 0
             self.log.append(-1, b"", model, AllBlocksCleared())
 
     # ---- the pull endpoint's question ---------------------------------------------------
     def leading(self, hashes: Sequence[Any], tiers: Sequence[str]) -> dict[str, int]:
-        """How many leading blocks of ``hashes`` each tier can serve, whole chunks only."""
+        """How many leading blocks of ``hashes`` each tier can serve, whole chunks only (any
+        chunk posted under a hash may serve it)."""
         self.drain()
         out = {}
         with self._lock:
             for tier in tiers:
                 p = 0
                 while p < len(hashes):
-                    chunk = self._by_hash.get(hashes[p])
-                    if chunk is None or tier not in chunk.servable:
+                    cur = self._by_hash.get(hashes[p])
+                    if cur is None:
                         break
-                    n = len(chunk.hashes)
-                    if chunk.hashes[0] != hashes[p] or tuple(hashes[p:p + n]) != chunk.hashes:
+                    n = 0
+                    for chunk in (cur.values() if type(cur) is dict else (cur,)):
+                        if tier in chunk.servable and chunk.hashes[0] == hashes[p]:
+                            m = len(chunk.hashes)
+                            # its last hash first: a chunk posted under this hash that spans
+                            # other blocks costs one comparison, not a slice of m
+                            if m > n and p + m <= len(hashes) and hashes[p + m - 1] == chunk.hashes[-1] \
+                                    and tuple(hashes[p:p + m]) == chunk.hashes:
+                                n = m
+                    if not n:
                         break
                     p += n
                 out[tier] = p
         return out
 
+    def chains_of_tokens(self, token_ids: Sequence[int], block_size: int, lora: Optional[str] = None,
+                         salt: Optional[str] = None) -> list[list[Any]]:
+        """The engine block hashes of ``token_ids``'s whole blocks, for LoRA adapter ``lora``
+        and cache salt ``salt`` (None: none), as far as each uid's adverts name them: from the
+        first block (no parent), each block's tokens under its parent's hash (``token_key``).
+        One chain per uid that knows the first block (distinct chains only, longest first)."""
+        self.drain()
+        blocks: list[bytes] = []
+        for b in range(len(token_ids) // block_size):
+            try:
+                blocks.append(_digest(_packed(token_ids[b * block_size:(b + 1) * block_size])))
+            except (OverflowError, TypeError):       # not int32: no advert has it
+                break
+        chains: dict[tuple, None] = {}
+        if not blocks:
+            return []
+        with self._lock:
+            by_tokens = self._by_tokens
+            for uid in list(self._shares):
+                out: list[Any] = []
+                prev = None
+                for b, tokens in enumerate(blocks):
+                    h = by_tokens.get((uid, prev, tokens, lora, salt if b == 0 else None), _NONE)
+                    if h is _NONE:
+                        break
+                    if type(h) is dict:          # this uid's forks: the newest
+                        h = next(reversed(h))
+                    out.append(h)
+                    prev = h
+                if out:
+                    chains[tuple(out)] = None
+        return sorted((list(c) for c in chains), key=len, reverse=True)
+
     def hashes_of_tokens(self, token_ids: Sequence[int], block_size: int, lora: Optional[str] = None,
                          salt: Optional[str] = None) -> list[Any]:
-        """The engine block hashes of ``token_ids``'s whole blocks, for LoRA adapter ``lora``
-        and cache salt ``salt`` (None: none), as far as the index has seen them: from the first
-        block (no parent), each block's tokens under its parent's hash (``token_key``)."""
-        self.drain()
-        out: list[Any] = []
-        prev = None
-        with self._lock:
-            for b in range(len(token_ids) // block_size):
-                try:
-                    tokens = _packed(token_ids[b * block_size:(b + 1) * block_size])
-                except (OverflowError, TypeError):       # not int32: no advert has it
-                    break
-                h = self._by_tokens.get(token_key(prev, tokens, lora, salt if b == 0 else None))
-                if h is None:
-                    break
-                out.append(h)
-                prev = h
-        return out
+        """The longest of ``chains_of_tokens`` ([] for none)."""
+        chains = self.chains_of_tokens(token_ids, block_size, lora, salt)
+        return chains[0] if chains else []
 
-    def block_sizes(self) -> set[int]:
-        self.drain()
+    def block_sizes(self) -> list[int]:
+        """The block sizes of the chunks indexed (the first 64 of them, O(1))."""
         with self._lock:
-            return {c.block_size for c in list(self._by_id.values())[:64]}
+            return list(itertools.islice(self._block_sizes, 64))
+
+
+_NONE = object()
+
+
+def _share_bytes(share: _Share) -> int:
+    return share.bytes
 
 
 class CheckedAdvert:
@@ -732,13 +1271,14 @@ class CheckedAdvert:
     (little-endian int32, ``tokens``)."""
 
     __slots__ = ("chunk", "group", "block_size", "block_hashes", "parent_block_hash", "tokens", "lora_name",
-                 "extra_keys")
+                 "extra_keys", "extra_size")
 
     def __init__(self, advert: Any, tokens: bytes, extra: Optional[list]) -> None:
         self.chunk, self.group, self.block_size = advert.chunk, advert.group, advert.block_size
         self.block_hashes, self.parent_block_hash = advert.block_hashes, advert.parent_block_hash
         self.tokens = tokens
         self.lora_name, self.extra_keys = advert.lora_name, extra
+        self.extra_size = len(advert.extra_keys or b"")     # encoded: what chunk_cost charges
 
     @property
     def token_ids(self) -> list[int]:

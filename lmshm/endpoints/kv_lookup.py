@@ -25,8 +25,8 @@ limit); at most ``MAX_BLOCKS`` hashes or whole blocks and ``MAX_TOKENS`` tokens;
 checked before the index is touched, and every refusal is a 400 naming the field. The work runs
 off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
 per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens packs them block by
-block under the lock, in ``KvIndex.hashes_of_tokens``, as far as the index knows the chain:
-``MAX_TOKENS`` bounds it. Such a lookup names a LoRA adapter and a cache salt with
+block, then walks each uid's chain under the lock, in ``KvIndex.chains_of_tokens``, as far as
+the index knows it: ``MAX_TOKENS`` bounds it, and the best chain is answered. Such a lookup names a LoRA adapter and a cache salt with
 ``lora_name`` and ``cache_salt``, and matches only blocks stored with exactly those; a block with
 multimodal inputs is matched by its hash only, ``kv_events.block_salt``.) The index applies its
 queued entries first (``KvIndex.drain``).
@@ -319,7 +319,8 @@ def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Op
     """The ``POST`` answer's counts for a checked request (``check_request``)."""
     if kind == "tokens":
         blocks = len(values) // block_size
-        forms = [index.hashes_of_tokens(values, block_size, lora, salt)]   # the index's own hashes, as far as it knows them
+        # the index's own hashes, as far as each uid's adverts know them (KvIndex.chains_of_tokens)
+        forms = index.chains_of_tokens(values, block_size, lora, salt) or [[]]
     else:
         blocks = len(values)
         forms = hash_forms(values)
@@ -383,7 +384,7 @@ class KvLookup:
         tiers = tier_names(self.server.core)
         body = {**self._identity(),
                 "tiers": {t: {"medium": _media(t)[0], "locality": _media(t)[1]} for t in tiers},
-                "chunks": len(index), "block_sizes": sorted(index.block_sizes()),
+                "chunks": len(index), "block_sizes": sorted(index.block_sizes()),     # counters: O(1)
                 "limits": {"max_blocks": MAX_BLOCKS, "max_tokens": MAX_TOKENS, "max_block_size": MAX_BLOCK_SIZE,
                            "max_body_bytes": self.server.config.http_max_body_bytes}}
         return web.json_response(body, headers={"Cache-Control": "no-store"})

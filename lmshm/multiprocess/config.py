@@ -321,12 +321,14 @@ SETTINGS: tuple[Setting, ...] = (
             "request message, before the server closes or cancels it (default 5)", "SECONDS"),
     Setting("kv_events_index", "--kv-events-index", "LMSHM_KV_EVENTS_INDEX", "kv_events_index",
             "advertised chunks (STOREs that carry adverts: the engine's block hashes) the KV event index keeps, "
-            "to tell routers which tier can serve each one; past it the least recently stored is forgotten, "
-            "with a BlockRemoved, and counted (default 262144; "
+            "to tell routers which tier can serve each one, and 2 KiB of index per chunk (at least 64 MiB; each "
+            "chunk charged what it costs to its uid); past either, the least recently stored chunk of the uid "
+            "holding the most is forgotten, with a BlockRemoved, and counted (default 262144; "
             "0 = no KV events at all: neither KV_EVENTS reads nor --kv-events)", "N"),
     Setting("kv_events_buffer", "--kv-events-buffer", "LMSHM_KV_EVENTS_BUFFER", "kv_events_buffer",
             "KV event records the event log keeps for its readers (the connectors' KV_EVENTS reads and "
-            "--kv-events); a reader further behind loses the oldest, and is told so (default 65536)", "N"),
+            "--kv-events), and 1 KiB of events per record (at least 64 MiB); a reader further behind loses "
+            "the oldest, and is told so (default 65536)", "N"),
     Setting("kv_events", "--kv-events", "LMSHM_KV_EVENTS", "kv_events",
             "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared: what the pool, the disk and the "
             "remote can serve of the chunks engines advertised) on a ZMQ PUB socket, in vLLM's format: frames "

@@ -45,7 +45,7 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
 from lmshm.core.logs import Throttle
 from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
 from lmshm.platform.base.files import unlink_if_same
@@ -68,7 +68,7 @@ REPLAY_RCVHWM = 256             # requests queued in the ROUTER
 REPLAY_STALL_S = 5.0            # a requester whose queue stays full this long is left behind
 MAX_REQUEST_BYTES = 256         # a bigger frame on the ROUTER closes that connection (libzmq)
 MAX_SUBSCRIPTION_BYTES = 4096   # a bigger subscription on the PUB closes that connection
-MAX_PODS = 4096                 # engines remembered for engine topics
+MAX_PODS = 64                   # engines remembered for engine topics, per uid (kv_events.MAX_PODS_PER_UID)
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
@@ -143,7 +143,7 @@ class KvEventPublisher:
         self._buffered_bytes = 0
         self._replays: collections.deque[_Replay] = collections.deque()
         self._pods: dict[tuple[int, bytes], list[str]] = {}
-        self._pod_count = 0
+        self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
         self._node_topics: set[str] = set()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -159,7 +159,7 @@ class KvEventPublisher:
         self.replay_truncated = 0  # a start older than the buffer: answered from its oldest batch
         self.replay_sent = 0      # batches sent on the replay socket
         self.replay_abandoned = 0  # requesters gone, or not reading for REPLAY_STALL_S
-        self.pods_unmapped = 0    # engines not remembered: MAX_PODS were
+        self.pods_unmapped = 0    # engines not remembered: their uid had MAX_PODS
         self.pods_refused = 0     # pod names no topic can carry ('@', spaces, "node:...")
         # inproc:// only reaches sockets of the same context: the process's shared one, as vLLM
         self._own_ctx = not endpoint.startswith("inproc://") and not replay_endpoint.startswith("inproc://")
@@ -336,9 +336,11 @@ class KvEventPublisher:
             event = r.event
             if event is None:
                 if r.pod:
-                    self._attach_pod(r.uid, r.space, r.pod)
+                    (self._detach_pod if r.detach else self._attach_pod)(r.uid, r.space, r.pod)
                 continue
             for topic in self._topics(r.uid, r.space, r.model, event):
+                if r.scope == (OWNER if topic.startswith(self._node_prefix) else NODE):
+                    continue        # Record.scope: an owner-only record on a node topic, a node-only one on a pod's
                 group = groups.get(topic)
                 if group is None:
                     group = groups[topic] = []
@@ -367,13 +369,27 @@ class KvEventPublisher:
         pods = self._pods.setdefault((uid, space), [])
         if pod in pods:
             return
-        if self._pod_count >= MAX_PODS:
+        if self._pod_count.get(uid, 0) >= MAX_PODS:     # per uid: another uid's engines never count
             self.pods_unmapped += 1
             if not pods:
                 del self._pods[(uid, space)]
             return
         pods.append(pod)
-        self._pod_count += 1
+        self._pod_count[uid] = self._pod_count.get(uid, 0) + 1
+
+    def _detach_pod(self, uid: int, space: bytes, pod: str) -> None:
+        """The index forgot this engine (``Record.detach``): its topic is no longer sent to."""
+        pods = self._pods.get((uid, space))
+        if not pods or pod not in pods:
+            return
+        pods.remove(pod)
+        if not pods:
+            del self._pods[(uid, space)]
+        left = self._pod_count[uid] - 1
+        if left:
+            self._pod_count[uid] = left
+        else:
+            del self._pod_count[uid]
 
     def _topics(self, uid: int, space: bytes, model: str, event: KvEvent) -> list[str]:
         if isinstance(event, AllBlocksCleared):

@@ -69,13 +69,14 @@ _refused_log = Throttle(logger)     # a peer's malformed messages: at most a lin
 
 TICK_S = 0.05
 WAKE_READ = 4096            # bytes of the wake-up pipe read at once (a byte per wake-up)
-#: KV event index entries (core/kv_events) the loop applies in one slice once it has been idle
-#: for IDLE_QUIET_S (what a request that arrives meanwhile waits: about 50 µs for a STORE's 16
-#: adverts, one entry, and residency reports); past IDLE_BACKLOG queued, also while copies run
-IDLE_ENTRIES = 16
+#: Units of KV event index work (core/kv_events ``drain``: a residency report 1, an advert 1 and
+#: one more per 16 blocks) the loop applies in one slice once it has been idle for IDLE_QUIET_S
+#: (what a request that arrives meanwhile waits for: a STORE of 65,536 adverts is applied over
+#: many slices); past IDLE_BACKLOG entries queued, also while copies run
+IDLE_ENTRIES = 32
 IDLE_QUIET_S = 0.001
 IDLE_BACKLOG = 4096
-#: A KV_EVENTS read applies at most this many first (about 1 ms): a reader polling during a
+#: A KV_EVENTS read applies at most this many units first (about 1 ms): a reader polling during a
 #: burst of STOREs does not stall the loop for the whole backlog; what is left comes next read
 KV_EVENTS_APPLY = 256
 #: File descriptors kept free for the server's own work (mapping, logging, accepting); an
@@ -707,7 +708,8 @@ class ZmqEndpoint:
         log = kv.log
         records, cursor, lost = log.read(req.after, req.limit, uid=session.peer.uid, spaces=req.spaces,
                                          max_bytes=KV_EVENTS_REPLY_BYTES, apply=self._kv_events_apply(kv.queued))
-        return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.event is not None])
+        # r.ev, not r.event, to skip attach records: r.event builds a BlockStored on each call
+        return protocol.KvEventsReply(log.epoch, cursor, lost, [r.event for r in records if r.ev is not None])
 
     # ---- session ends -------------------------------------------------------------------
     def _session_ended(self, session: Session, reason: str, orphaned: bool) -> None:
