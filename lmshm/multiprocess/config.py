@@ -73,6 +73,7 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     kv_events_replay_batches: Count = 10000
     kv_events_replay_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 << 20
     kv_events_hwm: Count = 10000           # batches queued for one subscriber; more are dropped for it
+    kv_events_subscriber_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=1 << 40)] = 64 << 20
     kv_events_topic: str = "node"          # node: kv@node:<name>@<model>; engine: kv@<pod>@<model>
     kv_events_node: Annotated[str, msgspec.Meta(max_length=255)] = ""   # "" = the host name
 
@@ -330,6 +331,9 @@ SETTINGS: tuple[Setting, ...] = (
             "batches queued for one subscriber that does not keep up (ZMQ SNDHWM); past it that subscriber "
             "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000, "
             "about 200 s of a busy stream: one batch per topic every 20 ms)", "N"),
+    Setting("kv_events_subscriber_bytes", "--kv-events-subscriber-bytes", "LMSHM_KV_EVENTS_SUBSCRIBER_BYTES",
+            "kv_events_subscriber_bytes", "bytes of batches queued for one subscriber at most: --kv-events-hwm is "
+            "lowered to this over 512 KiB, the largest batch (default 64MiB: 128 batches)", "SIZE", "size"),
     Setting("kv_events_topic", "--kv-events-topic", "LMSHM_KV_EVENTS_TOPIC", "kv_events_topic",
             "node (default): every event on kv@node:NAME@MODEL, one pseudo-pod for this server (llm-d's node: "
             "pods); engine: on kv@POD@MODEL of every engine (STORE's pod) that advertised into the chunk's "

@@ -48,6 +48,7 @@ from lmshm.core.errors import Unavailable
 from lmshm.core.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
 from lmshm.core.logs import Throttle
 from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+from lmshm.multiprocess.kv_peers import PeerGuard
 from lmshm.platform.base.files import unlink_if_same
 
 logger = logging.getLogger("lmshm.kv_events")
@@ -63,11 +64,15 @@ MAX_REPLAYS = 16                # replay requests served at once; more wait in t
 REPLAY_REQUESTS_PER_POLL = 16
 REPLAY_MESSAGES_PER_POLL = 256  # replay messages one poll sends, over all requesters
 REPLAY_BYTES_PER_POLL = 4 << 20
-REPLAY_HWM = 100                # replay messages queued for one requester; more wait (EAGAIN)
+REPLAY_HWM = 16                 # replay messages queued for one requester; more wait (EAGAIN)
 REPLAY_RCVHWM = 256             # requests queued in the ROUTER
 REPLAY_STALL_S = 5.0            # a requester whose queue stays full this long is left behind
 MAX_REQUEST_BYTES = 256         # a bigger frame on the ROUTER closes that connection (libzmq)
 MAX_SUBSCRIPTION_BYTES = 4096   # a bigger subscription on the PUB closes that connection
+SUBSCRIBER_SENDS = 16 << 10     # bytes a subscriber may send (subscriptions: libzmq keeps them); more drops it
+SUBSCRIPTION_RCVHWM = 64        # subscription messages libzmq parses ahead of this thread, per subscriber
+MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are shut at once
+MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 4096                 # engines remembered for engine topics
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -128,7 +133,7 @@ class KvEventPublisher:
 
     def __init__(self, kv_index: Any, endpoint: str, *, replay_endpoint: str = "", hwm: int = 10000,
                  replay_batches: int = 10000, replay_bytes: int = 64 << 20, topic: str = "node",
-                 node: str = "", metrics: Any = None) -> None:
+                 node: str = "", metrics: Any = None, subscriber_bytes: int = 64 << 20) -> None:
         if topic not in TOPIC_MODES:
             raise ValueError(f"KV event topic mode {topic!r}: use node or engine")
         self.kv_index = kv_index
@@ -136,10 +141,14 @@ class KvEventPublisher:
         self.mode = topic
         self.node = node or _socket.gethostname()
         self._node_prefix = f"kv@node:{self.node}@"
-        self.hwm, self.replay_batches, self.replay_bytes = hwm, replay_batches, replay_bytes
+        # libzmq's SNDHWM counts batches; a batch is at most MAX_BATCH_BYTES (or one event, which
+        # the advert checks keep under it), so this many hold at most subscriber_bytes
+        self.hwm = max(1, min(hwm, subscriber_bytes // MAX_BATCH_BYTES))
+        self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self._cursor = -1
         self._seq = 0
-        self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        # (seq, its frames [topic, seq, payload] as sent on the PUB, payload bytes)
+        self._buffer: collections.deque[tuple[int, tuple[zmq.Frame, ...], int]] = collections.deque()
         self._buffered_bytes = 0
         self._replays: collections.deque[_Replay] = collections.deque()
         self._pods: dict[tuple[int, bytes], list[str]] = {}
@@ -166,14 +175,19 @@ class KvEventPublisher:
         self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
         self._pub: Optional[zmq.Socket] = None
         self._replay: Optional[zmq.Socket] = None
+        self._guards: list[PeerGuard] = []
+        self._poller = zmq.Poller()
         self._ipc_files: list[tuple[str, tuple[int, int]]] = []     # removed at close, if still ours
         try:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.SNDHWM, self.hwm)
+            self._pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)      # a full queue is EAGAIN: counted, see _send
             self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
             self.binds = binds(check_endpoint(endpoint))
+            if self.binds:
+                self._guard(self._pub, "PUB", MAX_SUBSCRIBERS, SUBSCRIBER_SENDS)
             self.endpoint = self._attach(self._pub, endpoint, self.binds, "--kv-events")
             self.replay_endpoint = ""
             if replay_endpoint:
@@ -183,6 +197,8 @@ class KvEventPublisher:
                 self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full or gone peer: an error, not silence
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+                self._guard(self._replay, "replay", MAX_REQUESTERS, None)
+                self._poller.register(self._replay, zmq.POLLIN)
                 self.replay_endpoint = self._attach(self._replay, check_endpoint(replay_endpoint), True,
                                                     "--kv-events-replay")
         except BaseException:
@@ -191,13 +207,19 @@ class KvEventPublisher:
         if metrics is not None:
             self._add_gauges(metrics)
 
+    def _guard(self, sock: zmq.Socket, what: str, max_peers: int, max_bytes: Optional[int]) -> None:
+        guard = PeerGuard(sock, what=what, max_peers=max_peers, max_bytes=max_bytes)
+        self._guards.append(guard)
+        self._poller.register(guard.monitor, zmq.POLLIN)
+
     @classmethod
     def from_config(cls, core: Any, config: Any) -> "KvEventPublisher":
         """The publisher a ``ServerConfig`` asks for (``--kv-events`` and the flags after it)."""
         return cls(core.kv_index, config.kv_events, replay_endpoint=config.kv_events_replay,
                    hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
                    replay_bytes=config.kv_events_replay_bytes, topic=config.kv_events_topic,
-                   node=config.kv_events_node, metrics=core.metrics)
+                   node=config.kv_events_node, metrics=core.metrics,
+                   subscriber_bytes=config.kv_events_subscriber_bytes)
 
     def _attach(self, sock: zmq.Socket, endpoint: str, bind: bool, flag: str) -> str:
         if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:
@@ -267,6 +289,12 @@ class KvEventPublisher:
         m.add_gauge("lmshm_kv_events_replay_abandoned", "Replays given up: the requester left, or did not read "
                     f"for {REPLAY_STALL_S:g} s", lambda: self.replay_abandoned)
         m.add_gauge("lmshm_kv_events_replay_buffered", "Batches held for replay", lambda: len(self._buffer))
+        m.add_gauge("lmshm_kv_events_connections", "Connections to the bound KV event endpoints (PUB and replay)",
+                    lambda: sum(g.connected for g in self._guards))
+        m.add_gauge("lmshm_kv_events_refused", f"Connections to the KV event endpoints shut at once: past "
+                    f"{MAX_SUBSCRIBERS} per endpoint, or into the fd reserve", lambda: sum(g.refused for g in self._guards))
+        m.add_gauge("lmshm_kv_events_subscribers_dropped", f"Subscribers disconnected for sending more than "
+                    f"{SUBSCRIBER_SENDS} bytes (subscriptions)", lambda: sum(g.dropped for g in self._guards))
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "KvEventPublisher":
@@ -290,6 +318,9 @@ class KvEventPublisher:
         if self._closed:
             return
         self._closed = True
+        for guard in self._guards:
+            guard.close()
+        self._guards.clear()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
@@ -304,6 +335,9 @@ class KvEventPublisher:
         while not self._stop.is_set():
             more = False
             try:
+                for guard in self._guards:
+                    guard.on_events()
+                    guard.check()
                 more = self._publish()
                 if self._replay is not None:
                     self._take_requests()
@@ -312,8 +346,11 @@ class KvEventPublisher:
                 _failure_log.exception("lmshm: the KV event publisher failed a round; it goes on")
                 self._stop.wait(0.1)
             if not more:
-                if self._replay is not None and len(self._replays) < MAX_REPLAYS:
-                    self._replay.poll(int(POLL_S * 1000), zmq.POLLIN)     # a request wakes it early
+                if self._poller.sockets:
+                    # a connection or a request wakes it early (a request only while replays may start)
+                    if self._replay is not None:
+                        self._poller.modify(self._replay, zmq.POLLIN if len(self._replays) < MAX_REPLAYS else 0)
+                    self._poller.poll(int(POLL_S * 1000))
                 else:
                     self._stop.wait(POLL_S)
 
@@ -394,28 +431,31 @@ class KvEventPublisher:
         subscriber until its queue drains, uncounted: the count is of times one fell behind."""
         seq = self._seq
         self._seq += 1
-        frames = (topic, seq.to_bytes(8, "big"), payload)
+        size = len(payload)
+        # one copy into libzmq, shared (by reference) by every subscriber's queue and replay
+        frames = (zmq.Frame(topic, copy=True), zmq.Frame(seq.to_bytes(8, "big"), copy=True),
+                  zmq.Frame(payload, copy=True))
         pub = self._pub
         try:
-            pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.dropped += 1
             pub.setsockopt(zmq.XPUB_NODROP, 0)
             try:
-                pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # lossy sends do not fail on a full queue; be safe anyway
                 pass
             finally:
                 pub.setsockopt(zmq.XPUB_NODROP, 1)
         self.published += 1
-        self.published_bytes += len(payload)
+        self.published_bytes += size
         if self._replay is not None:
-            self._buffer.append((seq, topic, payload))
-            self._buffered_bytes += len(topic) + len(payload) + 8
+            self._buffer.append((seq, frames, size))
+            self._buffered_bytes += len(topic) + size + 8
             while self._buffer and (len(self._buffer) > self.replay_batches
                                     or self._buffered_bytes > self.replay_bytes):
-                _, t, p = self._buffer.popleft()
-                self._buffered_bytes -= len(t) + len(p) + 8
+                _, old, n = self._buffer.popleft()
+                self._buffered_bytes -= len(old[0].bytes) + n + 8
 
     # ---- replay -------------------------------------------------------------------------
     def _take_requests(self) -> None:
@@ -471,8 +511,8 @@ class KvEventPublisher:
                 rp.next = first            # trimmed while this replay waited: a gap, as on the stream
                 if rp.next > rp.last:
                     break
-            seq, topic, payload = self._buffer[rp.next - first]
-            sent = self._send_replay(rp, (rp.identity, b"", topic, seq.to_bytes(8, "big"), payload))
+            _, frames, size = self._buffer[rp.next - first]
+            sent = self._send_replay(rp, (rp.identity, b"", *frames))
             if sent is None:
                 return True
             if not sent:
@@ -480,14 +520,14 @@ class KvEventPublisher:
             rp.next += 1
             self.replay_sent += 1
             budget[0] -= 1
-            budget[1] -= len(payload)
+            budget[1] -= size
         sent = self._send_replay(rp, (rp.identity, b"", b"", END_SEQ, b""))
         return sent is None or sent
 
     def _send_replay(self, rp: _Replay, frames: tuple) -> Optional[bool]:
         """True: sent; False: the requester's queue is full, try later; None: given up."""
         try:
-            self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+            self._replay.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)     # the frames are shared
         except zmq.Again:
             if time.monotonic() - rp.since < REPLAY_STALL_S:
                 return False
