@@ -1,0 +1,55 @@
+"""Hostile peers of ``lmshm-server --kv-events``: subscribers and replay requesters that send
+too much, never read, or only hold connections. Real servers, real ZMQ and TCP peers; what is
+measured is the server process's RSS and fd count (``/proc``)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from attacks import need_fds
+from harness import PrefixedServerProcess, assert_an_honest_worker_registers, proc_fd_count, wait_for
+from lmshm.multiprocess import protocol
+from test_kv_events_stream import NODE, Sub, _advert, _events_server, _free_port, _metrics, _rss, engines  # noqa: F401
+
+
+def _subscribe_flood(endpoint: str, count: int, size: int = 3990) -> zmq.Socket:
+    """A SUB that sends ``count`` distinct subscriptions of ``size`` bytes (libzmq keeps them all)."""
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(endpoint)
+    for i in range(count):
+        sock.setsockopt(zmq.SUBSCRIBE, i.to_bytes(4, "big") * (size // 4))
+    return sock
+
+
+def test_a_subscriber_that_sends_thousands_of_subscriptions_is_dropped_and_the_server_stays_small(
+        start_server, engines):
+    http = _free_port()
+    server, pub, _ = _events_server(start_server, "--http-port", str(http), replay=False)
+    reader = Sub(pub)
+    floods = []
+    try:
+        time.sleep(0.3)
+        before = _rss(server.proc.pid)
+        # 3 peers x 2,000 subscriptions of 3,990 bytes: 24 MB sent; libzmq's trie keeps ~170x that
+        for _ in range(3):
+            floods.append(_subscribe_flood(pub, 2000))
+        time.sleep(3)
+        grown = _rss(server.proc.pid) - before
+        m = _metrics(http)
+        engine = engines(server.url)
+        engine.store([_advert(7)])
+        wait_for(lambda: any(e.get("block_hashes") == [1007] for e in reader.events()), 10,
+                 what="the stream at an honest subscriber after the flood")
+    finally:
+        for s in floods:
+            s.close()
+        reader.close()
+    assert m["lmshm_kv_events_subscribers_dropped"] >= 3, m
+    assert grown < 48 << 20, f"the server grew {grown / 2**20:.0f} MiB under 24 MB of subscriptions"
