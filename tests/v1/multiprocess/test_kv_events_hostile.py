@@ -53,3 +53,43 @@ def test_a_subscriber_that_sends_thousands_of_subscriptions_is_dropped_and_the_s
         reader.close()
     assert m["lmshm_kv_events_subscribers_dropped"] >= 3, m
     assert grown < 48 << 20, f"the server grew {grown / 2**20:.0f} MiB under 24 MB of subscriptions"
+
+
+def _hold(port: int, n: int) -> list[socket.socket]:
+    """``n`` idle TCP connections to ``port`` (whatever the server does with them)."""
+    held = []
+    for _ in range(n):
+        s = socket.socket()
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        held.append(s)
+    return held
+
+
+@pytest.mark.parametrize("target", ["pub", "replay"])
+def test_idle_connections_to_an_event_endpoint_cannot_take_the_servers_fds(tmp, target):
+    need_fds(2600)
+    pub_port, replay_port = _free_port(), _free_port()
+    server = PrefixedServerProcess(tmp, "--capacity", "64MiB", "--kv-events", f"tcp://*:{pub_port}",
+                                   "--kv-events-replay", f"tcp://127.0.0.1:{replay_port}",
+                                   prefix=["prlimit", "--nofile=1024:1024"])
+    held: list[socket.socket] = []
+    try:
+        reader = Sub(f"tcp://127.0.0.1:{pub_port}")
+        base = proc_fd_count(server.proc.pid)
+        for _ in range(11):                 # 1,100 connections, 100 at a time
+            held += _hold(pub_port if target == "pub" else replay_port, 100)
+            time.sleep(0.05)
+        time.sleep(1)
+        fds = proc_fd_count(server.proc.pid)
+        assert_an_honest_worker_registers(server.url, server_pid=server.proc.pid)
+        reader.close()
+    finally:
+        for s in held:
+            s.close()
+        rc = server.stop()
+    assert rc == 0, server.log()
+    assert fds < base + 64 + 32, f"{fds} fds open (from {base}) under 1,100 idle connections"
