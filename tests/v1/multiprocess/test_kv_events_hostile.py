@@ -93,3 +93,40 @@ def test_idle_connections_to_an_event_endpoint_cannot_take_the_servers_fds(tmp, 
         rc = server.stop()
     assert rc == 0, server.log()
     assert fds < base + 64 + 32, f"{fds} fds open (from {base}) under 1,100 idle connections"
+
+
+def _stuck_requester(endpoint: str) -> zmq.Socket:
+    """A DEALER that asks for a replay from seq 0 and never reads the answer."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", (0).to_bytes(8, "big")])
+    return sock
+
+
+def test_replay_requesters_that_never_read_hold_no_copies_of_the_buffer(start_server, engines):
+    http = _free_port()
+    server, pub, replay = _events_server(start_server, "--max-objects", "4096", "--kv-events-buffer", "65536",
+                                         "--http-port", str(http))
+    engine = engines(server.url, blocks=64)
+    for k in range(48):     # 48 STOREs of 64 chunks of 1,024 engine blocks: ~28 MiB of batches
+        first = [(1 << 40) + ((k * 64 + i) << 10) for i in range(64)]
+        engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
+                                      list(range(first[i], first[i] + 1024))) for i in range(64)])
+    wait_for(lambda: _metrics(http)["lmshm_kv_events_replay_buffered"] >= 48, 20, what="the replay buffer")
+    buffered = _metrics(http)["lmshm_kv_events_published_bytes"]
+    time.sleep(0.5)
+    before = _rss(server.proc.pid)
+    stuck = [_stuck_requester(replay) for _ in range(16)]
+    try:
+        wait_for(lambda: _metrics(http)["lmshm_kv_events_replay_batches"] >= 16 * 8, 20,
+                 what="replays under way")
+        time.sleep(2)
+        grown = _rss(server.proc.pid) - before
+    finally:
+        for s in stuck:
+            s.close()
+    assert buffered > 24 << 20, buffered
+    assert grown < 48 << 20, f"16 requesters that never read grew the server by {grown / 2**20:.0f} MiB"
