@@ -130,3 +130,40 @@ def test_replay_requesters_that_never_read_hold_no_copies_of_the_buffer(start_se
             s.close()
     assert buffered > 24 << 20, buffered
     assert grown < 48 << 20, f"16 requesters that never read grew the server by {grown / 2**20:.0f} MiB"
+
+
+def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_default_hwm(start_server, engines):
+    http = _free_port()
+    server, pub, _ = _events_server(start_server, "--max-objects", "4", "--kv-events-subscriber-bytes", "4MiB",
+                                    "--kv-events-buffer", "1024", "--http-port", str(http), replay=False)
+    ctx = zmq.Context()
+    stuck = ctx.socket(zmq.SUB)            # subscribes, then never reads
+    stuck.setsockopt(zmq.LINGER, 0)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.setsockopt(zmq.SUBSCRIBE, b"")
+    stuck.connect(pub)
+    try:
+        engine = engines(server.url, blocks=64)
+
+        def store(k: int) -> None:      # 64 chunks of 1024 engine blocks: ~600 KiB of events
+            first = [(1 << 40) + ((k * 64 + i) << 10) for i in range(64)]
+            engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
+                                          list(range(first[i], first[i] + 1024))) for i in range(64)])
+
+        for k in range(20):
+            store(k)
+        time.sleep(0.5)
+        before, sent_before = _rss(server.proc.pid), _metrics(http)["lmshm_kv_events_published_bytes"]
+        for k in range(20, 200):        # ~55 MiB more, at --kv-events-hwm's default (10,000 batches)
+            store(k)
+        time.sleep(0.5)
+        grown = _rss(server.proc.pid) - before
+        m = _metrics(http)
+    finally:
+        stuck.close()
+        ctx.term()
+    sent = m["lmshm_kv_events_published_bytes"] - sent_before
+    assert sent >= 40 << 20, f"only {sent / 2**20:.1f} MiB published"
+    assert grown < 16 << 20, f"the server grew {grown / 2**20:.1f} MiB while {sent / 2**20:.1f} MiB went out"
+    assert m["lmshm_kv_events_dropped"] >= 1
