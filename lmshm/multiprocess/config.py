@@ -70,6 +70,7 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     # the KV event stream for routers (multiprocess/kv_publisher.py), in vLLM's format; "" = off
     kv_events: str = ""
     kv_events_replay: str = ""             # a ROUTER for replay requests; "" = no replay
+    kv_events_connect: bool = False        # connect --kv-events' tcp:// endpoint (a subscriber binds)
     kv_events_replay_batches: Count = 10000
     kv_events_replay_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 << 20
     kv_events_hwm: Count = 10000           # batches queued for one subscriber; more are dropped for it
@@ -313,10 +314,15 @@ SETTINGS: tuple[Setting, ...] = (
             "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared: what the pool, the disk and the "
             "remote can serve of the chunks engines advertised) on a ZMQ PUB socket, in vLLM's format: frames "
             "[topic, seq as 8 bytes big-endian, msgpack KVEventBatch], seq from 0 and one counter over all "
-            "topics (a subscriber of one topic sees it jump). tcp://*:PORT (also ::, 0.0.0.0), ipc://PATH and "
-            "inproc://NAME bind; tcp://HOST:PORT connects to a subscriber that binds, as vLLM's publisher does "
-            "(a bound port accepts any number of connections: expose it only to routers). Medium and locality: "
-            "pool CPU/LOCAL, disk STORAGE/LOCAL, remote STORAGE/REMOTE (default off)", "URL"),
+            "topics (a subscriber of one topic sees it jump). tcp://HOST:PORT binds HOST only (127.0.0.1: "
+            "loopback; *, :: or 0.0.0.0: every interface), ipc://PATH and inproc://NAME bind; with "
+            "--kv-events-connect, tcp://HOST:PORT connects to a subscriber that binds. A bound endpoint takes "
+            "at most 64 connections, and drops a subscriber that sends more than 16 KiB (subscriptions): "
+            "expose it only to routers. Medium and locality: pool CPU/LOCAL, disk STORAGE/LOCAL, remote "
+            "STORAGE/REMOTE (default off)", "URL"),
+    Setting("kv_events_connect", "--kv-events-connect", "LMSHM_KV_EVENTS_CONNECT", "kv_events_connect",
+            "connect --kv-events' tcp:// endpoint instead of binding it, for a subscriber that binds (vLLM "
+            "connects to any host but *, ::; lmshm binds unless told so)", kind="bool"),
     Setting("kv_events_replay", "--kv-events-replay", "LMSHM_KV_EVENTS_REPLAY", "kv_events_replay",
             "bind a ROUTER socket here for replays, as vLLM's: a request [empty frame, start seq as 8 bytes "
             "big-endian] is answered [empty frame, topic, seq, payload] per buffered batch from start on, then "

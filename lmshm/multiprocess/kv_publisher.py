@@ -77,7 +77,6 @@ MAX_PODS = 4096                 # engines remembered for engine topics
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
-_BIND_HOSTS = ("*", "::", "[::]", "0.0.0.0")
 
 __all__ = ["KvEventPublisher", "binds", "check_endpoint"]
 
@@ -105,13 +104,12 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard host (``*``, ``::``; here ``0.0.0.0`` too) and ipc/inproc
-    endpoints; connect to any other host (the subscriber binds)."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint[len("tcp://"):].rpartition(":")[0]
-    return host in _BIND_HOSTS
+def binds(endpoint: str, connect: bool = False) -> bool:
+    """Whether the publisher binds ``endpoint``: always, unless ``connect`` (``--kv-events-connect``)
+    and it is ``tcp://``. vLLM binds only a wildcard host and connects to any other, so that a
+    bound TCP stream listens on every interface; lmshm binds the host it is given (``127.0.0.1``:
+    loopback only), and every interface only for a wildcard (``*``, ``::``, ``0.0.0.0``)."""
+    return not (connect and endpoint.startswith("tcp://"))
 
 
 class _Replay:
@@ -133,7 +131,8 @@ class KvEventPublisher:
 
     def __init__(self, kv_index: Any, endpoint: str, *, replay_endpoint: str = "", hwm: int = 10000,
                  replay_batches: int = 10000, replay_bytes: int = 64 << 20, topic: str = "node",
-                 node: str = "", metrics: Any = None, subscriber_bytes: int = 64 << 20) -> None:
+                 node: str = "", metrics: Any = None, subscriber_bytes: int = 64 << 20,
+                 connect: bool = False) -> None:
         if topic not in TOPIC_MODES:
             raise ValueError(f"KV event topic mode {topic!r}: use node or engine")
         self.kv_index = kv_index
@@ -185,7 +184,7 @@ class KvEventPublisher:
             self._pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)      # a full queue is EAGAIN: counted, see _send
             self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-            self.binds = binds(check_endpoint(endpoint))
+            self.binds = binds(check_endpoint(endpoint), connect)
             if self.binds:
                 self._guard(self._pub, "PUB", MAX_SUBSCRIBERS, SUBSCRIBER_SENDS)
             self.endpoint = self._attach(self._pub, endpoint, self.binds, "--kv-events")
@@ -219,7 +218,7 @@ class KvEventPublisher:
                    hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
                    replay_bytes=config.kv_events_replay_bytes, topic=config.kv_events_topic,
                    node=config.kv_events_node, metrics=core.metrics,
-                   subscriber_bytes=config.kv_events_subscriber_bytes)
+                   subscriber_bytes=config.kv_events_subscriber_bytes, connect=config.kv_events_connect)
 
     def _attach(self, sock: zmq.Socket, endpoint: str, bind: bool, flag: str) -> str:
         if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:

@@ -4,6 +4,7 @@ measured is the server process's RSS and fd count (``/proc``)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 
@@ -167,3 +168,31 @@ def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_defa
     assert sent >= 40 << 20, f"only {sent / 2**20:.1f} MiB published"
     assert grown < 16 << 20, f"the server grew {grown / 2**20:.1f} MiB while {sent / 2**20:.1f} MiB went out"
     assert m["lmshm_kv_events_dropped"] >= 1
+
+
+def _listening_hosts(pid: int, port: int) -> set[str]:
+    """Local addresses the process ``pid`` listens on at TCP ``port`` (from /proc/net/tcp{,6})."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    hosts = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in list(f)[1:]:
+                cols = line.split()
+                addr, lport = cols[1].split(":")
+                if cols[3] == "0A" and int(lport, 16) == port and cols[9] in inodes:
+                    hosts.add(addr)
+    return hosts
+
+
+def test_a_tcp_event_endpoint_binds_the_host_it_names_and_no_other(start_server):
+    port = _free_port()
+    server = start_server("--capacity", "64MiB", "--kv-events", f"tcp://127.0.0.1:{port}")
+    wait_for(lambda: _listening_hosts(server.proc.pid, port), 10, what="the PUB's listener")
+    assert _listening_hosts(server.proc.pid, port) == {"0100007F"}     # 127.0.0.1, nothing else

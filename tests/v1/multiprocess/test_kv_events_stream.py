@@ -320,7 +320,7 @@ def test_a_publisher_connects_to_a_subscriber_that_binds(start_server, engines):
     sub = Sub(f"tcp://127.0.0.1:{port}", bind=True, wait=False)
     try:
         server = start_server("--capacity", "64MiB", "--kv-events", f"tcp://127.0.0.1:{port}",
-                              "--kv-events-node", NODE)
+                              "--kv-events-connect", "--kv-events-node", NODE)
         sub.wait_connected()
         engines(server.url).store([_advert(0)])
         wait_for(lambda: len(sub.events(f"kv@node:{NODE}@m".encode())) >= 2, 10, what="the store's events")
