@@ -45,7 +45,7 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import AllBlocksCleared, BlockStored, KvEvent, KvEventBatch, event_bytes
 from lmshm.core.logs import Throttle
 from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
 from lmshm.multiprocess.kv_peers import PeerGuard
@@ -75,6 +75,7 @@ MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are s
 MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 4096                 # engines remembered for engine topics
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
+MAX_SALTED = 1 << 16            # block hashes of salted chains remembered (their children are scrubbed too)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
 
@@ -110,6 +111,15 @@ def binds(endpoint: str, connect: bool = False) -> bool:
     bound TCP stream listens on every interface; lmshm binds the host it is given (``127.0.0.1``:
     loopback only), and every interface only for a wildcard (``*``, ``::``, ``0.0.0.0``)."""
     return not (connect and endpoint.startswith("tcp://"))
+
+
+def _carries_salt(keys: Any, lora: Optional[str]) -> bool:
+    """Whether a first block's extra keys hold a cache salt: vLLM's are the LoRA name, a list per
+    multimodal input, the salt (a string: the first block only), a prompt-embeds digest (bytes)."""
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+    if keys and lora is not None and keys[0] == lora:
+        keys = keys[1:]
+    return any(isinstance(k, str) for k in keys)
 
 
 class _Replay:
@@ -153,6 +163,7 @@ class KvEventPublisher:
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count = 0
         self._node_topics: set[str] = set()
+        self._salted: dict[Any, None] = {}     # hashes of salted chains' blocks, oldest first
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -169,6 +180,7 @@ class KvEventPublisher:
         self.replay_abandoned = 0  # requesters gone, or not reading for REPLAY_STALL_S
         self.pods_unmapped = 0    # engines not remembered: MAX_PODS were
         self.pods_refused = 0     # pod names no topic can carry ('@', spaces, "node:...")
+        self.scrubbed = 0         # BlockStored of salted chains sent without tokens and extra keys
         # inproc:// only reaches sockets of the same context: the process's shared one, as vLLM
         self._own_ctx = not endpoint.startswith("inproc://") and not replay_endpoint.startswith("inproc://")
         self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
@@ -374,6 +386,8 @@ class KvEventPublisher:
                 if r.pod:
                     self._attach_pod(r.uid, r.space, r.pod)
                 continue
+            if isinstance(event, BlockStored):
+                event = self._scrub(event)
             for topic in self._topics(r.uid, r.space, r.model, event):
                 group = groups.get(topic)
                 if group is None:
@@ -395,6 +409,23 @@ class KvEventPublisher:
                     start, size = i, event_bytes(event)
             self._send(topic_b, _encode(events[start:], now))
         return self._cursor < self.log.last
+
+    def _scrub(self, event: BlockStored) -> BlockStored:
+        """``event`` as the stream may carry it: a block of a salted chain (its first block's extra
+        keys carry a cache salt, or its parent is such a block) without token ids and extra keys.
+        The salt would make the private prompt findable again, and its tokens would index it under
+        an unsalted key; its hashes, which need the salt to compute, are all a router may match."""
+        salted = event.parent_block_hash is not None and event.parent_block_hash in self._salted
+        if not salted and event.parent_block_hash is None and event.extra_keys:
+            salted = _carries_salt(event.extra_keys[0], event.lora_name)
+        if not salted:
+            return event
+        for h in event.block_hashes:
+            self._salted[h] = None
+        while len(self._salted) > MAX_SALTED:
+            del self._salted[next(iter(self._salted))]
+        self.scrubbed += 1
+        return msgspec.structs.replace(event, token_ids=[], extra_keys=None)
 
     def _attach_pod(self, uid: int, space: bytes, pod: str) -> None:
         if "@" in pod or pod.startswith("node:") or any(c.isspace() for c in pod):

@@ -8,6 +8,7 @@ import os
 import socket
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -196,3 +197,25 @@ def test_a_tcp_event_endpoint_binds_the_host_it_names_and_no_other(start_server)
     server = start_server("--capacity", "64MiB", "--kv-events", f"tcp://127.0.0.1:{port}")
     wait_for(lambda: _listening_hosts(server.proc.pid, port), 10, what="the PUB's listener")
     assert _listening_hosts(server.proc.pid, port) == {"0100007F"}     # 127.0.0.1, nothing else
+
+
+def test_the_stream_carries_no_cache_salt_and_no_tokens_of_a_salted_chain(start_server, engines):
+    server, pub, _ = _events_server(start_server, replay=False)
+    sub = Sub(pub)
+    try:
+        engine = engines(server.url)
+        salted = protocol.Advert(b"s" * 32, 0, 2, [5000], None, [11, 12],
+                                 extra_keys=msgspec.msgpack.encode([["secret-salt-42"]]))
+        child = protocol.Advert(b"c" * 32, 0, 2, [5001], 5000, [13, 14])
+        plain = protocol.Advert(b"p" * 32, 0, 2, [6000], None, [21, 22])
+        engine.store([salted, child, plain])
+        wait_for(lambda: len([e for e in sub.events() if e["type"] == "BlockStored"]) >= 3, 10,
+                 what="three BlockStored")
+        stored = {tuple(e["block_hashes"]): e for e in sub.events() if e["type"] == "BlockStored"}
+        raw = b"".join(p for _, _, p in sub.frames)
+    finally:
+        sub.close()
+    assert b"secret-salt-42" not in raw
+    assert not stored[(5000,)]["token_ids"] and not stored[(5000,)].get("extra_keys")
+    assert not stored[(5001,)]["token_ids"]                   # the salted chain's next block too
+    assert stored[(6000,)]["token_ids"] == [21, 22]           # an unsalted chain keeps its tokens
