@@ -71,6 +71,8 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     kv_events: str = ""
     kv_events_replay: str = ""             # a ROUTER for replay requests; "" = no replay
     kv_events_connect: bool = False        # connect --kv-events' tcp:// endpoint (a subscriber binds)
+    kv_events_curve_secret: str = ""       # the stream's CURVE server certificate (zmq.auth format)
+    kv_events_curve_clients: str = ""      # a directory of client certificates admitted (ZAP)
     kv_events_replay_batches: Count = 10000
     kv_events_replay_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 << 20
     kv_events_hwm: Count = 10000           # batches queued for one subscriber; more are dropped for it
@@ -329,6 +331,14 @@ SETTINGS: tuple[Setting, ...] = (
             "the end marker [empty frame, empty topic, -1 as 8 bytes, empty payload]. A start not published yet, "
             "or a malformed request, gets the end marker alone; a start older than the buffer, everything from "
             "its oldest (default off; needs --kv-events)", "URL"),
+    Setting("kv_events_curve_secret", "--kv-events-curve-secret", "LMSHM_KV_EVENTS_CURVE_SECRET",
+            "kv_events_curve_secret", "encrypt the --kv-events stream and its replay with ZeroMQ CURVE: the "
+            "server's certificate with its secret key (zmq.auth.create_certificates' .key_secret file); "
+            "subscribers need its public key. Alone it admits any client key (encryption only): add "
+            "--kv-events-curve-clients to admit only known subscribers (default off)", "FILE"),
+    Setting("kv_events_curve_clients", "--kv-events-curve-clients", "LMSHM_KV_EVENTS_CURVE_CLIENTS",
+            "kv_events_curve_clients", "a directory of client certificates (public keys): only those clients "
+            "may subscribe or request replays (ZAP; needs --kv-events-curve-secret)", "DIR"),
     Setting("kv_events_replay_batches", "--kv-events-replay-batches", "LMSHM_KV_EVENTS_REPLAY_BATCHES",
             "kv_events_replay_batches", "batches kept for replay at most (default 10000)", "N"),
     Setting("kv_events_replay_bytes", "--kv-events-replay-bytes", "LMSHM_KV_EVENTS_REPLAY_BYTES",
@@ -490,6 +500,9 @@ def _check_kv_events(config: ServerConfig) -> None:
     if "@" in config.kv_events_node or any(c.isspace() for c in config.kv_events_node):
         raise ConfigError(f"bad setting {_describe(_BY_FIELD['kv_events_node'])}: {config.kv_events_node!r}; a "
                           "topic is kv@node:NAME@MODEL, so NAME has no '@' and no spaces")
+    if config.kv_events_curve_clients and not config.kv_events_curve_secret:
+        raise ConfigError(f"{_describe(_BY_FIELD['kv_events_curve_clients'])} admits client keys to a CURVE "
+                          "stream: set --kv-events-curve-secret too")
 
 
 def parse_restriction(value: str) -> tuple[str, str]:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import socket as _socket
 import threading
 import time
@@ -142,7 +143,7 @@ class KvEventPublisher:
     def __init__(self, kv_index: Any, endpoint: str, *, replay_endpoint: str = "", hwm: int = 10000,
                  replay_batches: int = 10000, replay_bytes: int = 64 << 20, topic: str = "node",
                  node: str = "", metrics: Any = None, subscriber_bytes: int = 64 << 20,
-                 connect: bool = False) -> None:
+                 connect: bool = False, curve_secret: str = "", curve_clients: str = "") -> None:
         if topic not in TOPIC_MODES:
             raise ValueError(f"KV event topic mode {topic!r}: use node or engine")
         self.kv_index = kv_index
@@ -187,10 +188,13 @@ class KvEventPublisher:
         self._pub: Optional[zmq.Socket] = None
         self._replay: Optional[zmq.Socket] = None
         self._guards: list[PeerGuard] = []
+        self._auth: Any = None      # zmq.auth's ZAP thread, with --kv-events-curve-clients
         self._poller = zmq.Poller()
         self._ipc_files: list[tuple[str, tuple[int, int]]] = []     # removed at close, if still ours
         try:
+            keys = self._curve(curve_secret, curve_clients)
             self._pub = self._ctx.socket(zmq.PUB)
+            self._secure(self._pub, keys)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.setsockopt(zmq.SNDHWM, self.hwm)
             self._pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
@@ -203,6 +207,7 @@ class KvEventPublisher:
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._secure(self._replay, keys)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
                 self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
@@ -218,6 +223,44 @@ class KvEventPublisher:
         if metrics is not None:
             self._add_gauges(metrics)
 
+    def _curve(self, secret_file: str, clients_dir: str) -> Optional[tuple[bytes, bytes]]:
+        """The server's CURVE key pair from ``secret_file`` (None: no CURVE); with ``clients_dir``,
+        a ZAP handler that admits only the client public keys of the certificates there."""
+        if clients_dir and not secret_file:
+            raise ValueError("--kv-events-curve-clients admits client keys to a CURVE stream: set "
+                             "--kv-events-curve-secret too")
+        if not secret_file:
+            return None
+        if not zmq.has("curve"):
+            raise Unavailable("--kv-events-curve-secret: this libzmq was built without CURVE")
+        from zmq.auth import load_certificate
+
+        try:
+            public, secret = load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            raise Unavailable(f"cannot read the KV event stream's CURVE key {secret_file} "
+                              f"(lmshm-server --kv-events-curve-secret): {exc}") from None
+        if not secret:
+            raise Unavailable(f"{secret_file} holds no secret-key (lmshm-server --kv-events-curve-secret): give "
+                              "the server's .key_secret certificate (zmq.auth.create_certificates makes one)")
+        if clients_dir:
+            if not os.path.isdir(clients_dir):
+                raise Unavailable(f"{clients_dir} is not a directory of client certificates "
+                                  "(lmshm-server --kv-events-curve-clients)")
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("lmshm.kv_events.auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=clients_dir)
+        return public, secret
+
+    @staticmethod
+    def _secure(sock: zmq.Socket, keys: Optional[tuple[bytes, bytes]]) -> None:
+        if keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+
     def _guard(self, sock: zmq.Socket, what: str, max_peers: int, max_bytes: Optional[int]) -> None:
         guard = PeerGuard(sock, what=what, max_peers=max_peers, max_bytes=max_bytes)
         self._guards.append(guard)
@@ -230,7 +273,8 @@ class KvEventPublisher:
                    hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
                    replay_bytes=config.kv_events_replay_bytes, topic=config.kv_events_topic,
                    node=config.kv_events_node, metrics=core.metrics,
-                   subscriber_bytes=config.kv_events_subscriber_bytes, connect=config.kv_events_connect)
+                   subscriber_bytes=config.kv_events_subscriber_bytes, connect=config.kv_events_connect,
+                   curve_secret=config.kv_events_curve_secret, curve_clients=config.kv_events_curve_clients)
 
     def _attach(self, sock: zmq.Socket, endpoint: str, bind: bool, flag: str) -> str:
         if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:
@@ -336,6 +380,9 @@ class KvEventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_ctx:
             self._ctx.term()
         for path, ident in self._ipc_files:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from typing import Optional
 
 import msgspec
 import pytest
@@ -219,3 +220,48 @@ def test_the_stream_carries_no_cache_salt_and_no_tokens_of_a_salted_chain(start_
     assert not stored[(5000,)]["token_ids"] and not stored[(5000,)].get("extra_keys")
     assert not stored[(5001,)]["token_ids"]                   # the salted chain's next block too
     assert stored[(6000,)]["token_ids"] == [21, 22]           # an unsalted chain keeps its tokens
+
+
+def _curve_sub(endpoint: str, server_public: bytes, keys: Optional[tuple[bytes, bytes]]) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, *keys
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    return sock
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_with_curve_only_an_admitted_client_key_receives_the_stream(start_server, engines, tmp):
+    from zmq.auth import create_certificates, load_certificate
+
+    keys, clients = tmp / "keys", tmp / "clients"
+    keys.mkdir()
+    clients.mkdir()
+    create_certificates(keys, "server")
+    admitted_pub, _ = create_certificates(clients, "router")
+    create_certificates(keys, "stranger")
+    server_public, _ = load_certificate(keys / "server.key")
+    router = load_certificate(clients / "router.key_secret")
+    stranger = load_certificate(keys / "stranger.key_secret")
+    server, pub, _ = _events_server(start_server, "--kv-events-curve-secret", str(keys / "server.key_secret"),
+                                    "--kv-events-curve-clients", str(clients), replay=False)
+    subs = {name: _curve_sub(pub, server_public, k) for name, k in
+            (("router", router), ("stranger", stranger), ("plain", None))}
+    try:
+        time.sleep(1)
+        engine = engines(server.url)
+        got = {name: [] for name in subs}
+        for i in range(20):
+            engine.store([_advert(100 + i)])
+            for name, s in subs.items():
+                while s.poll(50):
+                    got[name].append(s.recv_multipart())
+            if got["router"]:
+                break
+    finally:
+        for s in subs.values():
+            s.close()
+    assert got["router"], "the admitted client got nothing"
+    assert not got["stranger"] and not got["plain"], {k: len(v) for k, v in got.items()}
