@@ -319,7 +319,7 @@ SETTINGS: tuple[Setting, ...] = (
             "topics (a subscriber of one topic sees it jump). tcp://HOST:PORT binds HOST only (127.0.0.1: "
             "loopback; *, :: or 0.0.0.0: every interface), ipc://PATH and inproc://NAME bind; with "
             "--kv-events-connect, tcp://HOST:PORT connects to a subscriber that binds. A bound endpoint takes "
-            "at most 64 connections, and drops a subscriber that sends more than 16 KiB (subscriptions): "
+            "at most 64 connections, and drops a subscriber that sends more than 4 KiB (subscriptions): "
             "expose it only to routers. Medium and locality: pool CPU/LOCAL, disk STORAGE/LOCAL, remote "
             "STORAGE/REMOTE (default off)", "URL"),
     Setting("kv_events_connect", "--kv-events-connect", "LMSHM_KV_EVENTS_CONNECT", "kv_events_connect",
