@@ -5,8 +5,9 @@
 uid), groups the new records by topic, and sends each group as ``KVEventBatch`` payloads, one
 multipart message ``[topic, seq, payload]`` each: ``seq`` an 8-byte big-endian counter from 0,
 one per publisher across all topics, so a subscriber of one topic sees it jump. The frames, the
-batch (``data_parallel_rank`` 0 included), the replay exchange and the bind-or-connect rule are
-vLLM's ``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one.
+batch (``data_parallel_rank`` 0 included) and the replay exchange are vLLM's
+``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one; optional CURVE on both
+sockets (``curve_secret``; ``curve_clients``: a ZAP handler admits those keys only).
 
 Topics. ``node`` (default): ``kv@node:<name>@<model>``, one pseudo-pod for this server's
 tiers. ``engine``: ``kv@<pod>@<model>`` for every engine that attached to the record's uid
@@ -18,17 +19,26 @@ and in node mode every node topic's first batch of a run starts with one, so a s
 one model's topic learns that what an earlier run advertised is gone. Records the log dropped
 before this thread read them are counted (``lost``); node topics then start over the same way.
 
-Bounds: a subscriber that does not read costs at most ``hwm`` batches (PUB's SNDHWM); past
-that it misses batches and the others still get them. The replay buffer holds at most
-``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at most
-``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
+A salted chain (its first block's extra keys hold vLLM's cache salt) goes out as block hashes
+only, and so do its later blocks (``_scrub``): the salt and the tokens would make the private
+prompt findable again.
+
+Bounds: each batch is copied into libzmq once (``zmq.Frame``) and shared by reference by every
+subscriber's queue and every replay. A subscriber that does not read costs at most ``hwm``
+batches (PUB's SNDHWM: ``--kv-events-hwm``, lowered to ``subscriber_bytes`` over
+``MAX_BATCH_BYTES``); past that it misses batches and the others still get them. The replay
+buffer holds at most ``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at
+most ``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
 requester that does not read is left behind after ``REPLAY_STALL_S``. A malformed request, or
-one for a seq not published yet, is answered with the end marker alone.
+one for a seq not published yet, is answered with the end marker alone. A bound endpoint is
+libzmq's listener, which accepts every connection and keeps every subscription: ``PeerGuard``
+(``kv_peers``) caps its connections, keeps the fd reserve, and drops a subscriber that sends
+more than ``SUBSCRIBER_SENDS`` bytes. ``tcp://HOST`` binds HOST only (``binds``).
 
 The easy things to get wrong: libzmq sockets belong to one thread -- only this thread touches
-them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0).
-And a bound endpoint is libzmq's listener, which accepts every connection in libzmq's own thread
-(mq.py says what that costs): bind only where routers alone reach; connect mode has no listener.
+them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0),
+the monitors and the ZAP thread (CURVE) first. A frame in the replay buffer may still sit in a
+subscriber's queue after the buffer lets it go: libzmq frees it when the last one is sent.
 """
 
 from __future__ import annotations
