@@ -345,8 +345,9 @@ SETTINGS: tuple[Setting, ...] = (
             "kv_events_replay_bytes", "bytes of batches kept for replay at most (default 64MiB)", "SIZE", "size"),
     Setting("kv_events_hwm", "--kv-events-hwm", "LMSHM_KV_EVENTS_HWM", "kv_events_hwm",
             "batches queued for one subscriber that does not keep up (ZMQ SNDHWM); past it that subscriber "
-            "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000, "
-            "about 200 s of a busy stream: one batch per topic every 20 ms)", "N"),
+            "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000; "
+            "lowered to --kv-events-subscriber-bytes over 512 KiB, 128 by default: about 2.5 s of a busy "
+            "topic, one batch every 20 ms)", "N"),
     Setting("kv_events_subscriber_bytes", "--kv-events-subscriber-bytes", "LMSHM_KV_EVENTS_SUBSCRIBER_BYTES",
             "kv_events_subscriber_bytes", "bytes of batches queued for one subscriber at most: --kv-events-hwm is "
             "lowered to this over 512 KiB, the largest batch (default 64MiB: 128 batches)", "SIZE", "size"),
