@@ -186,6 +186,7 @@ class KvEventPublisher:
         self.replay_requests = 0
         self.replay_malformed = 0  # wrong frame count, delimiter or seq size: answered with the end marker
         self.replay_future = 0    # a start past the newest batch: answered with the end marker
+        self.replay_duplicate = 0  # requests from a requester whose replay was under way: dropped
         self.replay_truncated = 0  # a start older than the buffer: answered from its oldest batch
         self.replay_sent = 0      # batches sent on the replay socket
         self.replay_abandoned = 0  # requesters gone, or not reading for REPLAY_STALL_S
@@ -347,6 +348,8 @@ class KvEventPublisher:
                     lambda: self.replay_malformed + self.replay_future)
         m.add_gauge("lmshm_kv_events_replay_malformed", "Replay requests that were not [empty frame, 8-byte "
                     "sequence number]", lambda: self.replay_malformed)
+        m.add_gauge("lmshm_kv_events_replay_duplicate", "Replay requests dropped: their requester's earlier "
+                    "replay was still under way (one at a time each)", lambda: self.replay_duplicate)
         m.add_gauge("lmshm_kv_events_replay_truncated", "Replay requests for batches older than the replay "
                     "buffer holds (answered from its oldest)", lambda: self.replay_truncated)
         m.add_gauge("lmshm_kv_events_replay_batches", "Batches sent in answer to replay requests",
@@ -556,6 +559,11 @@ class KvEventPublisher:
                 return
             self.replay_requests += 1
             identity = frames[0]
+            if any(rp.identity == identity for rp in self._replays):
+                # one replay per requester at a time: a flood of requests from one takes one slot,
+                # not all MAX_REPLAYS. Its earlier request's answer (then the end marker) is coming.
+                self.replay_duplicate += 1
+                continue
             newest = self._seq - 1
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 self.replay_malformed += 1
@@ -575,13 +583,9 @@ class KvEventPublisher:
 
     def _serve_replays(self) -> bool:
         """Send replay messages, within this poll's budget, requesters in turn (one replay per
-        requester at a time: its answers never interleave). True if the budget ran out."""
+        requester: ``_take_requests`` drops the others). True if the budget ran out."""
         budget = [REPLAY_MESSAGES_PER_POLL, REPLAY_BYTES_PER_POLL]
-        serving: set[bytes] = set()
         for rp in list(self._replays):
-            if rp.identity in serving:
-                continue
-            serving.add(rp.identity)
             if self._advance(rp, budget):
                 self._replays.remove(rp)
             if budget[0] <= 0 or budget[1] <= 0:

@@ -267,3 +267,59 @@ def test_with_curve_only_an_admitted_client_key_receives_the_stream(start_server
             s.close()
     assert got["router"], "the admitted client got nothing"
     assert not got["stranger"] and not got["plain"], {k: len(v) for k, v in got.items()}
+
+
+def test_garbage_huge_frames_and_a_request_flood_leave_the_stream_and_replay_serving(start_server, engines):
+    http = _free_port()
+    server, pub, replay = _events_server(start_server, "--http-port", str(http))
+    pub_port, replay_port = int(pub.rpartition(":")[2]), int(replay.rpartition(":")[2])
+    engine = engines(server.url, blocks=64)
+    engine.store([_advert(1)])
+    for k in range(8):      # ~2.5 MiB more to replay: a requester that never reads fills its socket
+        first = [(1 << 40) + ((k * 64 + i) << 10) for i in range(64)]
+        engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
+                                      list(range(first[i], first[i] + 1024))) for i in range(64)])
+    reader = Sub(pub)
+    junk: list = []
+    try:
+        before_fds, before_rss = proc_fd_count(server.proc.pid), _rss(server.proc.pid)
+        for port in (pub_port, replay_port):
+            for _ in range(10):                     # garbage instead of a greeting
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(os.urandom(64 << 10))
+                junk.append(s)
+            s = socket.create_connection(("127.0.0.1", port))   # a greeting, then a 2**62-byte frame header
+            s.sendall(b"\xff" + b"\x00" * 8 + b"\x7f" + bytes([3, 0]) + b"NULL".ljust(20, b"\x00") + b"\x00" * 32)
+            s.sendall(b"\x02" + (1 << 62).to_bytes(8, "big") + b"x" * 4096)
+            junk.append(s)
+        flood = zmq.Context.instance().socket(zmq.DEALER)      # 2,000 requests, never reads an answer
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.setsockopt(zmq.RCVHWM, 1)
+        flood.setsockopt(zmq.RCVBUF, 4096)
+        flood.setsockopt(zmq.SNDHWM, 0)
+        flood.connect(replay)
+        for _ in range(2000):
+            flood.send_multipart([b"", (0).to_bytes(8, "big")])
+        junk.append(flood)
+        time.sleep(1)
+        engine.store([_advert(2)])
+        wait_for(lambda: any(e.get("block_hashes") == [1002] for e in reader.events()), 10,
+                 what="the stream at an honest subscriber")
+        from test_kv_events_stream import _replay
+        t0 = time.monotonic()
+        got = _replay(replay, [b"", (0).to_bytes(8, "big")], timeout_s=30)
+        waited = time.monotonic() - t0
+        fds, grown = proc_fd_count(server.proc.pid), _rss(server.proc.pid) - before_rss
+    finally:
+        for s in junk:
+            s.close()
+        reader.close()
+    assert server.alive
+    assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
+    assert waited < 3, f"an honest replay waited {waited:.1f} s behind one requester's flood"
+    assert fds < before_fds + 40 and grown < 32 << 20, (fds, before_fds, grown)
+
+
+def decode_seq_payload_has(payload: bytes, block_hash: int) -> bool:
+    from lmshm.core.kv_events import decode_batch
+    return any(e.get("block_hashes") == [block_hash] for e in decode_batch(payload)[1])
