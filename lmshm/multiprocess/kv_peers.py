@@ -19,7 +19,10 @@ cancels and heartbeats, so the cap bounds the trie. ``ipc://`` peers are not cou
 
 Easy to get wrong: an fd named by an event may be closed and reused before the event is read.
 Every action first checks that the fd is still a socket with the local address recorded when
-it was accepted, and events are read in order, so a reused number is seen as a new peer.
+it was accepted, and events are read in order, so a reused number is seen as a new peer. And
+the monitor's queue is bounded (libzmq drops events past it): ``check`` forgets a peer whose fd
+no longer has the addresses it was accepted with, so a lost ``DISCONNECTED`` cannot leave the
+count full.
 """
 
 from __future__ import annotations
@@ -77,10 +80,11 @@ def _with_fd(fd: int, local: Optional[object], action):
 
 
 class _Peer:
-    __slots__ = ("local", "since", "tcp", "dropped")
+    __slots__ = ("local", "remote", "since", "tcp", "dropped")
 
-    def __init__(self, local: object, tcp: bool) -> None:
-        self.local, self.tcp, self.since, self.dropped = local, tcp, time.monotonic(), False
+    def __init__(self, local: object, remote: object, tcp: bool) -> None:
+        self.local, self.remote, self.tcp = local, remote, tcp
+        self.since, self.dropped = time.monotonic(), False
 
 
 class PeerGuard:
@@ -116,7 +120,7 @@ class PeerGuard:
                 self._peers.pop(fd, None)
                 continue
             self._peers.pop(fd, None)       # a number reused: the old peer is gone
-            info = _with_fd(fd, None, lambda s: (s.getsockname(), s.family != socket.AF_UNIX))
+            info = _with_fd(fd, None, lambda s: (s.getsockname(), s.getpeername(), s.family != socket.AF_UNIX))
             if info is None:
                 continue                    # closed already (a DISCONNECTED follows)
             peer = self._peers[fd] = _Peer(*info)
@@ -128,12 +132,14 @@ class PeerGuard:
                 self._shut(fd, peer)
 
     def check(self) -> None:
-        """Drop TCP peers that sent more than they may."""
-        if self.max_bytes is None:
-            return
+        """Forget peers whose fd is no longer theirs (a ``DISCONNECTED`` the monitor's queue
+        dropped), and drop TCP peers that sent more than they may."""
         now = time.monotonic()
         for fd, peer in list(self._peers.items()):
-            if not peer.tcp or peer.dropped:
+            if _with_fd(fd, peer.local, lambda s: s.getpeername()) != peer.remote:
+                del self._peers[fd]
+                continue
+            if self.max_bytes is None or not peer.tcp or peer.dropped:
                 continue
             got = _with_fd(fd, peer.local, _bytes_received)
             if got is not None and got > self.max_bytes + BYTES_PER_S * (now - peer.since):

@@ -5,8 +5,11 @@ measured is the server process's RSS and fd count (``/proc``)."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Optional
 
 import msgspec
@@ -235,14 +238,22 @@ def _curve_sub(endpoint: str, server_public: bytes, keys: Optional[tuple[bytes, 
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
-def test_with_curve_only_an_admitted_client_key_receives_the_stream(start_server, engines, tmp):
+def test_with_curve_only_an_admitted_client_key_receives_the_stream(start_server, engines):
+    scratch = Path(tempfile.mkdtemp(prefix="lmshm-curve-"))
+    try:
+        _curve_stream(start_server, engines, scratch)
+    finally:
+        shutil.rmtree(scratch)
+
+
+def _curve_stream(start_server, engines, scratch: Path) -> None:
     from zmq.auth import create_certificates, load_certificate
 
-    keys, clients = tmp / "keys", tmp / "clients"
+    keys, clients = scratch / "keys", scratch / "clients"
     keys.mkdir()
     clients.mkdir()
     create_certificates(keys, "server")
-    admitted_pub, _ = create_certificates(clients, "router")
+    create_certificates(clients, "router")
     create_certificates(keys, "stranger")
     server_public, _ = load_certificate(keys / "server.key")
     router = load_certificate(clients / "router.key_secret")

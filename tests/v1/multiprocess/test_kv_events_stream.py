@@ -148,6 +148,7 @@ class Engine:
 
     def close(self) -> None:
         self.client.close()
+        self.kv = None          # its pages are a memfd mapping: unmapped when the tensor goes
 
 
 def _advert(i: int, parent: Optional[int] = None) -> protocol.Advert:
