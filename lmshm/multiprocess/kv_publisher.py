@@ -99,8 +99,10 @@ DATA_PARALLEL_RANK = 0
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _encode(events: list[KvEvent], ts: float) -> bytes:
-    return _encoder.encode(KvEventBatch(ts, events, DATA_PARALLEL_RANK))
+def _encode(events: list[KvEvent], ts: float) -> bytearray:
+    out = bytearray()
+    _encoder.encode_into(KvEventBatch(ts, events, DATA_PARALLEL_RANK), out)
+    return out
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -514,7 +516,7 @@ class KvEventPublisher:
                 return [f"kv@{pod}@{model}" for pod in pods]
         return [self._node_prefix + model]      # node mode, or no engine attached to its namespace
 
-    def _send(self, topic: bytes, payload: bytes) -> None:
+    def _send(self, topic: bytes, payload: bytearray) -> None:
         """One batch on the PUB socket (and into the replay buffer). With XPUB_NODROP a send
         that finds any subscriber's queue full fails (EAGAIN): counted as dropped, then sent
         again without it, so the subscribers with room still get it. libzmq then skips the full
@@ -522,9 +524,12 @@ class KvEventPublisher:
         seq = self._seq
         self._seq += 1
         size = len(payload)
-        # one copy into libzmq, shared (by reference) by every subscriber's queue and replay
+        # one copy into libzmq, shared (by reference) by every subscriber's queue and replay. A
+        # Frame keeps a reference to what it was made from: the payload is emptied, so that the
+        # buffer does not hold each batch twice
         frames = (zmq.Frame(topic, copy=True), zmq.Frame(seq.to_bytes(8, "big"), copy=True),
                   zmq.Frame(payload, copy=True))
+        payload.clear()
         pub = self._pub
         try:
             pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
