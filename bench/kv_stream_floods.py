@@ -169,7 +169,7 @@ def part_peers(t: Target) -> str:
     grown, fds = _rss(t.server.pid) - before, _metric(t.http, "lmshm_kv_events_connections")
     for s in peers:
         s.close()
-    return f"+{grown / 2**20:.1f} MiB with 100 peers of 3 KB each; connections kept: " \
+    return f"+{grown / 2**20:.1f} MiB with 100 peers of 3 KB each; connections counted (refused ones until libzmq closes them): " \
            f"{'n/a' if fds < 0 else int(fds)}"
 
 
