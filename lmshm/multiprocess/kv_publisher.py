@@ -361,7 +361,7 @@ class KvEventPublisher:
         m.add_gauge("lmshm_kv_events_replay_buffered", "Batches held for replay", lambda: len(self._buffer))
         m.add_gauge("lmshm_kv_events_connections", "Connections to the bound KV event endpoints (PUB and replay)",
                     lambda: sum(g.connected for g in self._guards))
-        m.add_gauge("lmshm_kv_events_refused", f"Connections to the KV event endpoints shut at once: past "
+        m.add_gauge("lmshm_kv_events_connections_refused", f"Connections to the KV event endpoints shut at once: past "
                     f"{MAX_SUBSCRIBERS} per endpoint, or into the fd reserve", lambda: sum(g.refused for g in self._guards))
         m.add_gauge("lmshm_kv_events_subscribers_dropped", f"Subscribers disconnected for sending more than "
                     f"{SUBSCRIBER_SENDS} bytes (subscriptions)", lambda: sum(g.dropped for g in self._guards))

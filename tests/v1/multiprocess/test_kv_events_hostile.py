@@ -9,6 +9,7 @@ import shutil
 import socket
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Optional
 
@@ -61,6 +62,9 @@ def test_a_subscriber_that_sends_thousands_of_subscriptions_is_dropped_and_the_s
         reader.close()
     assert grown < 48 << 20, f"the server grew {grown / 2**20:.0f} MiB under 24 MB of subscriptions"
     assert m["lmshm_kv_events_subscribers_dropped"] >= 3, m
+    text = urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=10).read().decode()
+    names = [line.split()[0] for line in text.splitlines() if line.startswith("lmshm_kv_events")]
+    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
 def _hold(port: int, n: int) -> list[socket.socket]:
