@@ -124,11 +124,12 @@ class PeerGuard:
             if info is None:
                 continue                    # closed already (a DISCONNECTED follows)
             peer = self._peers[fd] = _Peer(*info)
-            if len(self._peers) > self.max_peers or free_fds() < self.fd_reserve:
+            full = len(self._peers) > self.max_peers
+            if full or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
                 self.refused += 1
-                _drop_log.warning("lmshm: a connection to the KV event %s endpoint was refused: %d are "
-                                  "connected (at most %d) and %d fds are free (%d kept)", self.what,
-                                  len(self._peers) - 1, self.max_peers, free_fds(), self.fd_reserve)
+                _drop_log.warning("lmshm: a connection to the KV event %s endpoint was refused: %s", self.what,
+                                  f"{self.max_peers} are connected" if full else
+                                  f"fewer than {self.fd_reserve} fds are free (the server's reserve)")
                 self._shut(fd, peer)
 
     def check(self) -> None:
