@@ -71,9 +71,13 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     # the KV event stream for routers (multiprocess/kv_publisher.py), in vLLM's format; "" = off
     kv_events: str = ""
     kv_events_replay: str = ""             # a ROUTER for replay requests; "" = no replay
+    kv_events_connect: bool = False        # connect --kv-events' tcp:// endpoint (a subscriber binds)
+    kv_events_curve_secret: str = ""       # the stream's CURVE server certificate (zmq.auth format)
+    kv_events_curve_clients: str = ""      # a directory of client certificates admitted (ZAP)
     kv_events_replay_batches: Count = 10000
     kv_events_replay_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 64 << 20
     kv_events_hwm: Count = 10000           # batches queued for one subscriber; more are dropped for it
+    kv_events_subscriber_bytes: Annotated[int, msgspec.Meta(ge=1 << 20, le=1 << 40)] = 64 << 20
     kv_events_topic: str = "node"          # node: kv@node:<name>@<model>; engine: kv@<pod>@<model>
     kv_events_node: Annotated[str, msgspec.Meta(max_length=255)] = ""   # "" = the host name
 
@@ -333,24 +337,41 @@ SETTINGS: tuple[Setting, ...] = (
             "publish KV events (BlockStored, BlockRemoved, AllBlocksCleared: what the pool, the disk and the "
             "remote can serve of the chunks engines advertised) on a ZMQ PUB socket, in vLLM's format: frames "
             "[topic, seq as 8 bytes big-endian, msgpack KVEventBatch], seq from 0 and one counter over all "
-            "topics (a subscriber of one topic sees it jump). tcp://*:PORT (also ::, 0.0.0.0), ipc://PATH and "
-            "inproc://NAME bind; tcp://HOST:PORT connects to a subscriber that binds, as vLLM's publisher does "
-            "(a bound port accepts any number of connections: expose it only to routers). Medium and locality: "
-            "pool CPU/LOCAL, disk STORAGE/LOCAL, remote STORAGE/REMOTE (default off)", "URL"),
+            "topics (a subscriber of one topic sees it jump). tcp://HOST:PORT binds HOST only (127.0.0.1: "
+            "loopback; *, :: or 0.0.0.0: every interface), ipc://PATH and inproc://NAME bind; with "
+            "--kv-events-connect, tcp://HOST:PORT connects to a subscriber that binds. A bound endpoint takes "
+            "at most 64 connections, and drops a subscriber that sends more than 4 KiB (subscriptions): "
+            "expose it only to routers. Medium and locality: pool CPU/LOCAL, disk STORAGE/LOCAL, remote "
+            "STORAGE/REMOTE (default off)", "URL"),
+    Setting("kv_events_connect", "--kv-events-connect", "LMSHM_KV_EVENTS_CONNECT", "kv_events_connect",
+            "connect --kv-events' tcp:// endpoint instead of binding it, for a subscriber that binds (vLLM "
+            "connects to any host but *, ::; lmshm binds unless told so)", kind="bool"),
     Setting("kv_events_replay", "--kv-events-replay", "LMSHM_KV_EVENTS_REPLAY", "kv_events_replay",
             "bind a ROUTER socket here for replays, as vLLM's: a request [empty frame, start seq as 8 bytes "
             "big-endian] is answered [empty frame, topic, seq, payload] per buffered batch from start on, then "
             "the end marker [empty frame, empty topic, -1 as 8 bytes, empty payload]. A start not published yet, "
             "or a malformed request, gets the end marker alone; a start older than the buffer, everything from "
             "its oldest (default off; needs --kv-events)", "URL"),
+    Setting("kv_events_curve_secret", "--kv-events-curve-secret", "LMSHM_KV_EVENTS_CURVE_SECRET",
+            "kv_events_curve_secret", "encrypt the --kv-events stream and its replay with ZeroMQ CURVE: the "
+            "server's certificate with its secret key (zmq.auth.create_certificates' .key_secret file); "
+            "subscribers need its public key. Alone it admits any client key (encryption only): add "
+            "--kv-events-curve-clients to admit only known subscribers (default off)", "FILE"),
+    Setting("kv_events_curve_clients", "--kv-events-curve-clients", "LMSHM_KV_EVENTS_CURVE_CLIENTS",
+            "kv_events_curve_clients", "a directory of client certificates (public keys): only those clients "
+            "may subscribe or request replays (ZAP; needs --kv-events-curve-secret)", "DIR"),
     Setting("kv_events_replay_batches", "--kv-events-replay-batches", "LMSHM_KV_EVENTS_REPLAY_BATCHES",
             "kv_events_replay_batches", "batches kept for replay at most (default 10000)", "N"),
     Setting("kv_events_replay_bytes", "--kv-events-replay-bytes", "LMSHM_KV_EVENTS_REPLAY_BYTES",
             "kv_events_replay_bytes", "bytes of batches kept for replay at most (default 64MiB)", "SIZE", "size"),
     Setting("kv_events_hwm", "--kv-events-hwm", "LMSHM_KV_EVENTS_HWM", "kv_events_hwm",
             "batches queued for one subscriber that does not keep up (ZMQ SNDHWM); past it that subscriber "
-            "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000, "
-            "about 200 s of a busy stream: one batch per topic every 20 ms)", "N"),
+            "misses batches (counted in lmshm_kv_events_dropped) and the others still get them (default 10000; "
+            "lowered to --kv-events-subscriber-bytes over 512 KiB, 128 by default: about 2.5 s of a busy "
+            "topic, one batch every 20 ms)", "N"),
+    Setting("kv_events_subscriber_bytes", "--kv-events-subscriber-bytes", "LMSHM_KV_EVENTS_SUBSCRIBER_BYTES",
+            "kv_events_subscriber_bytes", "bytes of batches queued for one subscriber at most: --kv-events-hwm is "
+            "lowered to this over 512 KiB, the largest batch (default 64MiB: 128 batches)", "SIZE", "size"),
     Setting("kv_events_topic", "--kv-events-topic", "LMSHM_KV_EVENTS_TOPIC", "kv_events_topic",
             "node (default): every event on kv@node:NAME@MODEL, one pseudo-pod for this server (llm-d's node: "
             "pods); engine: on kv@POD@MODEL of every engine (STORE's pod) that advertised into the chunk's "
@@ -501,6 +522,9 @@ def _check_kv_events(config: ServerConfig) -> None:
     if "@" in config.kv_events_node or any(c.isspace() for c in config.kv_events_node):
         raise ConfigError(f"bad setting {_describe(_BY_FIELD['kv_events_node'])}: {config.kv_events_node!r}; a "
                           "topic is kv@node:NAME@MODEL, so NAME has no '@' and no spaces")
+    if config.kv_events_curve_clients and not config.kv_events_curve_secret:
+        raise ConfigError(f"{_describe(_BY_FIELD['kv_events_curve_clients'])} admits client keys to a CURVE "
+                          "stream: set --kv-events-curve-secret too")
 
 
 def parse_restriction(value: str) -> tuple[str, str]:

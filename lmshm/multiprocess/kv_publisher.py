@@ -5,8 +5,9 @@
 uid), groups the new records by topic, and sends each group as ``KVEventBatch`` payloads, one
 multipart message ``[topic, seq, payload]`` each: ``seq`` an 8-byte big-endian counter from 0,
 one per publisher across all topics, so a subscriber of one topic sees it jump. The frames, the
-batch (``data_parallel_rank`` 0 included), the replay exchange and the bind-or-connect rule are
-vLLM's ``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one.
+batch (``data_parallel_rank`` 0 included) and the replay exchange are vLLM's
+``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one; optional CURVE on both
+sockets (``curve_secret``; ``curve_clients``: a ZAP handler admits those keys only).
 
 Topics. ``node`` (default): ``kv@node:<name>@<model>``, one pseudo-pod for this server's
 tiers. ``engine``: ``kv@<pod>@<model>`` for every engine that attached to the record's uid
@@ -18,17 +19,26 @@ and in node mode every node topic's first batch of a run starts with one, so a s
 one model's topic learns that what an earlier run advertised is gone. Records the log dropped
 before this thread read them are counted (``lost``); node topics then start over the same way.
 
-Bounds: a subscriber that does not read costs at most ``hwm`` batches (PUB's SNDHWM); past
-that it misses batches and the others still get them. The replay buffer holds at most
-``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at most
-``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
+A salted chain (its first block's extra keys hold vLLM's cache salt) goes out as block hashes
+only, and so do its later blocks (``_scrub``): the salt and the tokens would make the private
+prompt findable again.
+
+Bounds: each batch is copied into libzmq once (``zmq.Frame``) and shared by reference by every
+subscriber's queue and every replay. A subscriber that does not read costs at most ``hwm``
+batches (PUB's SNDHWM: ``--kv-events-hwm``, lowered to ``subscriber_bytes`` over
+``MAX_BATCH_BYTES``); past that it misses batches and the others still get them. The replay
+buffer holds at most ``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at
+most ``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
 requester that does not read is left behind after ``REPLAY_STALL_S``. A malformed request, or
-one for a seq not published yet, is answered with the end marker alone.
+one for a seq not published yet, is answered with the end marker alone. A bound endpoint is
+libzmq's listener, which accepts every connection and keeps every subscription: ``PeerGuard``
+(``kv_peers``) caps its connections, keeps the fd reserve, and drops a subscriber that sends
+more than ``SUBSCRIBER_SENDS`` bytes. ``tcp://HOST`` binds HOST only (``binds``).
 
 The easy things to get wrong: libzmq sockets belong to one thread -- only this thread touches
-them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0).
-And a bound endpoint is libzmq's listener, which accepts every connection in libzmq's own thread
-(mq.py says what that costs): bind only where routers alone reach; connect mode has no listener.
+them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0),
+the monitors and the ZAP thread (CURVE) first. A frame in the replay buffer may still sit in a
+subscriber's queue after the buffer lets it go: libzmq frees it when the last one is sent.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from __future__ import annotations
 import collections
 import errno
 import logging
+import os
 import socket as _socket
 import threading
 import time
@@ -45,9 +56,10 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, BlockStored, KvEvent, KvEventBatch, event_bytes
 from lmshm.core.logs import Throttle
 from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+from lmshm.multiprocess.kv_peers import PeerGuard
 from lmshm.platform.base.files import unlink_if_same
 
 logger = logging.getLogger("lmshm.kv_events")
@@ -63,16 +75,20 @@ MAX_REPLAYS = 16                # replay requests served at once; more wait in t
 REPLAY_REQUESTS_PER_POLL = 16
 REPLAY_MESSAGES_PER_POLL = 256  # replay messages one poll sends, over all requesters
 REPLAY_BYTES_PER_POLL = 4 << 20
-REPLAY_HWM = 100                # replay messages queued for one requester; more wait (EAGAIN)
+REPLAY_HWM = 16                 # replay messages queued for one requester; more wait (EAGAIN)
 REPLAY_RCVHWM = 256             # requests queued in the ROUTER
 REPLAY_STALL_S = 5.0            # a requester whose queue stays full this long is left behind
 MAX_REQUEST_BYTES = 256         # a bigger frame on the ROUTER closes that connection (libzmq)
-MAX_SUBSCRIPTION_BYTES = 4096   # a bigger subscription on the PUB closes that connection
+MAX_SUBSCRIPTION_BYTES = 1024   # a bigger subscription on the PUB closes that connection (libzmq)
+SUBSCRIBER_SENDS = 4 << 10      # bytes a subscriber may send (libzmq keeps its subscriptions); more drops it
+SUBSCRIPTION_RCVHWM = 64        # subscription messages libzmq parses ahead of this thread, per subscriber
+MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are shut at once
+MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 64                   # engines remembered for engine topics, per uid (kv_events.MAX_PODS_PER_UID)
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
+MAX_SALTED = 1 << 16            # block hashes of salted chains remembered (their children are scrubbed too)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
-_BIND_HOSTS = ("*", "::", "[::]", "0.0.0.0")
 
 __all__ = ["KvEventPublisher", "binds", "check_endpoint"]
 
@@ -83,8 +99,10 @@ DATA_PARALLEL_RANK = 0
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _encode(events: list[KvEvent], ts: float) -> bytes:
-    return _encoder.encode(KvEventBatch(ts, events, DATA_PARALLEL_RANK))
+def _encode(events: list[KvEvent], ts: float) -> bytearray:
+    out = bytearray()
+    _encoder.encode_into(KvEventBatch(ts, events, DATA_PARALLEL_RANK), out)
+    return out
 
 
 def check_endpoint(endpoint: str) -> str:
@@ -100,13 +118,21 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def binds(endpoint: str) -> bool:
-    """vLLM's rule: bind a wildcard host (``*``, ``::``; here ``0.0.0.0`` too) and ipc/inproc
-    endpoints; connect to any other host (the subscriber binds)."""
-    if endpoint.startswith(("ipc://", "inproc://")):
-        return True
-    host = endpoint[len("tcp://"):].rpartition(":")[0]
-    return host in _BIND_HOSTS
+def binds(endpoint: str, connect: bool = False) -> bool:
+    """Whether the publisher binds ``endpoint``: always, unless ``connect`` (``--kv-events-connect``)
+    and it is ``tcp://``. vLLM binds only a wildcard host and connects to any other, so that a
+    bound TCP stream listens on every interface; lmshm binds the host it is given (``127.0.0.1``:
+    loopback only), and every interface only for a wildcard (``*``, ``::``, ``0.0.0.0``)."""
+    return not (connect and endpoint.startswith("tcp://"))
+
+
+def _carries_salt(keys: Any, lora: Optional[str]) -> bool:
+    """Whether a first block's extra keys hold a cache salt: vLLM's are the LoRA name, a list per
+    multimodal input, the salt (a string: the first block only), a prompt-embeds digest (bytes)."""
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
+    if keys and lora is not None and keys[0] == lora:
+        keys = keys[1:]
+    return any(isinstance(k, str) for k in keys)
 
 
 class _Replay:
@@ -128,7 +154,8 @@ class KvEventPublisher:
 
     def __init__(self, kv_index: Any, endpoint: str, *, replay_endpoint: str = "", hwm: int = 10000,
                  replay_batches: int = 10000, replay_bytes: int = 64 << 20, topic: str = "node",
-                 node: str = "", metrics: Any = None) -> None:
+                 node: str = "", metrics: Any = None, subscriber_bytes: int = 64 << 20,
+                 connect: bool = False, curve_secret: str = "", curve_clients: str = "") -> None:
         if topic not in TOPIC_MODES:
             raise ValueError(f"KV event topic mode {topic!r}: use node or engine")
         self.kv_index = kv_index
@@ -136,15 +163,20 @@ class KvEventPublisher:
         self.mode = topic
         self.node = node or _socket.gethostname()
         self._node_prefix = f"kv@node:{self.node}@"
-        self.hwm, self.replay_batches, self.replay_bytes = hwm, replay_batches, replay_bytes
+        # libzmq's SNDHWM counts batches; a batch is at most MAX_BATCH_BYTES (or one event, which
+        # the advert checks keep under it), so this many hold at most subscriber_bytes
+        self.hwm = max(1, min(hwm, subscriber_bytes // MAX_BATCH_BYTES))
+        self.replay_batches, self.replay_bytes = replay_batches, replay_bytes
         self._cursor = -1
         self._seq = 0
-        self._buffer: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        # (seq, its frames [topic, seq, payload] as sent on the PUB, payload bytes)
+        self._buffer: collections.deque[tuple[int, tuple[zmq.Frame, ...], int]] = collections.deque()
         self._buffered_bytes = 0
         self._replays: collections.deque[_Replay] = collections.deque()
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
         self._node_topics: set[str] = set()
+        self._salted: dict[Any, None] = {}     # hashes of salted chains' blocks, oldest first
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -156,33 +188,46 @@ class KvEventPublisher:
         self.replay_requests = 0
         self.replay_malformed = 0  # wrong frame count, delimiter or seq size: answered with the end marker
         self.replay_future = 0    # a start past the newest batch: answered with the end marker
+        self.replay_duplicate = 0  # requests from a requester whose replay was under way: dropped
         self.replay_truncated = 0  # a start older than the buffer: answered from its oldest batch
         self.replay_sent = 0      # batches sent on the replay socket
         self.replay_abandoned = 0  # requesters gone, or not reading for REPLAY_STALL_S
         self.pods_unmapped = 0    # engines not remembered: their uid had MAX_PODS
         self.pods_refused = 0     # pod names no topic can carry ('@', spaces, "node:...")
+        self.scrubbed = 0         # BlockStored of salted chains sent without tokens and extra keys
         # inproc:// only reaches sockets of the same context: the process's shared one, as vLLM
         self._own_ctx = not endpoint.startswith("inproc://") and not replay_endpoint.startswith("inproc://")
         self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
         self._pub: Optional[zmq.Socket] = None
         self._replay: Optional[zmq.Socket] = None
+        self._guards: list[PeerGuard] = []
+        self._auth: Any = None      # zmq.auth's ZAP thread, with --kv-events-curve-clients
+        self._poller = zmq.Poller()
         self._ipc_files: list[tuple[str, tuple[int, int]]] = []     # removed at close, if still ours
         try:
+            keys = self._curve(curve_secret, curve_clients)
             self._pub = self._ctx.socket(zmq.PUB)
+            self._secure(self._pub, keys)
             self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.SNDHWM, self.hwm)
+            self._pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)      # a full queue is EAGAIN: counted, see _send
             self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_SUBSCRIPTION_BYTES)
-            self.binds = binds(check_endpoint(endpoint))
+            self.binds = binds(check_endpoint(endpoint), connect)
+            if self.binds:
+                self._guard(self._pub, "PUB", MAX_SUBSCRIBERS, SUBSCRIBER_SENDS)
             self.endpoint = self._attach(self._pub, endpoint, self.binds, "--kv-events")
             self.replay_endpoint = ""
             if replay_endpoint:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._secure(self._replay, keys)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.SNDHWM, REPLAY_HWM)
                 self._replay.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
                 self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)   # a full or gone peer: an error, not silence
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+                self._guard(self._replay, "replay", MAX_REQUESTERS, None)
+                self._poller.register(self._replay, zmq.POLLIN)
                 self.replay_endpoint = self._attach(self._replay, check_endpoint(replay_endpoint), True,
                                                     "--kv-events-replay")
         except BaseException:
@@ -191,13 +236,58 @@ class KvEventPublisher:
         if metrics is not None:
             self._add_gauges(metrics)
 
+    def _curve(self, secret_file: str, clients_dir: str) -> Optional[tuple[bytes, bytes]]:
+        """The server's CURVE key pair from ``secret_file`` (None: no CURVE); with ``clients_dir``,
+        a ZAP handler that admits only the client public keys of the certificates there."""
+        if clients_dir and not secret_file:
+            raise ValueError("--kv-events-curve-clients admits client keys to a CURVE stream: set "
+                             "--kv-events-curve-secret too")
+        if not secret_file:
+            return None
+        if not zmq.has("curve"):
+            raise Unavailable("--kv-events-curve-secret: this libzmq was built without CURVE")
+        from zmq.auth import load_certificate
+
+        try:
+            public, secret = load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            raise Unavailable(f"cannot read the KV event stream's CURVE key {secret_file} "
+                              f"(lmshm-server --kv-events-curve-secret): {exc}") from None
+        if not secret:
+            raise Unavailable(f"{secret_file} holds no secret-key (lmshm-server --kv-events-curve-secret): give "
+                              "the server's .key_secret certificate (zmq.auth.create_certificates makes one)")
+        if clients_dir:
+            if not os.path.isdir(clients_dir):
+                raise Unavailable(f"{clients_dir} is not a directory of client certificates "
+                                  "(lmshm-server --kv-events-curve-clients)")
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("lmshm.kv_events.auth"))
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=clients_dir)
+        return public, secret
+
+    @staticmethod
+    def _secure(sock: zmq.Socket, keys: Optional[tuple[bytes, bytes]]) -> None:
+        if keys is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys[0])
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys[1])
+
+    def _guard(self, sock: zmq.Socket, what: str, max_peers: int, max_bytes: Optional[int]) -> None:
+        guard = PeerGuard(sock, what=what, max_peers=max_peers, max_bytes=max_bytes)
+        self._guards.append(guard)
+        self._poller.register(guard.monitor, zmq.POLLIN)
+
     @classmethod
     def from_config(cls, core: Any, config: Any) -> "KvEventPublisher":
         """The publisher a ``ServerConfig`` asks for (``--kv-events`` and the flags after it)."""
         return cls(core.kv_index, config.kv_events, replay_endpoint=config.kv_events_replay,
                    hwm=config.kv_events_hwm, replay_batches=config.kv_events_replay_batches,
                    replay_bytes=config.kv_events_replay_bytes, topic=config.kv_events_topic,
-                   node=config.kv_events_node, metrics=core.metrics)
+                   node=config.kv_events_node, metrics=core.metrics,
+                   subscriber_bytes=config.kv_events_subscriber_bytes, connect=config.kv_events_connect,
+                   curve_secret=config.kv_events_curve_secret, curve_clients=config.kv_events_curve_clients)
 
     def _attach(self, sock: zmq.Socket, endpoint: str, bind: bool, flag: str) -> str:
         if endpoint.startswith("tcp://") and ":" in endpoint[len("tcp://"):].rpartition(":")[0]:
@@ -260,6 +350,8 @@ class KvEventPublisher:
                     lambda: self.replay_malformed + self.replay_future)
         m.add_gauge("lmshm_kv_events_replay_malformed", "Replay requests that were not [empty frame, 8-byte "
                     "sequence number]", lambda: self.replay_malformed)
+        m.add_gauge("lmshm_kv_events_replay_duplicate", "Replay requests dropped: their requester's earlier "
+                    "replay was still under way (one at a time each)", lambda: self.replay_duplicate)
         m.add_gauge("lmshm_kv_events_replay_truncated", "Replay requests for batches older than the replay "
                     "buffer holds (answered from its oldest)", lambda: self.replay_truncated)
         m.add_gauge("lmshm_kv_events_replay_batches", "Batches sent in answer to replay requests",
@@ -267,6 +359,12 @@ class KvEventPublisher:
         m.add_gauge("lmshm_kv_events_replay_abandoned", "Replays given up: the requester left, or did not read "
                     f"for {REPLAY_STALL_S:g} s", lambda: self.replay_abandoned)
         m.add_gauge("lmshm_kv_events_replay_buffered", "Batches held for replay", lambda: len(self._buffer))
+        m.add_gauge("lmshm_kv_events_connections", "Connections to the bound KV event endpoints (PUB and replay)",
+                    lambda: sum(g.connected for g in self._guards))
+        m.add_gauge("lmshm_kv_events_connections_refused", f"Connections to the KV event endpoints shut at once: past "
+                    f"{MAX_SUBSCRIBERS} per endpoint, or into the fd reserve", lambda: sum(g.refused for g in self._guards))
+        m.add_gauge("lmshm_kv_events_subscribers_dropped", f"Subscribers disconnected for sending more than "
+                    f"{SUBSCRIBER_SENDS} bytes (subscriptions)", lambda: sum(g.dropped for g in self._guards))
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> "KvEventPublisher":
@@ -290,10 +388,16 @@ class KvEventPublisher:
         if self._closed:
             return
         self._closed = True
+        for guard in self._guards:
+            guard.close()
+        self._guards.clear()
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._replay = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_ctx:
             self._ctx.term()
         for path, ident in self._ipc_files:
@@ -304,6 +408,9 @@ class KvEventPublisher:
         while not self._stop.is_set():
             more = False
             try:
+                for guard in self._guards:
+                    guard.on_events()
+                    guard.check()
                 more = self._publish()
                 if self._replay is not None:
                     self._take_requests()
@@ -312,8 +419,11 @@ class KvEventPublisher:
                 _failure_log.exception("lmshm: the KV event publisher failed a round; it goes on")
                 self._stop.wait(0.1)
             if not more:
-                if self._replay is not None and len(self._replays) < MAX_REPLAYS:
-                    self._replay.poll(int(POLL_S * 1000), zmq.POLLIN)     # a request wakes it early
+                if self._poller.sockets:
+                    # a connection or a request wakes it early (a request only while replays may start)
+                    if self._replay is not None:
+                        self._poller.modify(self._replay, zmq.POLLIN if len(self._replays) < MAX_REPLAYS else 0)
+                    self._poller.poll(int(POLL_S * 1000))
                 else:
                     self._stop.wait(POLL_S)
 
@@ -338,6 +448,8 @@ class KvEventPublisher:
                 if r.pod:
                     (self._detach_pod if r.detach else self._attach_pod)(r.uid, r.space, r.pod)
                 continue
+            if isinstance(event, BlockStored):
+                event = self._scrub(event)
             for topic in self._topics(r.uid, r.space, r.model, event):
                 if r.scope == (OWNER if topic.startswith(self._node_prefix) else NODE):
                     continue        # Record.scope: an owner-only record on a node topic, a node-only one on a pod's
@@ -361,6 +473,23 @@ class KvEventPublisher:
                     start, size = i, event_bytes(event)
             self._send(topic_b, _encode(events[start:], now))
         return self._cursor < self.log.last
+
+    def _scrub(self, event: BlockStored) -> BlockStored:
+        """``event`` as the stream may carry it: a block of a salted chain (its first block's extra
+        keys carry a cache salt, or its parent is such a block) without token ids and extra keys.
+        The salt would make the private prompt findable again, and its tokens would index it under
+        an unsalted key; its hashes, which need the salt to compute, are all a router may match."""
+        salted = event.parent_block_hash is not None and event.parent_block_hash in self._salted
+        if not salted and event.parent_block_hash is None and event.extra_keys:
+            salted = _carries_salt(event.extra_keys[0], event.lora_name)
+        if not salted:
+            return event
+        for h in event.block_hashes:
+            self._salted[h] = None
+        while len(self._salted) > MAX_SALTED:
+            del self._salted[next(iter(self._salted))]
+        self.scrubbed += 1
+        return msgspec.structs.replace(event, token_ids=[], extra_keys=None)
 
     def _attach_pod(self, uid: int, space: bytes, pod: str) -> None:
         if "@" in pod or pod.startswith("node:") or any(c.isspace() for c in pod):
@@ -403,35 +532,41 @@ class KvEventPublisher:
                 return [f"kv@{pod}@{model}" for pod in pods]
         return [self._node_prefix + model]      # node mode, or no engine attached to its namespace
 
-    def _send(self, topic: bytes, payload: bytes) -> None:
+    def _send(self, topic: bytes, payload: bytearray) -> None:
         """One batch on the PUB socket (and into the replay buffer). With XPUB_NODROP a send
         that finds any subscriber's queue full fails (EAGAIN): counted as dropped, then sent
         again without it, so the subscribers with room still get it. libzmq then skips the full
         subscriber until its queue drains, uncounted: the count is of times one fell behind."""
         seq = self._seq
         self._seq += 1
-        frames = (topic, seq.to_bytes(8, "big"), payload)
+        size = len(payload)
+        # one copy into libzmq, shared (by reference) by every subscriber's queue and replay. A
+        # Frame keeps a reference to what it was made from: the payload is emptied, so that the
+        # buffer does not hold each batch twice
+        frames = (zmq.Frame(topic, copy=True), zmq.Frame(seq.to_bytes(8, "big"), copy=True),
+                  zmq.Frame(payload, copy=True))
+        payload.clear()
         pub = self._pub
         try:
-            pub.send_multipart(frames, flags=zmq.NOBLOCK)
+            pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             self.dropped += 1
             pub.setsockopt(zmq.XPUB_NODROP, 0)
             try:
-                pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                pub.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # lossy sends do not fail on a full queue; be safe anyway
                 pass
             finally:
                 pub.setsockopt(zmq.XPUB_NODROP, 1)
         self.published += 1
-        self.published_bytes += len(payload)
+        self.published_bytes += size
         if self._replay is not None:
-            self._buffer.append((seq, topic, payload))
-            self._buffered_bytes += len(topic) + len(payload) + 8
+            self._buffer.append((seq, frames, size))
+            self._buffered_bytes += len(topic) + size + 8
             while self._buffer and (len(self._buffer) > self.replay_batches
                                     or self._buffered_bytes > self.replay_bytes):
-                _, t, p = self._buffer.popleft()
-                self._buffered_bytes -= len(t) + len(p) + 8
+                _, old, n = self._buffer.popleft()
+                self._buffered_bytes -= len(old[0].bytes) + n + 8
 
     # ---- replay -------------------------------------------------------------------------
     def _take_requests(self) -> None:
@@ -445,6 +580,11 @@ class KvEventPublisher:
                 return
             self.replay_requests += 1
             identity = frames[0]
+            if any(rp.identity == identity for rp in self._replays):
+                # one replay per requester at a time: a flood of requests from one takes one slot,
+                # not all MAX_REPLAYS. Its earlier request's answer (then the end marker) is coming.
+                self.replay_duplicate += 1
+                continue
             newest = self._seq - 1
             if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
                 self.replay_malformed += 1
@@ -464,13 +604,9 @@ class KvEventPublisher:
 
     def _serve_replays(self) -> bool:
         """Send replay messages, within this poll's budget, requesters in turn (one replay per
-        requester at a time: its answers never interleave). True if the budget ran out."""
+        requester: ``_take_requests`` drops the others). True if the budget ran out."""
         budget = [REPLAY_MESSAGES_PER_POLL, REPLAY_BYTES_PER_POLL]
-        serving: set[bytes] = set()
         for rp in list(self._replays):
-            if rp.identity in serving:
-                continue
-            serving.add(rp.identity)
             if self._advance(rp, budget):
                 self._replays.remove(rp)
             if budget[0] <= 0 or budget[1] <= 0:
@@ -487,8 +623,8 @@ class KvEventPublisher:
                 rp.next = first            # trimmed while this replay waited: a gap, as on the stream
                 if rp.next > rp.last:
                     break
-            seq, topic, payload = self._buffer[rp.next - first]
-            sent = self._send_replay(rp, (rp.identity, b"", topic, seq.to_bytes(8, "big"), payload))
+            _, frames, size = self._buffer[rp.next - first]
+            sent = self._send_replay(rp, (rp.identity, b"", *frames))
             if sent is None:
                 return True
             if not sent:
@@ -496,14 +632,14 @@ class KvEventPublisher:
             rp.next += 1
             self.replay_sent += 1
             budget[0] -= 1
-            budget[1] -= len(payload)
+            budget[1] -= size
         sent = self._send_replay(rp, (rp.identity, b"", b"", END_SEQ, b""))
         return sent is None or sent
 
     def _send_replay(self, rp: _Replay, frames: tuple) -> Optional[bool]:
         """True: sent; False: the requester's queue is full, try later; None: given up."""
         try:
-            self._replay.send_multipart(frames, flags=zmq.NOBLOCK)
+            self._replay.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)     # the frames are shared
         except zmq.Again:
             if time.monotonic() - rp.since < REPLAY_STALL_S:
                 return False

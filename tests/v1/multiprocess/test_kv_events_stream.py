@@ -148,6 +148,7 @@ class Engine:
 
     def close(self) -> None:
         self.client.close()
+        self.kv = None          # its pages are a memfd mapping: unmapped when the tensor goes
 
 
 def _advert(i: int, parent: Optional[int] = None) -> protocol.Advert:
@@ -320,7 +321,7 @@ def test_a_publisher_connects_to_a_subscriber_that_binds(start_server, engines):
     sub = Sub(f"tcp://127.0.0.1:{port}", bind=True, wait=False)
     try:
         server = start_server("--capacity", "64MiB", "--kv-events", f"tcp://127.0.0.1:{port}",
-                              "--kv-events-node", NODE)
+                              "--kv-events-connect", "--kv-events-node", NODE)
         sub.wait_connected()
         engines(server.url).store([_advert(0)])
         wait_for(lambda: len(sub.events(f"kv@node:{NODE}@m".encode())) >= 2, 10, what="the store's events")

@@ -1,0 +1,170 @@
+"""The KV event endpoints' guard: a cap on connections, the fd reserve, and a cap on what a
+subscriber may send, for sockets whose listener is libzmq's.
+
+libzmq accepts every connection in its I/O thread and keeps every subscription a SUB peer sends
+in its publisher's trie (about 170 bytes of memory per byte of subscription: 4 MB of distinct
+subscriptions grew a PUB by 650 MiB), with no cap, and it cannot close one peer of a socket.
+``PeerGuard`` watches a socket's monitor (``ACCEPTED`` and ``DISCONNECTED`` name the
+connection's fd) and, for a peer it refuses, calls ``shutdown(2)`` on that fd: libzmq then
+reads the end of the stream, closes the connection itself and forgets its subscriptions. The
+fd itself is never closed here (libzmq owns it), so its number cannot be reused under libzmq.
+
+Refused: a connection past ``max_peers``, or one accepted while fewer than ``FD_RESERVE`` fds
+are free (the reserve the request listener keeps, ``server.FD_RESERVE + server.LINK_ROOM``).
+Dropped: a TCP peer that has sent more than ``max_bytes`` plus ``BYTES_PER_S`` for each second
+it has been connected (``TCP_INFO``'s bytes received: the kernel's count, so bytes libzmq has
+not parsed yet count too). A SUB sends nothing else after its handshake than subscriptions,
+cancels and heartbeats, so the cap bounds the trie. ``ipc://`` peers are not counted in bytes
+(the kernel keeps no such count for Unix sockets; they run as the server's uid).
+
+Easy to get wrong: an fd named by an event may be closed and reused before the event is read.
+Every action first checks that the fd is still a socket with the local address recorded when
+it was accepted, and events are read in order, so a reused number is seen as a new peer. And
+the monitor's queue is bounded (libzmq drops events past it): ``check`` forgets a peer whose fd
+no longer has the addresses it was accepted with, so a lost ``DISCONNECTED`` cannot leave the
+count full.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import struct
+import time
+from typing import Optional
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from lmshm.core.logs import Throttle
+
+logger = logging.getLogger("lmshm.kv_events")
+_drop_log = Throttle(logger)
+
+#: fds kept free: the request listener's reserve and its fd channel's room
+#: (``lmshm.multiprocess.server.FD_RESERVE + LINK_ROOM``; an eighth of the limit each if less).
+FD_RESERVE = 64 + 256
+BYTES_PER_S = 1              # what a peer may send per second connected, past max_bytes (heartbeats)
+_TCPI_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in Linux's struct tcp_info (4.1+)
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+
+__all__ = ["PeerGuard", "free_fds"]
+
+
+def free_fds() -> int:
+    """fds this process may still open (0 when they cannot be counted: none is free)."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        return limit - (len(os.listdir("/proc/self/fd")) - 1)
+    except OSError:
+        return 0
+
+
+def _with_fd(fd: int, local: Optional[object], action):
+    """``action(sock)`` on fd ``fd`` if it is still a socket bound to ``local`` (None: any);
+    the fd is never closed here. None when it is not."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if local is not None and sock.getsockname() != local:
+            return None
+        return action(sock)
+    except OSError:
+        return None
+    finally:
+        sock.detach()
+
+
+class _Peer:
+    __slots__ = ("local", "remote", "since", "tcp", "dropped")
+
+    def __init__(self, local: object, remote: object, tcp: bool) -> None:
+        self.local, self.remote, self.tcp = local, remote, tcp
+        self.since, self.dropped = time.monotonic(), False
+
+
+class PeerGuard:
+    """Guards the connections of ``sock`` (bound; see the module docstring). Only the socket's
+    own thread calls it: ``on_events`` when ``monitor`` is readable, ``check`` now and then."""
+
+    def __init__(self, sock: zmq.Socket, *, what: str, max_peers: int, max_bytes: Optional[int],
+                 fd_reserve: int = FD_RESERVE) -> None:
+        self.what, self.max_peers, self.max_bytes = what, max_peers, max_bytes
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.fd_reserve = min(fd_reserve, limit // 4)
+        self._sock = sock
+        self.monitor = sock.get_monitor_socket(_EVENTS)
+        self.monitor.setsockopt(zmq.LINGER, 0)
+        self._peers: dict[int, _Peer] = {}
+        # counters (plain ints, read by /metrics from another thread)
+        self.refused = 0        # connections shut at once: past max_peers or into the fd reserve
+        self.dropped = 0        # peers shut for sending more than max_bytes
+
+    @property
+    def connected(self) -> int:
+        return len(self._peers)
+
+    def on_events(self, limit: int = 4096) -> None:
+        """Read the monitor's events (at most ``limit``)."""
+        for _ in range(limit):
+            try:
+                msg = parse_monitor_message(self.monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            fd = msg["value"]
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                self._peers.pop(fd, None)
+                continue
+            self._peers.pop(fd, None)       # a number reused: the old peer is gone
+            info = _with_fd(fd, None, lambda s: (s.getsockname(), s.getpeername(), s.family != socket.AF_UNIX))
+            if info is None:
+                continue                    # closed already (a DISCONNECTED follows)
+            peer = self._peers[fd] = _Peer(*info)
+            full = len(self._peers) > self.max_peers
+            if full or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
+                self.refused += 1
+                _drop_log.warning("lmshm: a connection to the KV event %s endpoint was refused: %s", self.what,
+                                  f"{self.max_peers} are connected" if full else
+                                  f"fewer than {self.fd_reserve} fds are free (the server's reserve)")
+                self._shut(fd, peer)
+
+    def check(self) -> None:
+        """Forget peers whose fd is no longer theirs (a ``DISCONNECTED`` the monitor's queue
+        dropped), and drop TCP peers that sent more than they may."""
+        now = time.monotonic()
+        for fd, peer in list(self._peers.items()):
+            if _with_fd(fd, peer.local, lambda s: s.getpeername()) != peer.remote:
+                del self._peers[fd]
+                continue
+            if self.max_bytes is None or not peer.tcp or peer.dropped:
+                continue
+            got = _with_fd(fd, peer.local, _bytes_received)
+            if got is not None and got > self.max_bytes + BYTES_PER_S * (now - peer.since):
+                self.dropped += 1
+                _drop_log.warning("lmshm: a KV event %s peer sent %d bytes (at most %d, and %d a second "
+                                  "connected); it was disconnected", self.what, got, self.max_bytes, BYTES_PER_S)
+                self._shut(fd, peer)
+
+    def _shut(self, fd: int, peer: _Peer) -> None:
+        peer.dropped = True         # still counted until libzmq closes it (DISCONNECTED)
+        _with_fd(fd, peer.local, lambda s: s.shutdown(socket.SHUT_RDWR))
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes)."""
+        try:
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self.monitor.close(linger=0)
+        self._peers.clear()
+
+
+def _bytes_received(sock: socket.socket) -> Optional[int]:
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    if len(info) < _TCPI_BYTES_RECEIVED + 8:
+        return None
+    return struct.unpack_from("=Q", info, _TCPI_BYTES_RECEIVED)[0]
