@@ -203,7 +203,7 @@ class HttpEndpoint:
         started = time.monotonic()
         name = "unknown"
         conn = self.connections.of(request) if self.connections is not None else None
-        held = 0     # bytes of a lookup's body taken from kv_lookup.BYTES_HELD
+        held = None  # a lookup's kv_lookup.Ticket: bytes of its body taken from kv_lookup.BYTES_HELD
         try:
             info = request.match_info
             route = info.route.resource.canonical if info.route.resource is not None else ""
@@ -218,15 +218,20 @@ class HttpEndpoint:
                 response.force_close()
                 return self._done(name, "PERMISSION_DENIED", started, response)
             if route == KV_LOOKUP_PATH and request.method == "POST":
-                admitted = self.kv_lookup.admit(request, self.max_body)
-                if admitted is None:
+                arrived = not request.body_exists or request.content.is_eof()
+                held = self.kv_lookup.admit(request, self.max_body, arrived, asyncio.get_running_loop().time())
+                if held is None:
                     return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
-                held = admitted
-            if not await self._read_body(request, conn):
+            read = await self._read_body(request, conn, held.evicted if held is not None else None)
+            if held is not None and held.evicted.done():    # it gave way to another lookup: kv_lookup.GIVE_WAY_S
+                return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
+            if not read:
                 response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
                                             "first byte (lmshm-server --http-request-timeout)")
                 response.force_close()
                 return self._done(name, "INVALID_ARG", started, response)
+            if held is not None:
+                self.kv_lookup.arrived(held)
             if conn is not None:
                 conn.in_progress()
             if "sharedmemory" in route:
@@ -264,7 +269,7 @@ class HttpEndpoint:
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
         finally:
-            if held:
+            if held is not None:
                 self.kv_lookup.release(held)
             if conn is not None:
                 conn.answered()
@@ -278,19 +283,27 @@ class HttpEndpoint:
         response.force_close()
         return response
 
-    async def _read_body(self, request: web.Request, conn: Optional["_Conn"]) -> bool:
+    async def _read_body(self, request: web.Request, conn: Optional["_Conn"],
+                         give_way: "Optional[asyncio.Future[None]]" = None) -> bool:
         """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
-        request's deadline; False if it did not arrive in time. Over the size limit raises
-        ``HTTPRequestEntityTooLarge``."""
+        request's deadline; False if it did not arrive in time, or ``give_way`` was done first
+        (a lookup's body gave way to another's: ``kv_lookup.GIVE_WAY_S``). Over the size limit
+        raises ``HTTPRequestEntityTooLarge``."""
         if not request.body_exists or request.content.is_eof():
             await request.read()  # all here already: no timer needed (the usual case)
             return True
         left = conn.time_left() if conn is not None else self.request_timeout_s
+        reading = asyncio.ensure_future(request.read())
         try:
-            await asyncio.wait_for(request.read(), max(left, 0.05))
-        except asyncio.TimeoutError:
-            return False
-        return True
+            done, _ = await asyncio.wait({reading} | ({give_way} if give_way is not None else set()),
+                                         timeout=max(left, 0.05), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+        if reading in done:
+            reading.result()     # raises what the read raised (too large, the connection went)
+            return True
+        return False
 
     def _done(self, name: str, code: str, started: float, response: web.StreamResponse) -> web.StreamResponse:
         self.server.metrics.observe("http", name, code, time.monotonic() - started)

@@ -521,3 +521,45 @@ def test_a_long_lookup_is_decoded_in_slices_to_what_json_reads_and_refused_as_js
     big = b'{"token_ids": [' + b"1, " * kv_lookup.SLICE_BYTES + b"1" + b"0" * 30 + b'], "block_size": 1}'
     assert kv_lookup.parse_body(big)["token_ids"][-1] == 10 ** 30       # json's integer; check_request refuses it
     assert kv_lookup.parse_body(big.replace(b"1, 1", b"1, 1.5", 1))["token_ids"][1] == 1.5
+
+
+def test_lookups_that_declare_large_bodies_and_send_nothing_cannot_keep_honest_lookups_out(tmp_path):
+    """Round 4, fresh attack: a client that declares the largest bodies (Content-Length 9 MiB)
+    and sends none of them took all of ``kv_lookup.BYTES_HELD`` for a whole
+    ``--http-request-timeout``; opening such a lookup every 20 ms, it kept it taken, and 99% of an
+    honest router's lookups were told 503 for as long as it went on. A body still arriving now
+    gives way (``kv_lookup.GIVE_WAY_S``), at once to a lookup whose body is all here."""
+    limit = kv_lookup.LARGEST_BODY
+    head = (f"POST {kv_lookup.PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {limit}\r\n\r\n{{").encode()
+    with serving(tmp_path, "--http-max-body-bytes", str(limit)) as (server, engine, http):
+        port = int(http.base.rsplit(":", 1)[1])
+        stop, held = False, collections.deque()
+
+        def hold() -> None:
+            while not stop:
+                with contextlib.suppress(OSError):
+                    s = socket.create_connection(("127.0.0.1", port))
+                    s.sendall(head)
+                    held.append((time.monotonic(), s))
+                while held and held[0][0] < time.monotonic() - 6:
+                    held.popleft()[1].close()
+                time.sleep(0.02)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            attacker = pool.submit(hold)
+            try:
+                time.sleep(0.5)
+                body, statuses, until = _j({"block_hashes": chain(2)}), collections.Counter(), time.monotonic() + 6
+                while time.monotonic() < until:
+                    statuses[_post_raw(port, body)[0]] += 1
+                    time.sleep(0.05)
+            finally:
+                stop = True
+                attacker.result()
+                for _, s in held:
+                    s.close()
+        answered = statuses[200] / sum(statuses.values())
+        assert answered >= 0.8, f"only {answered:.0%} of honest lookups were answered: {dict(statuses)}"
+        assert http.leading(block_hashes=chain(2)) == (0, {"pool": 0})     # served on
+    assert "Traceback" not in server.log()
