@@ -22,6 +22,8 @@ site's page asks, so every request passes these checks (``problem``) before its 
    ``application/octet-stream`` (its asyncio client).
 4. Every answer carries ``SECURITY_HEADERS``: nothing may frame it, sniff it into a script, or
    embed it from another origin; the status page sets a script and style policy of its own.
+   aiohttp's own answers (a 400 for a request it cannot parse) too (``http._SecuredHandler``):
+   one without the policy let any page tell the endpoint's port from a closed one.
 
 The easy thing to get wrong: a POST with *no* Content-Type is a "simple" request too (``fetch``
 of a Blob or an ArrayBuffer, ``sendBeacon``), so rule 3 lets it pass for tritonclient's sake and

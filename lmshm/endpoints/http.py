@@ -7,8 +7,9 @@ short). Errors are Triton's ``{"error": "..."}`` bodies with Triton's status cod
 ``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403. Before a
 body is read, what a web page could send is refused (``browser_guard``: a foreign Host 421, a
 foreign Origin 403, a POST of a form or text type 415), and a KV lookup takes its body's bytes
-from ``kv_lookup.BYTES_HELD`` (503 with Retry-After past it); every answer carries
-``browser_guard.SECURITY_HEADERS``.
+from ``kv_lookup.BYTES_HELD`` (503 with Retry-After past it; a body still arriving gives way to
+another lookup there, ``kv_lookup.GIVE_WAY_S``); every answer carries
+``browser_guard.SECURITY_HEADERS``, aiohttp's own 400s included (``_SecuredHandler``).
 
 Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
 - ``GET /v2/health/live``, ``GET /v2/health/ready``: 200, or 400 when not live/ready;
@@ -56,6 +57,7 @@ from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
@@ -71,6 +73,11 @@ logger = logging.getLogger("lmshm.http")
 _KINDS = {"systemsharedmemory": "system", "cudasharedmemory": "cuda"}
 _OP_NAMES = {"system": "SystemSharedMemory", "cuda": "CudaSharedMemory"}
 MAX_ERROR = 1024
+#: The largest body of any request but ``POST /v1/kv/lookup`` (a register's is a few hundred
+#: bytes), whatever ``--http-max-body-bytes`` says: that limit, raised for lookups by tokens, made
+#: every other route read that much per connection with no budget (``kv_lookup.BYTES_HELD`` bounds
+#: lookups'): 48 connections sending 8 MiB bodies to ``/v2/health/live`` held 390 MiB.
+OTHER_MAX_BODY = 64 << 10
 #: How often deadlines are checked (seconds): a deadline may be overrun by this much.
 SWEEP_S = 0.25
 #: The kernel's queue of connections not accepted yet (they hold no fd of ours); as deep as
@@ -153,7 +160,7 @@ class HttpEndpoint:
                 runner = web.AppRunner(self._app(), access_log=None, handle_signals=False,
                                        keepalive_timeout=self.idle_timeout_s + self.request_timeout_s + 1)
                 loop.run_until_complete(runner.setup())
-                connections = _Connections(runner.server, self.max_connections, self.idle_timeout_s,
+                connections = _Connections(_secured_handlers(runner.server), self.max_connections, self.idle_timeout_s,
                                            self.request_timeout_s, loop)
                 try:
                     self.port = connections.listen(self.host, self.port)
@@ -203,7 +210,8 @@ class HttpEndpoint:
         started = time.monotonic()
         name = "unknown"
         conn = self.connections.of(request) if self.connections is not None else None
-        held = 0     # bytes of a lookup's body taken from kv_lookup.BYTES_HELD
+        limit = self.max_body  # this request's body limit
+        held = None  # a lookup's kv_lookup.Ticket: bytes of its body taken from kv_lookup.BYTES_HELD
         try:
             info = request.match_info
             route = info.route.resource.canonical if info.route.resource is not None else ""
@@ -218,15 +226,25 @@ class HttpEndpoint:
                 response.force_close()
                 return self._done(name, "PERMISSION_DENIED", started, response)
             if route == KV_LOOKUP_PATH and request.method == "POST":
-                admitted = self.kv_lookup.admit(request, self.max_body)
-                if admitted is None:
+                arrived = not request.body_exists or request.content.is_eof()
+                held = self.kv_lookup.admit(request, self.max_body, arrived, asyncio.get_running_loop().time())
+                if held is None:
                     return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
-                held = admitted
-            if not await self._read_body(request, conn):
+            elif self.max_body > OTHER_MAX_BODY:   # only a lookup needs a large body (and is budgeted)
+                limit = OTHER_MAX_BODY
+                request = request.clone(client_max_size=limit)
+                if request.content_length is not None and request.content_length > limit:
+                    raise web.HTTPRequestEntityTooLarge(limit, request.content_length)
+            read = await self._read_body(request, conn, held.evicted if held is not None else None)
+            if held is not None and held.evicted.done():    # it gave way to another lookup: kv_lookup.GIVE_WAY_S
+                return self._done(name, "UNAVAILABLE", started, await self._lookups_busy(request))
+            if not read:
                 response = _json_error(408, f"the request did not arrive within {self.request_timeout_s:g} s of its "
                                             "first byte (lmshm-server --http-request-timeout)")
                 response.force_close()
                 return self._done(name, "INVALID_ARG", started, response)
+            if held is not None:
+                self.kv_lookup.arrived(held)
             if conn is not None:
                 conn.in_progress()
             if "sharedmemory" in route:
@@ -240,8 +258,9 @@ class HttpEndpoint:
             return self._done(name, code, started, _json_error(http_status(exc.code), exc.message))
         except web.HTTPRequestEntityTooLarge:
             await _drain(request, 16 * self.max_body)
-            response = _json_error(
-                400, f"the request body is larger than {self.max_body} bytes (lmshm-server --http-max-body-bytes)")
+            response = _json_error(400, f"the request body is larger than {limit} bytes " + (
+                "(lmshm-server --http-max-body-bytes)" if limit == self.max_body else
+                f"(this route's limit; --http-max-body-bytes {self.max_body} is for {KV_LOOKUP_PATH} only)"))
             response.force_close()
             return self._done(name, "INVALID_ARG", started, response)
         except web.HTTPMethodNotAllowed as exc:
@@ -264,7 +283,7 @@ class HttpEndpoint:
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
         finally:
-            if held:
+            if held is not None:
                 self.kv_lookup.release(held)
             if conn is not None:
                 conn.answered()
@@ -278,19 +297,27 @@ class HttpEndpoint:
         response.force_close()
         return response
 
-    async def _read_body(self, request: web.Request, conn: Optional["_Conn"]) -> bool:
+    async def _read_body(self, request: web.Request, conn: Optional["_Conn"],
+                         give_way: "Optional[asyncio.Future[None]]" = None) -> bool:
         """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
-        request's deadline; False if it did not arrive in time. Over the size limit raises
-        ``HTTPRequestEntityTooLarge``."""
+        request's deadline; False if it did not arrive in time, or ``give_way`` was done first
+        (a lookup's body gave way to another's: ``kv_lookup.GIVE_WAY_S``). Over the size limit
+        raises ``HTTPRequestEntityTooLarge``."""
         if not request.body_exists or request.content.is_eof():
             await request.read()  # all here already: no timer needed (the usual case)
             return True
         left = conn.time_left() if conn is not None else self.request_timeout_s
+        reading = asyncio.ensure_future(request.read())
         try:
-            await asyncio.wait_for(request.read(), max(left, 0.05))
-        except asyncio.TimeoutError:
-            return False
-        return True
+            done, _ = await asyncio.wait({reading} | ({give_way} if give_way is not None else set()),
+                                         timeout=max(left, 0.05), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not reading.done():
+                reading.cancel()
+        if reading in done:
+            reading.result()     # raises what the read raised (too large, the connection went)
+            return True
+        return False
 
     def _done(self, name: str, code: str, started: float, response: web.StreamResponse) -> web.StreamResponse:
         self.server.metrics.observe("http", name, code, time.monotonic() - started)
@@ -667,6 +694,33 @@ async def _secure(request: web.Request, response: web.StreamResponse) -> None:
     """Every answer's ``SECURITY_HEADERS`` (a route may set its own Content-Security-Policy)."""
     for header, value in SECURITY_HEADERS.items():
         response.headers.setdefault(header, value)
+
+
+class _SecuredHandler(RequestHandler):
+    """aiohttp's connection handler, whose own answers carry ``SECURITY_HEADERS`` too: a request
+    aiohttp cannot parse (a request line or header over 8190 bytes, a malformed header) is
+    answered 400 by aiohttp itself, before routing, so neither the middleware nor
+    ``on_response_prepare`` sees it. Without ``Cross-Origin-Resource-Policy`` on it, a page of
+    any origin told this endpoint from a closed port: ``fetch(url + "a".repeat(9000), {mode:
+    "no-cors"})`` resolved here and failed there, where every other answer fails alike."""
+
+    __slots__ = ()
+
+    def handle_error(self, request: Any, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        response = super().handle_error(request, status, exc, message)
+        for header, value in SECURITY_HEADERS.items():
+            response.headers.setdefault(header, value)
+        return response
+
+
+def _secured_handlers(server: Any) -> Callable[[], RequestHandler]:
+    """``server``'s handler factory (an aiohttp ``Server``), making ``_SecuredHandler``s."""
+    def make() -> RequestHandler:
+        handler = server()
+        handler.__class__ = _SecuredHandler      # the same slots: only handle_error differs
+        return handler
+    return make
 
 
 def _kind_of(request: web.Request) -> str:

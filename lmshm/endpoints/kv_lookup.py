@@ -42,6 +42,7 @@ import asyncio
 import json
 import re
 import socket
+from collections import OrderedDict
 from typing import Any, Optional
 
 import msgspec
@@ -76,6 +77,14 @@ LARGEST_BODY = 9 << 20
 #: is always let in when none is held, so a ``--http-max-body-bytes`` above this still works.)
 BYTES_HELD = (LOOKUPS_AT_ONCE + 2) * LARGEST_BODY
 RETRY_AFTER_S = 1
+#: Where ``BYTES_HELD`` is full, a lookup whose body is still arriving gives way to a new one
+#: once it has held its bytes this long (seconds), and at once to one whose body is all here: a
+#: body that is not sent holds no memory, so a client that declares large bodies and sends them
+#: slowly cannot keep every other lookup out (it did, for the whole --http-request-timeout).
+#: Of those that may give way, the one arriving slowest (bytes per second so far) does, so such a
+#: client cannot pick off an honest body in flight either; bodies that have arrived never give way.
+#: The lookup that gives way is answered 503.
+GIVE_WAY_S = 1.0
 #: The longest LoRA name or cache salt a lookup by tokens may name (an advert's text bound).
 MAX_NAME = MAX_TEXT
 FIELDS = ("block_hashes", "token_ids", "block_size", "lora_name", "cache_salt")
@@ -342,6 +351,16 @@ def lookup(index: Any, tiers: list[str], kind: str, values: list, block_size: Op
     return out
 
 
+class Ticket:
+    """A lookup's bytes of ``BYTES_HELD``: ``size``, taken at ``since`` (the loop's clock);
+    ``evicted`` is done when its body, still arriving (``content``), gave way to another lookup's."""
+
+    __slots__ = ("size", "since", "evicted", "content", "released")
+
+    def __init__(self, size: int, since: float, evicted: "asyncio.Future[None]", content: Any) -> None:
+        self.size, self.since, self.evicted, self.content, self.released = size, since, evicted, content, False
+
+
 class KvLookup:
     """The routes; ``add_routes`` puts them on the HTTP endpoint's router."""
 
@@ -349,19 +368,36 @@ class KvLookup:
         self.server = server
         self._turns = asyncio.Semaphore(LOOKUPS_AT_ONCE)
         self.held = 0     # bytes of bodies let in and not answered yet (the endpoint's loop only)
+        self._arriving: "OrderedDict[Ticket, None]" = OrderedDict()   # tickets whose bodies are arriving
 
-    def admit(self, request: web.Request, max_body: int) -> Optional[int]:
-        """The bytes ``request``'s body may hold (its Content-Length, else ``max_body``), taken
-        from ``BYTES_HELD`` before the endpoint reads it; None when there is no room: the
-        endpoint answers 503 without reading it. ``release`` gives them back."""
+    def admit(self, request: web.Request, max_body: int, arrived: bool, now: float) -> Optional["Ticket"]:
+        """A ticket for the bytes ``request``'s body may hold (its Content-Length, else
+        ``max_body``), taken from ``BYTES_HELD`` before the endpoint reads it; None when there is
+        no room: the endpoint answers 503 without reading it. ``arrived``: the whole body is here
+        already. Where there is no room, bodies still arriving give way, the slowest first (see
+        ``GIVE_WAY_S``). ``arrived`` once the body is read, ``release`` once answered."""
         size = min(request.content_length if request.content_length is not None else max_body, max_body)
-        if self.held and self.held + size > BYTES_HELD:
-            return None
+        while self.held and self.held + size > BYTES_HELD:
+            victims = [t for t in self._arriving if arrived or t.since + GIVE_WAY_S <= now]
+            if not victims:
+                return None
+            victim = min(victims, key=lambda t: t.content.total_bytes / max(now - t.since, 0.05))   # the slowest
+            self.release(victim)
+            victim.evicted.set_result(None)
+        ticket = Ticket(size, now, asyncio.get_running_loop().create_future(), request.content)
         self.held += size
-        return size
+        self._arriving[ticket] = None
+        return ticket
 
-    def release(self, size: int) -> None:
-        self.held -= size
+    def arrived(self, ticket: "Ticket") -> None:
+        """``ticket``'s body is all here: it holds its bytes until answered, and no longer gives way."""
+        self._arriving.pop(ticket, None)
+
+    def release(self, ticket: "Ticket") -> None:
+        if not ticket.released:
+            ticket.released = True
+            self.held -= ticket.size
+            self._arriving.pop(ticket, None)
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
         router.add_post(PATH, self.post)

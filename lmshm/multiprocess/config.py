@@ -286,7 +286,8 @@ SETTINGS: tuple[Setting, ...] = (
             "127.0.0.1)", "HOST"),
     Setting("http_max_body_bytes", "--http-max-body-bytes", "LMSHM_HTTP_MAX_BODY_BYTES", "http_max_body_bytes",
             "largest HTTP request body accepted; a larger one is answered 400 (default 65536; the largest KV "
-            "lookup, a million token ids, needs 9437184: docs/kv-lookup.md)", "N"),
+            "lookup, a million token ids, needs 9437184: docs/kv-lookup.md; other routes take 65536 at most)",
+            "N"),
     Setting("grpc_max_message_bytes", "--grpc-max-message-bytes", "LMSHM_GRPC_MAX_MESSAGE_BYTES",
             "grpc_max_message_bytes", "largest gRPC request accepted (default 65536)", "N"),
     Setting("http_allow_hosts", "--http-allow-host", "LMSHM_HTTP_ALLOW_HOSTS", "http_allow_hosts",

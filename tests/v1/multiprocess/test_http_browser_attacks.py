@@ -322,3 +322,69 @@ def test_programs_keep_working_and_only_hosts_the_operator_named_are_answered(tm
     help_text = subprocess.run([sys.executable, "-m", "lmshm.server", "--help"], capture_output=True, text=True,
                                timeout=60).stdout
     assert "--http-allow-host" in help_text and "LMSHM_HTTP_ALLOW_HOSTS" in help_text
+
+
+#: Round 4, fresh attack: a page asks, without reading any answer, whether an HTTP server listens
+#: on a port: ``fetch(..., {mode: "no-cors"})`` resolves where an answer may be embedded and fails
+#: where ``Cross-Origin-Resource-Policy`` forbids it or nothing listens.
+SCAN_PAGE = r"""<!doctype html><html><body><script>
+"use strict";
+const probe = url => fetch(url, {mode: "no-cors", cache: "no-store"}).then(() => "resolved", () => "failed");
+const LONG = "/" + "a".repeat(9000);        // a request line over aiohttp's 8190 bytes
+(async () => {
+  window.results = {
+    lmshm: await probe("__BASE__/status.json"), lmshm_long: await probe("__BASE__" + LONG),
+    closed: await probe("__CLOSED__/status.json"), closed_long: await probe("__CLOSED__" + LONG),
+  };
+})();
+</script></body></html>
+"""
+
+
+def _raw_bytes(port: int, request: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def test_a_page_cannot_tell_the_endpoint_from_a_closed_port_and_aiohttps_own_answers_carry_the_headers(tmp_path):
+    """aiohttp answers a request it cannot parse (a request line over 8190 bytes, a malformed
+    header) 400 by itself, before the middleware and ``on_response_prepare``: without the
+    security headers. A page's no-cors ``fetch`` of a 9,000-byte URL resolved on lmshm-server's
+    port (nothing forbade embedding that answer) and failed on a closed one, so any page learned
+    where the endpoint listens, which every other answer (``Cross-Origin-Resource-Policy``) hides."""
+    sync_playwright = _browser()
+    port, closed = free_port(), free_port()
+    server = ServerProcess(tmp_path, "--http-port", str(port))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                html = (SCAN_PAGE.replace("__BASE__", f"http://127.0.0.1:{port}")
+                        .replace("__CLOSED__", f"http://127.0.0.1:{closed}"))
+                with site(tmp_path, html) as url:
+                    page = browser.new_page()
+                    page.goto(url)
+                    page.wait_for_function("() => window.results", timeout=30_000)
+                    results = page.evaluate("() => window.results")
+            finally:
+                browser.close()
+        assert results == {"lmshm": "failed", "lmshm_long": "failed", "closed": "failed",
+                           "closed_long": "failed"}, results
+        for request in (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                        b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\nX: " + b"a" * 9000 + b"\r\n\r\n",
+                        b"GET /status.json HTTP/1.1\r\nHost: 127.0.0.1\r\nBad Header\r\n\r\n"):
+            answer = _raw_bytes(port, request)
+            head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+            assert head.startswith("http/1.0 400") or head.startswith("http/1.1 400"), answer[:200]
+            for header in ("cross-origin-resource-policy: same-origin", "x-content-type-options: nosniff",
+                           "x-frame-options: deny", "content-security-policy: default-src 'none'"):
+                assert header in head, (header, answer[:600])
+        assert json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/v2", timeout=10).read())["name"] == "lmshm"
+    finally:
+        assert server.stop() == 0, server.log()

@@ -521,3 +521,111 @@ def test_a_long_lookup_is_decoded_in_slices_to_what_json_reads_and_refused_as_js
     big = b'{"token_ids": [' + b"1, " * kv_lookup.SLICE_BYTES + b"1" + b"0" * 30 + b'], "block_size": 1}'
     assert kv_lookup.parse_body(big)["token_ids"][-1] == 10 ** 30       # json's integer; check_request refuses it
     assert kv_lookup.parse_body(big.replace(b"1, 1", b"1, 1.5", 1))["token_ids"][1] == 1.5
+
+
+def test_lookups_that_declare_large_bodies_and_send_nothing_cannot_keep_honest_lookups_out(tmp_path):
+    """Round 4, fresh attack: a client that declares the largest bodies (Content-Length 9 MiB)
+    and sends none of them took all of ``kv_lookup.BYTES_HELD`` for a whole
+    ``--http-request-timeout``; opening such a lookup every 20 ms, it kept it taken, and 99% of an
+    honest router's lookups were told 503 for as long as it went on. A body still arriving now
+    gives way (``kv_lookup.GIVE_WAY_S``), at once to a lookup whose body is all here."""
+    limit = kv_lookup.LARGEST_BODY
+    head = (f"POST {kv_lookup.PATH} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {limit}\r\n\r\n{{").encode()
+    with serving(tmp_path, "--http-max-body-bytes", str(limit)) as (server, engine, http):
+        port = int(http.base.rsplit(":", 1)[1])
+        stop, held = False, collections.deque()
+
+        def hold() -> None:
+            while not stop:
+                with contextlib.suppress(OSError):
+                    s = socket.create_connection(("127.0.0.1", port))
+                    s.sendall(head)
+                    held.append((time.monotonic(), s))
+                while held and held[0][0] < time.monotonic() - 6:
+                    held.popleft()[1].close()
+                time.sleep(0.02)
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            attacker = pool.submit(hold)
+            try:
+                time.sleep(0.5)
+                body, statuses, until = _j({"block_hashes": chain(2)}), collections.Counter(), time.monotonic() + 6
+                while time.monotonic() < until:
+                    statuses[_post_raw(port, body)[0]] += 1
+                    time.sleep(0.05)
+            finally:
+                stop = True
+                attacker.result()
+                for _, s in held:
+                    s.close()
+        answered = statuses[200] / sum(statuses.values())
+        assert answered >= 0.8, f"only {answered:.0%} of honest lookups were answered: {dict(statuses)}"
+        assert http.leading(block_hashes=chain(2)) == (0, {"pool": 0})     # served on
+    assert "Traceback" not in server.log()
+
+
+def test_where_lookup_bytes_are_full_the_slowest_body_still_arriving_gives_way():
+    """``KvLookup.admit`` (in process): a body all here takes the place of one still arriving at
+    once, one still arriving only after ``GIVE_WAY_S``; the one that gives way is the slowest to
+    arrive, never a body that has arrived, so stalled bodies cannot pick off an honest one."""
+    import asyncio
+    import types
+
+    def request(length: int, sent: int) -> Any:
+        return types.SimpleNamespace(content_length=length, content=types.SimpleNamespace(total_bytes=sent))
+
+    async def run() -> None:
+        lookups, big = kv_lookup.KvLookup(None), kv_lookup.LARGEST_BODY
+        stalled = [lookups.admit(request(big, 1), big, False, 0.0) for _ in range(3)]
+        honest = lookups.admit(request(big, 8 << 20), big, False, 0.0)       # 8 MiB of it here already
+        assert None not in stalled and honest is not None and lookups.held == kv_lookup.BYTES_HELD
+        assert lookups.admit(request(big, 1), big, False, 0.5) is None      # nobody has waited GIVE_WAY_S
+        small = lookups.admit(request(100, 100), big, True, 0.5)            # all here: in at once
+        assert small is not None and [t.evicted.done() for t in stalled] == [True, False, False]
+        later = lookups.admit(request(big, 1), big, False, kv_lookup.GIVE_WAY_S + 0.5)
+        assert later is not None and [t.evicted.done() for t in stalled] == [True, True, False]
+        assert not honest.evicted.done() and not small.evicted.done()
+        lookups.arrived(honest)
+        for t in (*stalled, honest, small, later):
+            lookups.release(t)
+        assert lookups.held == 0
+
+    asyncio.run(run())
+
+
+def test_routes_other_than_lookups_read_no_large_bodies_whatever_the_limit_for_lookups(tmp_path):
+    """Round 4, fresh attack: ``--http-max-body-bytes 9437184`` (what docs/kv-lookup.md
+    recommends for lookups by tokens) let every route read that much per connection, and only
+    ``POST /v1/kv/lookup`` takes its bytes from ``kv_lookup.BYTES_HELD``: 48 connections sending
+    8 MiB of 9 MiB bodies to ``GET /v2/health/live`` or ``POST .../unregister`` held 390 MiB
+    (the same to the lookup route: 42 MiB). Other routes now read at most
+    ``http.OTHER_MAX_BODY`` (64 KiB); a larger body is a 400 that says so."""
+    from lmshm.endpoints.http import OTHER_MAX_BODY
+
+    size = kv_lookup.LARGEST_BODY
+    with serving(tmp_path, "--http-max-body-bytes", str(size)) as (server, engine, http):
+        port = int(http.base.rsplit(":", 1)[1])
+        before = _peak_rss_kb(server.proc.pid)
+        socks, chunk = [], b"7" * (1 << 20)
+        try:
+            for i in range(48):
+                method, path = ("GET", "/v2/health/live") if i % 2 else ("POST", "/v2/systemsharedmemory/unregister")
+                s = socket.create_connection(("127.0.0.1", port), timeout=10)
+                socks.append(s)
+                with contextlib.suppress(OSError):
+                    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {size}\r\n\r\n".encode())
+                    for _ in range(8):
+                        s.sendall(chunk)
+            time.sleep(1.0)
+            grown_mib = (_peak_rss_kb(server.proc.pid) - before) / 1024
+        finally:
+            for s in socks:
+                s.close()
+        assert grown_mib < 100, f"the server's peak RSS grew {grown_mib:.0f} MiB for 48 bodies to routes that need none"
+        status, reply = http.call("POST", "/v2/systemsharedmemory/unregister", b"x" * (OTHER_MAX_BODY + 1))
+        assert status == 400 and f"larger than {OTHER_MAX_BODY} bytes" in reply["error"], reply
+        assert http.call("POST", "/v2/systemsharedmemory/unregister", b"")[0] == 200
+        big = _j({"block_hashes": [(1 << 63) + i for i in range(kv_lookup.MAX_BLOCKS)]})
+        assert len(big) > 1 << 20 and _post_raw(port, big)[0] == 200        # lookups still may send large bodies
+    assert "Traceback" not in server.log()
