@@ -144,6 +144,21 @@ def test_replay_requesters_that_never_read_hold_no_copies_of_the_buffer(start_se
     assert grown < 48 << 20, f"16 requesters that never read grew the server by {grown / 2**20:.0f} MiB"
 
 
+def _published(http: int, timeout_s: float = 30.0) -> dict:
+    """The metrics once the index has applied every queued advert and the publisher has sent
+    what that made (the index applies a STORE's adverts in bounded steps, so a flood's events
+    go out over some time after its last reply)."""
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while True:
+        m = _metrics(http)
+        now = (m.get("lmshm_kv_events_queued", 0), m["lmshm_kv_events_published_bytes"])
+        if now[0] == 0 and now == last or time.monotonic() > deadline:
+            return m
+        last = now
+        time.sleep(0.1)
+
+
 def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_default_hwm(start_server, engines):
     http = _free_port()
     server, pub, _ = _events_server(start_server, "--max-objects", "4", "--kv-events-subscriber-bytes", "4MiB",
@@ -165,13 +180,16 @@ def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_defa
 
         for k in range(20):
             store(k)
-        time.sleep(0.5)
-        before, sent_before = _rss(server.proc.pid), _metrics(http)["lmshm_kv_events_published_bytes"]
+            if k % 4 == 3:
+                _published(http)
+        sent_before = _published(http)["lmshm_kv_events_published_bytes"]
+        before = _rss(server.proc.pid)
         for k in range(20, 200):        # ~55 MiB more, at --kv-events-hwm's default (10,000 batches)
             store(k)
-        time.sleep(0.5)
+            if k % 4 == 3:              # paced: the log (--kv-events-buffer 1024 records) keeps what the publisher has not read yet
+                _published(http)
+        m = _published(http)
         grown = _rss(server.proc.pid) - before
-        m = _metrics(http)
     finally:
         stuck.close()
         ctx.term()
