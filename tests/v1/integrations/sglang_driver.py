@@ -1,0 +1,222 @@
+"""Drives SGLang's own HiCache code (in .venv-sglang) against a real lmshm-server.
+
+Run as ``.venv-sglang/bin/python sglang_driver.py SCENARIO JSON``; prints one JSON line of
+results. Nothing here stands in for SGLang except what needs a GPU: SGLang's device pools run
+on ``device="cpu"`` and its host pools with ``pin_memory=False`` (pinning needs CUDA). Each
+scenario builds SGLang's device and host pools, a real ``HiCacheController`` that loads
+``lmshm.integrations.sglang.LmshmHiCacheStorage`` through SGLang's ``dynamic`` factory, and
+moves pages through the controller's backup thread and its prefetch code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import torch
+
+STANDINS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_standins")
+
+
+def _install_standins() -> None:
+    """Named stand-ins (GPU-only or CUDA-only pieces), see each module's docstring."""
+    from transformers.utils import import_utils
+
+    assert not import_utils.is_torchvision_available()   # decided (and cached) before the stand-in
+    sys.path.append(STANDINS)
+
+
+_install_standins()
+
+MODULE = "lmshm.integrations.sglang"
+
+
+def extra_config(url: str, **more) -> dict:
+    return {"backend_name": "lmshm", "module_path": MODULE, "class_name": "LmshmHiCacheStorage",
+            "interface_v1": 1, "allocator": "shm", "lmshm.url": url, **more}
+
+
+def build(kind: str, layout: str, page_size: int, pages: int, url: str, model: str = "tiny",
+          extra: dict | None = None, tp_rank: int = 0, tp_size: int = 1, tp_group=None, dtype=torch.bfloat16):
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    cfg = extra_config(url, **(extra or {}))
+    args = ServerArgs(model_path="dummy", page_size=page_size, hicache_storage_backend="dynamic",
+                      hicache_storage_backend_extra_config=json.dumps(cfg))
+    set_global_server_args_for_scheduler(args)
+    size = pages * page_size
+    if kind == "mha":
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+        dev = MHATokenToKVPool(size, page_size, dtype, head_num=2, head_dim=16, layer_num=3, device="cpu",
+                               enable_memory_saver=False, start_layer=0, end_layer=2)
+        host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 1.0, 0, page_size, layout, pin_memory=False,
+                                    device="cpu", allocator_type="shm", device_capacity_tokens=size,
+                                    start_layer=0, end_layer=2)
+    else:
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        dev = MLATokenToKVPool(size, page_size, dtype, kv_lora_rank=32, qk_rope_head_dim=8, layer_num=3,
+                               device="cpu", enable_memory_saver=False, start_layer=0, end_layer=2)
+        host = MLATokenToKVPoolHost(dev._mla_buffer_info(), 1.0, 0, page_size, layout, pin_memory=False,
+                                    device="cpu", allocator_type="shm", device_capacity_tokens=size,
+                                    start_layer=0, end_layer=2, target_layer_num=3)
+    alloc = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", dev, need_sort=False)
+    override = get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1)
+    override.__enter__()
+    ctrl = HiCacheController(alloc, host, page_size, tp_group, threading.Event(), io_backend="direct",
+                             storage_backend="dynamic", model_name=model, storage_backend_extra_config=dict(cfg))
+    return ctrl, host
+
+
+# ---- pages: deterministic bytes, written into and read out of SGLang's host pool ----------
+
+import ctypes  # noqa: E402
+
+
+def page_bytes(host, page: int) -> bytes:
+    """A host page's bytes, region by region, as ``get_page_buffer_meta`` describes them."""
+    ps = host.page_size
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64))
+    return b"".join(ctypes.string_at(p, n) for p, n in zip(ptrs, sizes))
+
+
+def fill_page(host, page: int, seed: int) -> bytes:
+    ps = host.page_size
+    ptrs, sizes = host.get_page_buffer_meta(torch.arange(page * ps, (page + 1) * ps, dtype=torch.int64))
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, 256, (sum(sizes),), dtype=torch.uint8, generator=g).numpy().tobytes()
+    at = 0
+    for p, n in zip(ptrs, sizes):
+        ctypes.memmove(p, data[at:at + n], n)
+        at += n
+    return data
+
+
+def keys_for(tokens, page_size, salt=None):
+    from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_seed
+
+    return get_storage_hash_str(list(tokens), storage_namespace_seed(None, salt), page_size=page_size)
+
+
+def backup(ctrl, host, tokens, keys, seed, timeout_s=20.0):
+    """Fill fresh host pages, back them up through the controller's backup thread."""
+    ps = host.page_size
+    n = len(keys)
+    idx = host.alloc(n * ps)
+    pages = (idx[::ps] // ps).tolist()
+    expect = [fill_page(host, p, seed * 1000 + i) for i, p in enumerate(pages)]
+    op_id = ctrl.write_storage(idx, list(tokens[:n * ps]), hash_value=list(keys))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            op = ctrl.ack_backup_queue.get(timeout=0.5)
+        except Exception:  # noqa: BLE001 - queue.Empty
+            continue
+        if op.id == op_id:
+            host.free(idx)
+            return op.completed_tokens // ps, expect
+    raise TimeoutError("backup did not finish")
+
+
+def prefetch(ctrl, host, tokens, salt=None, rid="r"):
+    """SGLang's prefetch path: its hit query (batch_exists), then its page transfer (batch_get_v1)
+    into freshly allocated host pages; returns (hit pages, loaded pages, their bytes)."""
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+    from sglang.srt.mem_cache.utils import storage_namespace_seed
+
+    ps = host.page_size
+    op = PrefetchOperation(rid, list(tokens), last_hash=storage_namespace_seed(None, salt))
+    hash_value, hit_tokens = ctrl._storage_hit_query(op)
+    hits = hit_tokens // ps
+    if not hits:
+        return 0, 0, []
+    idx = host.alloc(hits * ps)
+    ptrs, sizes = host.get_page_buffer_meta(idx)   # the pages start as zeros: one not loaded stays so
+    for p, n in zip(ptrs, sizes):
+        ctypes.memset(p, 0, n)
+    op.hash_value, op.host_indices = hash_value[:hits], idx
+    loaded = ctrl._page_transfer(op)
+    got = [page_bytes(host, p) for p in (idx[::ps] // ps).tolist()]
+    host.free(idx)
+    return hits, loaded, got
+
+
+def digest(chunks) -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(c).hexdigest()[:16] for c in chunks]
+
+
+def tokens_of(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 30000, (n,), generator=g).tolist()
+
+
+def scenario_roundtrip(a: dict) -> dict:
+    """Back up N pages, then prefetch N + 2 pages (partial hit): byte-exact pages back."""
+    ctrl, host = build(a["kind"], a["layout"], a.get("page_size", 4), a.get("pool_pages", 64), a["url"])
+    ps, n = host.page_size, a.get("pages", 5)
+    toks = tokens_of(a.get("seed", 1), (n + 2) * ps)
+    keys = keys_for(toks, ps)
+    stored, expect = backup(ctrl, host, toks, keys[:n], a.get("seed", 1))
+    stored_again, _ = backup(ctrl, host, toks, keys[:n], a.get("seed", 1))   # the same keys twice
+    hits, loaded, got = prefetch(ctrl, host, toks)
+    backend = ctrl.storage_backend
+    return {"stored": stored, "stored_again": stored_again, "hits": hits, "loaded": loaded,
+            "exact": got == expect[:loaded], "n": n, "backend": type(backend).__name__,
+            "regions": len(host.get_page_buffer_meta(torch.arange(ps))[0]),
+            "fresh_miss": prefetch(ctrl, host, tokens_of(999, 3 * ps))[0]}
+
+
+def scenario_failures(a: dict) -> dict:
+    """SGLang's failure injection wraps the backend: every page loaded equals what was stored."""
+    ctrl, host = build(a["kind"], a["layout"], 4, 256, a["url"])
+    ps, rounds, n = host.page_size, a.get("rounds", 6), 6
+    out = {"backend": type(ctrl.storage_backend).__name__, "stored": 0, "loaded": 0, "bad": 0, "partial": 0}
+    for r in range(rounds):
+        toks = tokens_of(100 + r, n * ps)
+        keys = keys_for(toks, ps)
+        stored, expect = backup(ctrl, host, toks, keys, 100 + r)
+        out["stored"] += stored
+        hits, loaded, got = prefetch(ctrl, host, toks, rid=f"r{r}")
+        out["loaded"] += loaded
+        out["partial"] += int(0 < loaded < n)
+        out["bad"] += sum(1 for i in range(loaded) if got[i] != expect[i])
+    return out
+
+
+def scenario_store(a: dict) -> dict:
+    """One instance: back up a prompt's pages (model, salt, rank as given)."""
+    ctrl, host = build(a["kind"], a["layout"], 4, 64, a["url"], model=a.get("model", "tiny"),
+                       tp_rank=a.get("tp_rank", 0), tp_size=a.get("tp_size", 1))
+    ps = host.page_size
+    toks = tokens_of(a.get("seed", 7), a.get("pages", 6) * ps)
+    keys = keys_for(toks, ps, a.get("salt"))
+    stored, expect = backup(ctrl, host, toks, keys, a.get("fill", 7))
+    return {"stored": stored, "digests": digest(expect), "keys": [k[:16] for k in keys]}
+
+
+def scenario_load(a: dict) -> dict:
+    """Another instance: prefetch the same prompt (model, salt, rank as given)."""
+    ctrl, host = build(a["kind"], a["layout"], 4, 64, a["url"], model=a.get("model", "tiny"),
+                       tp_rank=a.get("tp_rank", 0), tp_size=a.get("tp_size", 1))
+    ps = host.page_size
+    toks = tokens_of(a.get("seed", 7), a.get("pages", 6) * ps)
+    hits, loaded, got = prefetch(ctrl, host, toks, a.get("salt"))
+    return {"hits": hits, "loaded": loaded, "digests": digest(got)}
+
+
+if __name__ == "__main__":
+    name, arg = sys.argv[1], json.loads(sys.argv[2])
+    result = globals()[f"scenario_{name}"](arg)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)   # SGLang's storage threads are daemons; the server reclaims the registration
