@@ -43,6 +43,7 @@ import hashlib
 import logging
 import mmap
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -282,7 +283,7 @@ class LmshmHiCacheStorage(_Base):
         self._ns = ns.digest
         views = {f"region{j}": u8[r.offset:r.offset + pages * r.size].view(pages, r.size)
                  for j, r in enumerate(regions)}
-        iid = f"sglang-{self.model.replace('/', '-')[:40]}-tp{self.tp_rank}-pp{self.config.pp_rank}-{os.getpid()}"
+        iid = f"sglang-{self.model.replace('/', '-')[:40]}-tp{self.tp_rank}-pp{self.config.pp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.link.register(views, model_name=self.model, world_size=world, rank=rank, instance_id=iid)
         self.link.wait_connected(self._connect_timeout_s)
         logger.info("lmshm: SGLang host pool (%s, layout %s, %d pages, %d region(s) a page) shared with "

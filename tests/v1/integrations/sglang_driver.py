@@ -216,7 +216,9 @@ def scenario_load(a: dict) -> dict:
 
 
 if __name__ == "__main__":
-    name, arg = sys.argv[1], json.loads(sys.argv[2])
-    result = globals()[f"scenario_{name}"](arg)
-    print("RESULT " + json.dumps(result), flush=True)
+    # argv[1]: a JSON list of steps, {"scenario": NAME, ...its arguments}, run in order in this one
+    # process (SGLang's import costs seconds); one RESULT line with every step's result.
+    steps = json.loads(sys.argv[1])
+    results = [globals()[f"scenario_{step['scenario']}"](step) for step in steps]
+    print("RESULT " + json.dumps(results), flush=True)
     os._exit(0)   # SGLang's storage threads are daemons; the server reclaims the registration

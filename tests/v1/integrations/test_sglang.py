@@ -1,0 +1,109 @@
+"""SGLang's HiCache against a real lmshm-server, through SGLang's own code.
+
+Each test spawns ``lmshm-server`` and runs ``sglang_driver.py`` in ``.venv-sglang``
+(``scripts/bootstrap-sglang``; ``scripts/test`` makes it), where SGLang's ``HiCacheController``
+loads ``lmshm.integrations.sglang.LmshmHiCacheStorage`` through its ``dynamic`` factory, backs
+pages up through its backup thread and prefetches them through its hit query and page transfer.
+Stand-ins, for what needs a GPU only: device pools on ``device="cpu"``, host pools unpinned, and
+a torchvision stand-in (PyPI's builds are CUDA-only). Every page compared is compared byte for
+byte against what was written, in a pool whose pages were zeroed first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import ServerProcess, lmshm_segments
+
+ROOT = Path(__file__).resolve().parents[3]
+SGLANG_PYTHON = Path(os.environ.get("LMSHM_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"
+DRIVER = Path(__file__).with_name("sglang_driver.py")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_venv():
+    if os.environ.get("LMSHM_SKIP_SGLANG") == "1":
+        pytest.skip("LMSHM_SKIP_SGLANG=1: the SGLang HiCache tests are off")
+    if not SGLANG_PYTHON.exists():
+        pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/bootstrap-sglang (scripts/test does), "
+                    "or set LMSHM_SKIP_SGLANG=1 to skip the SGLang tests")
+
+
+@pytest.fixture
+def server(sockets):
+    before = lmshm_segments()
+    s = ServerProcess(sockets, "--capacity", "128MiB", "--reap-timeout", "5")
+    yield s
+    if s.alive:
+        assert s.stop() == 0, s.log()
+    assert lmshm_segments() <= before, "an lmshm segment outlived the test"
+
+
+def drive(steps: list[dict], url: str, tmp_path: Path, env: dict | None = None, timeout_s: float = 120) -> list:
+    """Run ``steps`` (each ``{"scenario": NAME, ...}``) in one SGLang process; their results."""
+    scratch = tmp_path / "sglang-scratch"
+    scratch.mkdir(exist_ok=True)
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                "SGLANG_CACHE_DIR": str(scratch), "TORCH_EXTENSIONS_DIR": str(scratch / "torch-ext"),
+                "TRITON_CACHE_DIR": str(scratch / "triton"), **(env or {})}
+    r = subprocess.run([str(SGLANG_PYTHON), str(DRIVER), json.dumps([{"url": url, **st} for st in steps])],
+                       capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=str(ROOT))
+    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    assert r.returncode == 0 and lines, f"driver {[st['scenario'] for st in steps]} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# ---- 1. the real HiCacheController through the dynamic factory -----------------------------
+
+LAYOUTS = [("mha", "page_first", 2), ("mha", "page_first_direct", 2), ("mha", "page_head", 2),
+           ("mha", "layer_first", 6), ("mla", "page_first", 1), ("mla", "page_first_direct", 1),
+           ("mla", "layer_first", 3)]
+
+
+def test_controller_backs_up_and_prefetches_pages_byte_exact_in_every_layout(server, tmp_path):
+    results = drive([{"scenario": "roundtrip", "kind": k, "layout": lay, "pages": 5} for k, lay, _ in LAYOUTS],
+                    server.url, tmp_path)
+    for (kind, layout, regions), r in zip(LAYOUTS, results):
+        where = f"{kind} {layout}: {r}"
+        assert r["backend"] == "LmshmHiCacheStorage", where
+        assert r["regions"] == regions, where                 # the layout SGLang describes, per page
+        assert r["stored"] == 5 and r["stored_again"] == 5, where   # a second set of the same keys succeeds
+        assert (r["hits"], r["loaded"]) == (5, 5), where      # a 7-page prompt: the 5 stored pages hit, no more
+        assert r["exact"], f"a prefetched page differs from the page backed up ({where})"
+        assert r["fresh_miss"] == 0, where
+
+
+def test_sglang_failure_injection_never_corrupts_a_page(server, tmp_path):
+    [r] = drive([{"scenario": "failures", "kind": "mha", "layout": "page_first", "rounds": 8}], server.url, tmp_path,
+                env={"SGLANG_TEST_HICACHE_BACKEND_RANDOM_FAILURE": "0.3",
+                     "SGLANG_TEST_HICACHE_BACKEND_RANDOM_DELAY": "0.01"})
+    assert r["backend"] == "HiCacheStorageFailureInjector"   # SGLang's own wrapper is in the path
+    assert r["bad"] == 0, r
+    assert r["loaded"] > 0, r                        # some pages went through despite the failures
+    assert r["loaded"] < 8 * 6 or r["stored"] < 8 * 6, r   # and the injection did cost something
+
+
+# ---- 2 and 4: another process loads the prefix; another tenant, model or layout never does ----
+
+
+def test_second_instance_loads_the_prefix_and_no_other_tenant_model_or_layout_does(server, tmp_path):
+    common = {"kind": "mha", "seed": 11, "pages": 6}
+    [stored] = drive([{"scenario": "store", "layout": "page_first", "salt": "tenant-a", "model": "org/model-a",
+                       **common}], server.url, tmp_path)
+    assert stored["stored"] == 6
+    others = [{"salt": "tenant-b", "model": "org/model-a", "layout": "page_first"},
+              {"salt": None, "model": "org/model-a", "layout": "page_first"},
+              {"salt": "tenant-a", "model": "org/model-b", "layout": "page_first"},
+              {"salt": "tenant-a", "model": "org/model-a", "layout": "layer_first"}]
+    owner = {"salt": "tenant-a", "model": "org/model-a", "layout": "page_first"}
+    results = drive([{"scenario": "load", **o, **common} for o in [*others, owner]], server.url, tmp_path)
+    for other, got in zip(others, results):
+        assert (got["hits"], got["loaded"]) == (0, 0), (other, got)
+    same = results[-1]
+    assert (same["hits"], same["loaded"]) == (6, 6)      # the control: the owner's own prompt hits
+    assert same["digests"] == stored["digests"]           # bit-identical, in another process
