@@ -70,7 +70,9 @@ def build(kind: str, layout: str, page_size: int, pages: int, url: str, model: s
                                     device="cpu", allocator_type="shm", device_capacity_tokens=size,
                                     start_layer=0, end_layer=2, target_layer_num=3)
     alloc = PagedTokenToKVPoolAllocator(size, page_size, dtype, "cpu", dev, need_sort=False)
-    override = get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1)
+    override = get_parallel().override(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1,
+                                       attn_tp_rank=tp_rank, attn_tp_size=tp_size, moe_tp_rank=tp_rank,
+                                       moe_tp_size=tp_size)
     override.__enter__()
     ctrl = HiCacheController(alloc, host, page_size, tp_group, threading.Event(), io_backend="direct",
                              storage_backend="dynamic", model_name=model, storage_backend_extra_config=dict(cfg))
@@ -213,6 +215,50 @@ def scenario_load(a: dict) -> dict:
     toks = tokens_of(a.get("seed", 7), a.get("pages", 6) * ps)
     hits, loaded, got = prefetch(ctrl, host, toks, a.get("salt"))
     return {"hits": hits, "loaded": loaded, "digests": digest(got)}
+
+
+def scenario_tp(a: dict) -> dict:
+    """One rank of TP=2 over gloo (torch.distributed, the controller's own hit all-reduce).
+
+    Prompt Q is backed up by rank 0 only: the hit query, all-reduced (MIN) across ranks, must be
+    0 on both -- rank 1 finds none of its keys, and rank 0's pages are not its. Prompt P is backed
+    up by both ranks with different bytes; each loads P through the controller's page getter and
+    must get its own bytes."""
+    import torch.distributed as dist
+
+    from sglang.srt.managers.cache_controller import PrefetchOperation
+
+    rank, world = a["rank"], 2
+    dist.init_process_group("gloo", init_method=f"file://{a['rendezvous']}", rank=rank, world_size=world)
+    ctrl, host = build("mha", "page_first", 4, 64, a["url"], tp_rank=rank, tp_size=world,
+                       tp_group=dist.group.WORLD)
+    ps, n = host.page_size, 4
+    out = {"rank": rank}
+    q = tokens_of(31, n * ps)
+    if rank == 0:
+        out["q_stored"], _ = backup(ctrl, host, q, keys_for(q, ps), 3100)
+    dist.barrier()
+    p = tokens_of(32, n * ps)
+    pkeys = keys_for(p, ps)
+    out["p_stored"], expect = backup(ctrl, host, p, pkeys, 3200 + rank)
+    out["p_keys"] = [k[:16] for k in pkeys]
+    out["stored_digests"] = digest(expect)
+    dist.barrier()
+    for name, toks in (("q", q), ("p", p)):
+        op = PrefetchOperation(f"{name}-{rank}", list(toks))
+        hashes, hit_tokens = ctrl._storage_hit_query(op)
+        out[f"{name}_own_hits"] = hit_tokens // ps
+        out[f"{name}_hits"] = ctrl._sync_prefetch_hit_query(op, hit_tokens) // ps
+    hits = out["p_hits"]
+    idx = host.alloc(hits * ps)
+    ptrs, sizes = host.get_page_buffer_meta(idx)
+    for ptr, size in zip(ptrs, sizes):
+        ctypes.memset(ptr, 0, size)
+    op = PrefetchOperation(f"p-load-{rank}", list(p))
+    out["p_loaded"] = ctrl.page_get_func(op, pkeys[:hits], idx, None)
+    out["loaded_digests"] = digest(page_bytes(host, pg) for pg in (idx[::ps] // ps).tolist())
+    dist.barrier()
+    return out
 
 
 if __name__ == "__main__":

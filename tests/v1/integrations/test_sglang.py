@@ -44,18 +44,26 @@ def server(sockets):
     assert lmshm_segments() <= before, "an lmshm segment outlived the test"
 
 
-def drive(steps: list[dict], url: str, tmp_path: Path, env: dict | None = None, timeout_s: float = 120) -> list:
-    """Run ``steps`` (each ``{"scenario": NAME, ...}``) in one SGLang process; their results."""
+def driver_env(tmp_path: Path, env: dict | None = None) -> dict:
     scratch = tmp_path / "sglang-scratch"
     scratch.mkdir(exist_ok=True)
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "SGLANG_CACHE_DIR": str(scratch), "TORCH_EXTENSIONS_DIR": str(scratch / "torch-ext"),
-                "TRITON_CACHE_DIR": str(scratch / "triton"), **(env or {})}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "SGLANG_CACHE_DIR": str(scratch), "TORCH_EXTENSIONS_DIR": str(scratch / "torch-ext"),
+            "TRITON_CACHE_DIR": str(scratch / "triton"), **(env or {})}
+
+
+def result_of(stdout: str, stderr: str, rc: int, what: str) -> list:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert rc == 0 and lines, f"driver {what} failed ({rc}):\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def drive(steps: list[dict], url: str, tmp_path: Path, env: dict | None = None, timeout_s: float = 120) -> list:
+    """Run ``steps`` (each ``{"scenario": NAME, ...}``) in one SGLang process; their results."""
+    full_env = driver_env(tmp_path, env)
     r = subprocess.run([str(SGLANG_PYTHON), str(DRIVER), json.dumps([{"url": url, **st} for st in steps])],
                        capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=str(ROOT))
-    lines = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
-    assert r.returncode == 0 and lines, f"driver {[st['scenario'] for st in steps]} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return result_of(r.stdout, r.stderr, r.returncode, str([st["scenario"] for st in steps]))
 
 
 # ---- 1. the real HiCacheController through the dynamic factory -----------------------------
@@ -107,3 +115,35 @@ def test_second_instance_loads_the_prefix_and_no_other_tenant_model_or_layout_do
     same = results[-1]
     assert (same["hits"], same["loaded"]) == (6, 6)      # the control: the owner's own prompt hits
     assert same["digests"] == stored["digests"]           # bit-identical, in another process
+
+
+# ---- 3. TP=2 over gloo: per-rank keys, and no rank served another rank's bytes ---------------
+
+
+def test_tp2_ranks_keep_their_own_pages(server, tmp_path):
+    rendezvous = tmp_path / "gloo-rendezvous"
+    procs = [subprocess.Popen([str(SGLANG_PYTHON), str(DRIVER), json.dumps(
+                [{"scenario": "tp", "url": server.url, "rank": rank, "rendezvous": str(rendezvous)}])],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=driver_env(tmp_path), cwd=str(ROOT))
+             for rank in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            outs.append(result_of(out, err, p.returncode, "tp")[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    r0, r1 = outs
+    assert r0["q_stored"] == 4
+    assert (r0["q_own_hits"], r1["q_own_hits"]) == (4, 0)   # rank 1 never finds rank 0's pages
+    assert r0["q_hits"] == r1["q_hits"] == 0                 # the controller's MIN over ranks
+    assert r0["p_keys"] == r1["p_keys"]                      # SGLang's keys are the same on every rank
+    assert r0["p_stored"] == r1["p_stored"] == 4
+    assert r0["p_hits"] == r1["p_hits"] == 4
+    assert r0["p_loaded"] == r1["p_loaded"] == 4
+    assert r0["stored_digests"] != r1["stored_digests"]      # the ranks wrote different bytes
+    assert r0["loaded_digests"] == r0["stored_digests"]      # and each read back its own
+    assert r1["loaded_digests"] == r1["stored_digests"]
