@@ -261,6 +261,141 @@ def scenario_tp(a: dict) -> dict:
     return out
 
 
+# ---- two SGLang instances with SGLang's own radix cache (its in-wheel unified-radix-cache kit) ----
+
+
+def _kit(url: str, salt_cfg: dict):
+    """A test-kit object (``UnifiedRadixCacheStorageFixtures``) whose HiCache uses lmshm."""
+    import unittest
+
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+    from sglang.test.kits.unified_radix_cache.config import CacheConfig
+    from sglang.test.kits.unified_radix_cache.storage import UnifiedRadixCacheStorageFixtures
+
+    class Kit(UnifiedRadixCacheStorageFixtures, unittest.TestCase):
+        cfg = CacheConfig(page_size=4, num_layers=2, full_attention_layer_ids=(0, 1), kv_size=256, head_dim=32)
+        _rid = 0
+
+        def runTest(self):  # noqa: N802 - unittest's name
+            pass
+
+        def _init_hicache(self, cache, **_ignored):
+            """The kit's set-up with storage "dynamic" (the kit wires "file" only)."""
+            args = ServerArgs(model_path="dummy", page_size=self.cfg.page_size, hicache_io_backend="direct",
+                              hicache_mem_layout="page_first_direct", hicache_write_policy="write_through",
+                              hicache_storage_backend="dynamic",
+                              hicache_storage_backend_extra_config=json.dumps(
+                                  extra_config(url, prefetch_threshold=1, **salt_cfg)),
+                              hicache_storage_prefetch_policy="wait_complete")
+            set_global_server_args_for_scheduler(args)
+            get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1)
+            import sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler as assembler
+
+            original = assembler.get_mha_host_pool_cls
+
+            def unpinned(device_pool):   # STAND-IN: pinning needs CUDA; the host pool is left unpinned
+                cls = original(device_pool)
+                return lambda *args, **kw: cls(*args, **{**kw, "pin_memory": False})
+
+            assembler.get_mha_host_pool_cls = unpinned
+            try:
+                cache.init_hicache(args, cache.cache_init_params)
+            finally:
+                assembler.get_mha_host_pool_cls = original
+            cache.write_through_threshold = 1 << 30
+            cache.load_back_threshold = 0
+            cache.cache_controller.prefetch_threshold = 1
+            cache.cache_controller.prefetch_capacity_limit = max(
+                cache.cache_controller.prefetch_capacity_limit, cache.cache_controller.mem_pool_host.size)
+
+    import sglang.srt.mem_cache.pool_host.mha as mha
+    import sglang.test.kits.unified_radix_cache.fixtures as fixtures
+
+    mha.transfer_kv_all_layer_direct_lf_pf = standin_device_to_host
+    mha.transfer_kv_per_layer_direct_pf_lf = standin_host_to_device
+
+    fixtures.get_device = lambda *a: "cpu"   # STAND-IN: the kit asks for an accelerator; its pools run on CPU
+    return Kit()
+
+
+def standin_device_to_host(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """STAND-IN for sgl_kernel's ``transfer_kv_all_layer_direct_lf_pf`` (a GPU kernel): every
+    layer's device rows ``src_indices`` into the page-first-direct host buffers
+    (``[pages, layers, page_size, ...]``) at token slots ``dst_indices``. ``src_ptrs`` holds
+    each host buffer's layers in turn (K layers, then V layers)."""
+    layers = len(src_ptrs) // len(dst_ptrs)
+    pages, slots = dst_indices // page_size, dst_indices % page_size
+    for j, host in enumerate(dst_ptrs):
+        for layer in range(layers):
+            host[pages, layer, slots] = src_ptrs[j * layers + layer][src_indices].to(host.dtype)
+
+
+def standin_host_to_device(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    """STAND-IN for sgl_kernel's ``transfer_kv_per_layer_direct_pf_lf`` (a GPU kernel): one
+    layer's host rows back into the device buffers."""
+    pages, slots = src_indices // page_size, src_indices % page_size
+    for host, dev in zip(src_ptrs, dst_ptrs):
+        dev[dst_indices] = host[pages, layer_id, slots].to(dev.dtype)
+
+
+def _device_kv(kit, allocator, indices) -> list[bytes]:
+    pool = kit._get_full_kv_pool(allocator)
+    return [bytes(pool.get_key_buffer(layer)[indices].contiguous().view(torch.uint8).numpy().tobytes()) +
+            bytes(pool.get_value_buffer(layer)[indices].contiguous().view(torch.uint8).numpy().tobytes())
+            for layer in range(pool.start_layer, pool.start_layer + pool.layer_num)]
+
+
+def scenario_kit_produce(a: dict) -> dict:
+    """Instance 1: insert a prompt into SGLang's radix cache, fill its device KV with random
+    bytes, back it up to host and then to L3 (lmshm) through the tree cache's own calls."""
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, match_prefix
+
+    kit = _kit(a["url"], a.get("extra", {}))
+    cache, alloc, rtp = build_fixture(kit.cfg)
+    kit._init_hicache(cache)
+    seq = tokens_of(a.get("seed", 5), a.get("pages", 6) * kit.cfg.page_size)
+    kit._insert(cache, alloc, rtp, seq)
+    leaf = match_prefix(cache, seq).last_device_node
+    indices = cache.path_device_indices(leaf)
+    pool = kit._get_full_kv_pool(alloc)
+    g = torch.Generator().manual_seed(a.get("seed", 5))
+    for layer in range(pool.start_layer, pool.start_layer + pool.layer_num):
+        for buf in (pool.get_key_buffer(layer), pool.get_value_buffer(layer)):
+            buf[indices] = torch.randn(buf[indices].shape, generator=g).to(buf.dtype)
+    expected = _device_kv(kit, alloc, indices)
+    kit._backup_node(cache, leaf)
+    kit._write_path_to_l3(cache, leaf)
+    kit._flush_l3_backups(cache)
+    return {"digests": digest(expected), "tokens": len(seq),
+            "stats": getattr(cache.cache_controller.storage_backend, "stats", None)}
+
+
+def scenario_kit_consume(a: dict) -> dict:
+    """Instance 2: a fresh radix cache prefetches the prompt from L3 (lmshm), then loads it back
+    to its device pool; returns the device KV it got."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
+    from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, match_prefix
+
+    kit = _kit(a["url"], a.get("extra", {}))
+    cache, alloc, rtp = build_fixture(kit.cfg)
+    kit._init_hicache(cache)
+    seq = tokens_of(a.get("seed", 5), a.get("pages", 6) * kit.cfg.page_size)
+    before = match_prefix(cache, seq)
+    kit._consume_prefetch(cache, seq, CacheRequestHandle("consumer", 0))
+    m = match_prefix(cache, seq)
+    host_hit = getattr(m, "host_hit_length", None)
+    node = m.last_host_node if hasattr(m, "last_host_node") else None
+    out = {"device_before": int(before.device_prefix_len), "host_before": int(before.host_hit_length),
+           "host_hit": int(host_hit) if host_hit is not None else None,
+           "stats": getattr(cache.cache_controller.storage_backend, "stats", None)}
+    if node is not None and host_hit:
+        device = kit._load_back_node(cache, node)
+        out["loaded"] = int(len(device))
+        out["digests"] = digest(_device_kv(kit, alloc, device))
+    return out
+
+
 if __name__ == "__main__":
     # argv[1]: a JSON list of steps, {"scenario": NAME, ...its arguments}, run in order in this one
     # process (SGLang's import costs seconds); one RESULT line with every step's result.
