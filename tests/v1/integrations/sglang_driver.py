@@ -40,13 +40,16 @@ def extra_config(url: str, **more) -> dict:
 
 
 def build(kind: str, layout: str, page_size: int, pages: int, url: str, model: str = "tiny",
-          extra: dict | None = None, tp_rank: int = 0, tp_size: int = 1, tp_group=None, dtype=torch.bfloat16):
+          extra: dict | None = None, tp_rank: int = 0, tp_size: int = 1, tp_group=None, dtype=torch.bfloat16,
+          allocator: str = "shm"):
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
     cfg = extra_config(url, **(extra or {}))
+    if allocator != "shm":
+        cfg.pop("allocator")
     args = ServerArgs(model_path="dummy", page_size=page_size, hicache_storage_backend="dynamic",
                       hicache_storage_backend_extra_config=json.dumps(cfg))
     set_global_server_args_for_scheduler(args)
@@ -58,7 +61,7 @@ def build(kind: str, layout: str, page_size: int, pages: int, url: str, model: s
         dev = MHATokenToKVPool(size, page_size, dtype, head_num=2, head_dim=16, layer_num=3, device="cpu",
                                enable_memory_saver=False, start_layer=0, end_layer=2)
         host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 1.0, 0, page_size, layout, pin_memory=False,
-                                    device="cpu", allocator_type="shm", device_capacity_tokens=size,
+                                    device="cpu", allocator_type=allocator, device_capacity_tokens=size,
                                     start_layer=0, end_layer=2)
     else:
         from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
@@ -177,6 +180,31 @@ def scenario_roundtrip(a: dict) -> dict:
             "exact": got == expect[:loaded], "n": n, "backend": type(backend).__name__,
             "regions": len(host.get_page_buffer_meta(torch.arange(ps))[0]),
             "fresh_miss": prefetch(ctrl, host, tokens_of(999, 3 * ps))[0]}
+
+
+def scenario_not_shared(a: dict) -> dict:
+    """SGLang's default host allocator: the engine stops at start with the setting to use."""
+    try:
+        build("mha", "page_first", 4, 16, a["url"], allocator="default")
+    except Exception as exc:  # noqa: BLE001 - what SGLang would print
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"error": None}
+
+
+def scenario_dead_server(a: dict) -> dict:
+    """lmshm-server is not there: backups and prefetches cost misses, quickly, never an error."""
+    t0 = time.monotonic()
+    ctrl, host = build("mha", "page_first", 4, 64, a["url"], extra={"lmshm.connect_timeout_s": 1})
+    start_s = time.monotonic() - t0
+    ps = host.page_size
+    toks = tokens_of(3, 4 * ps)
+    keys = keys_for(toks, ps)    # before the clock: the first hash JIT-compiles SGLang's helper
+    t0 = time.monotonic()
+    stored, _ = backup(ctrl, host, toks, keys, 3)
+    backup_s = time.monotonic() - t0
+    hits, loaded, _ = prefetch(ctrl, host, toks)
+    return {"start_s": start_s, "backup_s": backup_s, "ops_s": time.monotonic() - t0, "stored": stored,
+            "hits": hits, "loaded": loaded}
 
 
 def scenario_failures(a: dict) -> dict:

@@ -18,20 +18,29 @@ from pathlib import Path
 
 import pytest
 
-from harness import ServerProcess, lmshm_segments
+from harness import ServerProcess, lmshm_segments, wait_for
+from lmshm.multiprocess.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = Path(os.environ.get("LMSHM_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"
 DRIVER = Path(__file__).with_name("sglang_driver.py")
 
 
+#: SGLang's caches (its JIT-compiled page-hash helper, Triton's): one scratch directory for the
+#: module, so the helper is compiled once, not once per SGLang process.
+SCRATCH: list[Path] = []
+
+
 @pytest.fixture(scope="module", autouse=True)
-def sglang_venv():
+def sglang_venv(tmp_path_factory):
     if os.environ.get("LMSHM_SKIP_SGLANG") == "1":
         pytest.skip("LMSHM_SKIP_SGLANG=1: the SGLang HiCache tests are off")
     if not SGLANG_PYTHON.exists():
         pytest.fail(f"{SGLANG_PYTHON} is missing: run scripts/bootstrap-sglang (scripts/test does), "
                     "or set LMSHM_SKIP_SGLANG=1 to skip the SGLang tests")
+    SCRATCH[:] = [tmp_path_factory.mktemp("sglang-scratch")]
+    yield
+    SCRATCH.clear()
 
 
 @pytest.fixture
@@ -45,8 +54,7 @@ def server(sockets):
 
 
 def driver_env(tmp_path: Path, env: dict | None = None) -> dict:
-    scratch = tmp_path / "sglang-scratch"
-    scratch.mkdir(exist_ok=True)
+    scratch = SCRATCH[0]
     return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
             "SGLANG_CACHE_DIR": str(scratch), "TORCH_EXTENSIONS_DIR": str(scratch / "torch-ext"),
             "TRITON_CACHE_DIR": str(scratch / "triton"), **(env or {})}
@@ -64,6 +72,10 @@ def drive(steps: list[dict], url: str, tmp_path: Path, env: dict | None = None, 
     r = subprocess.run([str(SGLANG_PYTHON), str(DRIVER), json.dumps([{"url": url, **st} for st in steps])],
                        capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=str(ROOT))
     return result_of(r.stdout, r.stderr, r.returncode, str([st["scenario"] for st in steps]))
+
+
+def registrations(server) -> int:
+    return len(query_status(server.url).registrations)
 
 
 # ---- 1. the real HiCacheController through the dynamic factory -----------------------------
@@ -84,6 +96,20 @@ def test_controller_backs_up_and_prefetches_pages_byte_exact_in_every_layout(ser
         assert (r["hits"], r["loaded"]) == (5, 5), where      # a 7-page prompt: the 5 stored pages hit, no more
         assert r["exact"], f"a prefetched page differs from the page backed up ({where})"
         assert r["fresh_miss"] == 0, where
+
+
+def test_a_private_host_pool_is_refused_naming_the_setting_and_a_dead_server_costs_misses(server, tmp_path):
+    import socket
+
+    with socket.socket() as sock:     # a port nobody listens on: lmshm-server is "dead"
+        sock.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+    refused, down = drive([{"scenario": "not_shared"}, {"scenario": "dead_server", "url": dead}], server.url,
+                          tmp_path)
+    assert refused["error"] and "host pool is private memory" in refused["error"], refused
+    assert '"allocator": "shm"' in refused["error"], refused       # says what to set
+    assert (down["stored"], down["hits"], down["loaded"]) == (0, 0, 0), down
+    assert down["start_s"] < 20 and down["ops_s"] < 5, down        # misses, never a stuck engine
 
 
 def test_sglang_failure_injection_never_corrupts_a_page(server, tmp_path):
@@ -115,6 +141,8 @@ def test_second_instance_loads_the_prefix_and_no_other_tenant_model_or_layout_do
     same = results[-1]
     assert (same["hits"], same["loaded"]) == (6, 6)      # the control: the owner's own prompt hits
     assert same["digests"] == stored["digests"]           # bit-identical, in another process
+    # Every instance's registration went with its process: nothing of theirs is left mapped.
+    wait_for(lambda: registrations(server) == 0, 10, what="the server to release every SGLang host pool")
 
 
 # ---- 2. two SGLang instances, each with SGLang's own radix cache (its in-wheel test kit) --------
