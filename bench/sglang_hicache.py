@@ -12,8 +12,8 @@ Starts one lmshm-server (this checkout, this venv) and runs the measurement in `
 calling thread:
 
 - memcpy: one ``ctypes.memmove`` of a batch's bytes between two touched buffers;
-- lmshm (as the controller calls it with ``interface_v1``): ``batch_set_v1`` of 128 pages under fresh keys, ``batch_exists`` of them,
-  ``batch_get_v1`` of them into the other 128 pages;
+- lmshm (as the controller calls it with ``interface_v1``): ``batch_set_v1`` of 128 pages under
+  fresh keys, ``batch_exists`` of them, ``batch_get_v1`` of them into the other 128 pages;
 - HiCacheFile: the same, as SGLang's controller calls it (``HiCacheFile`` has no v1 calls: the
   controller's generic page functions copy each page flat, then ``batch_set`` / ``batch_get``).
 

@@ -121,11 +121,10 @@ def page_ids(host_indices: torch.Tensor, page_size: int, pages: int) -> list[int
     if idx.numel() != pages * page_size:
         raise ValueError(f"{idx.numel()} host slots for {pages} pages of {page_size}")
     first = idx[::page_size]
-    if page_size > 1 or pages:
-        want = (first // page_size * page_size).repeat_interleave(page_size) + \
-            torch.arange(page_size, dtype=idx.dtype).repeat(pages)
-        if not torch.equal(idx.to(torch.int64), want.to(torch.int64)):
-            raise ValueError("host slots are not whole, aligned pages")
+    want = (first // page_size * page_size).repeat_interleave(page_size) + \
+        torch.arange(page_size, dtype=idx.dtype).repeat(pages)
+    if not torch.equal(idx.to(torch.int64), want.to(torch.int64)):
+        raise ValueError("host slots are not whole, aligned pages")
     return (first // page_size).tolist()
 
 
@@ -188,10 +187,9 @@ def reback_pool(pool: Any) -> tuple[Any, torch.Tensor]:
 def _pinned_ranges(pool: Any, buf: torch.Tensor) -> list[tuple[int, int]]:
     if not getattr(pool, "pin_memory", False) or not torch.cuda.is_available():
         return []
+    # SGLang records the ranges it cudaHostRegister'ed on the buffer (pool_host/common.py); an
+    # older SGLang registered the whole buffer in one call.
     ranges = getattr(buf, "_sglang_cuda_host_registered_ranges", None)
-    for name in dir(buf):   # SGLang records the ranges it registered on the buffer
-        if "registered_ranges" in name and isinstance(getattr(buf, name, None), list):
-            ranges = getattr(buf, name)
     return list(ranges) if ranges else [(buf.data_ptr(), buf.numel() * buf.element_size())]
 
 
@@ -283,7 +281,8 @@ class LmshmHiCacheStorage(_Base):
         self._ns = ns.digest
         views = {f"region{j}": u8[r.offset:r.offset + pages * r.size].view(pages, r.size)
                  for j, r in enumerate(regions)}
-        iid = f"sglang-{self.model.replace('/', '-')[:40]}-tp{self.tp_rank}-pp{self.config.pp_rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        iid = (f"sglang-{self.model.replace('/', '-')[:40]}-tp{self.tp_rank}-pp{self.config.pp_rank}-"
+               f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.link.register(views, model_name=self.model, world_size=world, rank=rank, instance_id=iid)
         self.link.wait_connected(self._connect_timeout_s)
         logger.info("lmshm: SGLang host pool (%s, layout %s, %d pages, %d region(s) a page) shared with "
