@@ -17,9 +17,10 @@ calling thread:
 - HiCacheFile: the same, as SGLang's controller calls it (``HiCacheFile`` has no v1 calls: the
   controller's generic page functions copy each page flat, then ``batch_set`` / ``batch_get``).
 
-Prints the medians, pages/s, GB/s and each median's ratio to the memcpy median (above 1: faster
-than memcpy is impossible, so a ratio reads "this fraction of memory speed"), the load average
-before and after, and checks that every page read back equals the page written.
+Prints the medians, pages/s, GB/s and the memcpy median over each median ("x memcpy": above 1
+is faster than the one-thread memcpy, which the server's copier threads can be, splitting a
+request over cores), the load average before and after, and whether every page read back equals
+the page written.
 """
 
 from __future__ import annotations
