@@ -19,9 +19,10 @@ and in node mode every node topic's first batch of a run starts with one, so a s
 one model's topic learns that what an earlier run advertised is gone. Records the log dropped
 before this thread read them are counted (``lost``); node topics then start over the same way.
 
-A salted chain (its first block's extra keys hold vLLM's cache salt) goes out as block hashes
-only, and so do its later blocks (``_scrub``): the salt and the tokens would make the private
-prompt findable again.
+Tokens and extra keys go out only for a chain known to be unsalted in its uid and namespace:
+from a first block without vLLM's cache salt, through parents this run remembers. A salted chain,
+and a child of a parent not remembered (a restart, another node, forgotten), go out as block
+hashes only (``_scrub``): the salt and the tokens would make the private prompt findable again.
 
 Bounds: each batch is copied into libzmq once (``zmq.Frame``) and shared by reference by every
 subscriber's queue and every replay. A subscriber that does not read costs at most ``hwm``
@@ -86,7 +87,7 @@ MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are s
 MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 64                   # engines remembered for engine topics, per uid (kv_events.MAX_PODS_PER_UID)
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
-MAX_SALTED = 1 << 16            # block hashes of salted chains remembered (their children are scrubbed too)
+MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (per uid and namespace)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
 
@@ -176,7 +177,8 @@ class KvEventPublisher:
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
         self._node_topics: set[str] = set()
-        self._salted: dict[Any, None] = {}     # hashes of salted chains' blocks, oldest first
+        # (uid, space, block hash) -> whether its chain is salted, least recently used first
+        self._chains: collections.OrderedDict[tuple, bool] = collections.OrderedDict()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -449,7 +451,7 @@ class KvEventPublisher:
                     (self._detach_pod if r.detach else self._attach_pod)(r.uid, r.space, r.pod)
                 continue
             if isinstance(event, BlockStored):
-                event = self._scrub(event)
+                event = self._scrub(r.uid, r.space, event)
             for topic in self._topics(r.uid, r.space, r.model, event):
                 if r.scope == (OWNER if topic.startswith(self._node_prefix) else NODE):
                     continue        # Record.scope: an owner-only record on a node topic, a node-only one on a pod's
@@ -474,20 +476,28 @@ class KvEventPublisher:
             self._send(topic_b, _encode(events[start:], now))
         return self._cursor < self.log.last
 
-    def _scrub(self, event: BlockStored) -> BlockStored:
-        """``event`` as the stream may carry it: a block of a salted chain (its first block's extra
-        keys carry a cache salt, or its parent is such a block) without token ids and extra keys.
-        The salt would make the private prompt findable again, and its tokens would index it under
-        an unsalted key; its hashes, which need the salt to compute, are all a router may match."""
-        salted = event.parent_block_hash is not None and event.parent_block_hash in self._salted
-        if not salted and event.parent_block_hash is None and event.extra_keys:
-            salted = _carries_salt(event.extra_keys[0], event.lora_name)
+    def _scrub(self, uid: int, space: bytes, event: BlockStored) -> BlockStored:
+        """``event`` as the stream may carry it. Its tokens and extra keys go out only for a chain
+        known to be unsalted: a first block (no parent) whose extra keys hold no cache salt, or a
+        child of a block remembered as such in the same uid and namespace. Anything else goes out
+        as block hashes only: a salted chain (the salt would make the private prompt findable
+        again, its tokens would index it under an unsalted key; its hashes need the salt to
+        compute), and a child of a parent this run does not remember (stored before a restart, on
+        another node, or forgotten: the last ``MAX_CHAINS`` hashes are kept), which may be one."""
+        chains, parent = self._chains, event.parent_block_hash
+        if parent is None:
+            salted = bool(event.extra_keys) and _carries_salt(event.extra_keys[0], event.lora_name)
+        else:
+            salted = chains.get((uid, space, parent), True)     # unknown: maybe salted
+            if (uid, space, parent) in chains:
+                chains.move_to_end((uid, space, parent))
+        for h in event.block_hashes:
+            chains[(uid, space, h)] = salted
+            chains.move_to_end((uid, space, h))
+        while len(chains) > MAX_CHAINS:
+            chains.popitem(last=False)
         if not salted:
             return event
-        for h in event.block_hashes:
-            self._salted[h] = None
-        while len(self._salted) > MAX_SALTED:
-            del self._salted[next(iter(self._salted))]
         self.scrubbed += 1
         return msgspec.structs.replace(event, token_ids=[], extra_keys=None)
 
