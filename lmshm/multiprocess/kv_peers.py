@@ -15,7 +15,9 @@ Dropped: a TCP peer that has sent more than ``max_bytes`` plus ``BYTES_PER_S`` f
 it has been connected (``TCP_INFO``'s bytes received: the kernel's count, so bytes libzmq has
 not parsed yet count too). A SUB sends nothing else after its handshake than subscriptions,
 cancels and heartbeats, so the cap bounds the trie. ``ipc://`` peers are not counted in bytes
-(the kernel keeps no such count for Unix sockets; they run as the server's uid).
+(the kernel keeps no such count for Unix sockets): a peer that runs as another uid than the
+server's (or root) is refused (``SO_PEERCRED``). ``ipc://PATH`` is mode 0600 anyway, but an
+abstract ``ipc://@NAME`` has no file: any uid on the host could connect to it.
 
 Easy to get wrong: an fd named by an event may be closed and reused before the event is read.
 Every action first checks that the fd is still a socket with the local address recorded when
@@ -120,15 +122,18 @@ class PeerGuard:
                 self._peers.pop(fd, None)
                 continue
             self._peers.pop(fd, None)       # a number reused: the old peer is gone
-            info = _with_fd(fd, None, lambda s: (s.getsockname(), s.getpeername(), s.family != socket.AF_UNIX))
+            info = _with_fd(fd, None, _identify)
             if info is None:
                 continue                    # closed already (a DISCONNECTED follows)
-            peer = self._peers[fd] = _Peer(*info)
+            local, remote, tcp, uid = info
+            peer = self._peers[fd] = _Peer(local, remote, tcp)
             full = len(self._peers) > self.max_peers
-            if full or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
+            foreign = uid is not None and uid not in (0, os.geteuid())
+            if full or foreign or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
                 self.refused += 1
                 _drop_log.warning("lmshm: a connection to the KV event %s endpoint was refused: %s", self.what,
                                   f"{self.max_peers} are connected" if full else
+                                  f"its peer runs as uid {uid}, not the server's" if foreign else
                                   f"fewer than {self.fd_reserve} fds are free (the server's reserve)")
                 self._shut(fd, peer)
 
@@ -161,6 +166,15 @@ class PeerGuard:
             pass
         self.monitor.close(linger=0)
         self._peers.clear()
+
+
+def _identify(sock: socket.socket) -> tuple:
+    """(local address, peer address, whether TCP, the peer's uid for a Unix socket else None)."""
+    unix = sock.family == socket.AF_UNIX
+    uid = None
+    if unix:
+        uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    return sock.getsockname(), sock.getpeername(), not unix, uid
 
 
 def _bytes_received(sock: socket.socket) -> Optional[int]:
