@@ -429,3 +429,31 @@ def test_an_abstract_ipc_endpoint_admits_no_peer_of_another_uid(start_server, en
     finally:
         honest.close()
     assert out.stdout.split()[:1] == ["closed"], (out.stdout, out.stderr)
+
+
+def test_requesters_on_many_connections_that_never_read_do_not_hold_an_honest_replay(start_server, engines):
+    """One replay per requester stops one connection's flood; 48 connections (48 identities,
+    under the 64 the ROUTER admits), each asking once and never reading, took the 16 replay
+    slots three times over, each slot given up only after 5 s of a full queue."""
+    http = _free_port()
+    server, pub, replay = _events_server(start_server, "--http-port", str(http))
+    engine = engines(server.url, blocks=64)
+    engine.store([_advert(1)])
+    for k in range(8):      # ~2.5 MiB more to replay: a requester that never reads fills its socket
+        first = [(1 << 40) + ((k * 64 + i) << 10) for i in range(64)]
+        engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
+                                      list(range(first[i], first[i] + 1024))) for i in range(64)])
+    wait_for(lambda: _metrics(http)["lmshm_kv_events_replay_buffered"] >= 9, 20, what="the replay buffer")
+    stuck = [_stuck_requester(replay) for _ in range(48)]
+    try:
+        time.sleep(0.5)
+        from test_kv_events_stream import _replay
+        t0 = time.monotonic()
+        got = _replay(replay, [b"", (0).to_bytes(8, "big")], timeout_s=30)
+        waited = time.monotonic() - t0
+    finally:
+        for s in stuck:
+            s.close()
+    assert server.alive
+    assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
+    assert waited < 3, f"an honest replay waited {waited:.1f} s behind 48 requesters that never read"
