@@ -9,7 +9,8 @@ connection's fd) and, for a peer it refuses, calls ``shutdown(2)`` on that fd: l
 reads the end of the stream, closes the connection itself and forgets its subscriptions. The
 fd itself is never closed here (libzmq owns it), so its number cannot be reused under libzmq.
 
-Refused: a connection past ``max_peers``, or one accepted while fewer than ``FD_RESERVE`` fds
+Refused: a connection past ``max_peers`` when every peer has finished its ZMTP handshake
+(``HANDSHAKE_SUCCEEDED``; else the oldest that has not is shut instead), or one accepted while fewer than ``FD_RESERVE`` fds
 are free (the reserve the request listener keeps, ``server.FD_RESERVE + server.LINK_ROOM``).
 Dropped: a TCP peer that has sent more than ``max_bytes`` plus ``BYTES_PER_S`` for each second
 it has been connected (``TCP_INFO``'s bytes received: the kernel's count, so bytes libzmq has
@@ -50,7 +51,7 @@ _drop_log = Throttle(logger)
 FD_RESERVE = 64 + 256
 BYTES_PER_S = 1              # what a peer may send per second connected, past max_bytes (heartbeats)
 _TCPI_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in Linux's struct tcp_info (4.1+)
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 __all__ = ["PeerGuard", "free_fds"]
 
@@ -82,11 +83,11 @@ def _with_fd(fd: int, local: Optional[object], action):
 
 
 class _Peer:
-    __slots__ = ("local", "remote", "since", "tcp", "dropped")
+    __slots__ = ("local", "remote", "since", "tcp", "dropped", "ready")
 
     def __init__(self, local: object, remote: object, tcp: bool) -> None:
         self.local, self.remote, self.tcp = local, remote, tcp
-        self.since, self.dropped = time.monotonic(), False
+        self.since, self.dropped, self.ready = time.monotonic(), False, False
 
 
 class PeerGuard:
@@ -105,6 +106,7 @@ class PeerGuard:
         # counters (plain ints, read by /metrics from another thread)
         self.refused = 0        # connections shut at once: past max_peers or into the fd reserve
         self.dropped = 0        # peers shut for sending more than max_bytes
+        self.evicted = 0        # peers shut before their handshake finished, to make room past max_peers
 
     @property
     def connected(self) -> int:
@@ -118,6 +120,11 @@ class PeerGuard:
             except zmq.Again:
                 return
             fd = msg["value"]
+            if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer = self._peers.get(fd)
+                if peer is not None:
+                    peer.ready = True
+                continue
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 self._peers.pop(fd, None)
                 continue
@@ -127,7 +134,7 @@ class PeerGuard:
                 continue                    # closed already (a DISCONNECTED follows)
             local, remote, tcp, uid = info
             peer = self._peers[fd] = _Peer(local, remote, tcp)
-            full = len(self._peers) > self.max_peers
+            full = len(self._peers) > self.max_peers and not self._evict(fd)
             foreign = uid is not None and uid not in (0, os.geteuid())
             if full or foreign or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
                 self.refused += 1
@@ -136,6 +143,27 @@ class PeerGuard:
                                   f"its peer runs as uid {uid}, not the server's" if foreign else
                                   f"fewer than {self.fd_reserve} fds are free (the server's reserve)")
                 self._shut(fd, peer)
+
+    def _evict(self, newcomer: int) -> bool:
+        """Make room for ``newcomer`` past ``max_peers``: shut the oldest peer that has not
+        finished its ZMTP handshake (with CURVE, a client the ZAP handler refused never does), so
+        that connections which never greet cannot keep every subscriber out. False if there is
+        none, or if shut peers libzmq has not closed yet already number ``max_peers``."""
+        live = [fd for fd, p in self._peers.items() if not p.dropped]
+        if len(live) <= self.max_peers:
+            return True
+        if len(self._peers) - len(live) >= self.max_peers:
+            return False
+        for fd in live:         # oldest first (accepted order)
+            peer = self._peers[fd]
+            if fd != newcomer and not peer.ready:
+                self.evicted += 1
+                _drop_log.warning("lmshm: a connection to the KV event %s endpoint that had not finished its "
+                                  "handshake was shut to make room for a new one (%d are connected)",
+                                  self.what, self.max_peers)
+                self._shut(fd, peer)
+                return True
+        return False
 
     def check(self) -> None:
         """Forget peers whose fd is no longer theirs (a ``DISCONNECTED`` the monitor's queue

@@ -373,6 +373,8 @@ class KvEventPublisher:
                     lambda: sum(g.connected for g in self._guards))
         m.add_gauge("lmshm_kv_events_connections_refused", f"Connections to the KV event endpoints shut at once: past "
                     f"{MAX_SUBSCRIBERS} per endpoint, or into the fd reserve", lambda: sum(g.refused for g in self._guards))
+        m.add_gauge("lmshm_kv_events_connections_evicted", "Connections to the KV event endpoints shut before their "
+                    "handshake finished, to make room past the cap for a new one", lambda: sum(g.evicted for g in self._guards))
         m.add_gauge("lmshm_kv_events_subscribers_dropped", f"Subscribers disconnected for sending more than "
                     f"{SUBSCRIBER_SENDS} bytes (subscriptions)", lambda: sum(g.dropped for g in self._guards))
 

@@ -457,3 +457,40 @@ def test_requesters_on_many_connections_that_never_read_do_not_hold_an_honest_re
     assert server.alive
     assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
     assert waited < 3, f"an honest replay waited {waited:.1f} s behind 48 requesters that never read"
+
+
+@pytest.mark.parametrize("target", ["pub", "replay"])
+def test_connections_that_never_finish_a_handshake_do_not_lock_out_an_honest_subscriber(start_server, engines,
+                                                                                       target):
+    """The 64-connection cap refused the newcomer: 64 TCP connections that never send a greeting
+    (libzmq waits 30 s for a handshake, and the attacker then connects again) kept every honest
+    subscriber or requester out, with CURVE too (a client without a key never finishes one)."""
+    server, pub, replay = _events_server(start_server)
+    port = int((pub if target == "pub" else replay).rpartition(":")[2])
+    held = _hold(port, 64)
+    try:
+        time.sleep(0.5)
+        engine = engines(server.url)
+        t0 = time.monotonic()
+        if target == "pub":
+            reader = Sub(pub, wait=False)
+            try:
+                time.sleep(1)
+                for i in range(5):      # 5 batches in a row (a refused SUB may catch one in a race)
+                    engine.store([_advert(20 + i)])
+                    time.sleep(0.1)
+                wait_for(lambda: {1020, 1021, 1022, 1023, 1024} <= {
+                    h for e in reader.events() for h in e.get("block_hashes") or []}, 4,
+                    what="5 batches at an honest subscriber beside 64 idle connections")
+            finally:
+                reader.close()
+        else:
+            engine.store([_advert(1)])
+            from test_kv_events_stream import _replay
+            got = _replay(replay, [b"", (0).to_bytes(8, "big")], timeout_s=20)
+            assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
+        waited = time.monotonic() - t0
+    finally:
+        for s in held:
+            s.close()
+    assert waited < 5, f"an honest {target} peer waited {waited:.1f} s beside 64 idle connections"
