@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import collections
 import errno
-import itertools
 import logging
 import os
 import socket as _socket
@@ -91,7 +90,7 @@ MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are s
 MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 64                   # engines remembered for engine topics, per uid (kv_events.MAX_PODS_PER_UID)
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
-MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (per uid and namespace)
+MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (8,192-16,384 a namespace)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
 
@@ -182,8 +181,8 @@ class KvEventPublisher:
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
         self._node_topics: set[str] = set()
-        # (uid, space) -> {block hash: whether its chain is salted}, oldest first (namespaces least
-        # recently stored into first); MAX_CHAINS hashes in all at most
+        # (uid, space) -> [{block hash: whether its chain is salted}, the generation before] (namespaces
+        # least recently stored into first); MAX_CHAINS hashes in all at most
         self._chains: dict[tuple, dict] = {}
         self._chain_count = 0
         self._stop = threading.Event()
@@ -493,23 +492,29 @@ class KvEventPublisher:
         as block hashes only: a salted chain (the salt would make the private prompt findable
         again, its tokens would index it under an unsalted key; its hashes need the salt to
         compute), and a child of a parent this run does not remember (stored before a restart, on
-        another node, or forgotten: the last ``MAX_CHAINS`` hashes are kept), which may be one."""
+        another node, or forgotten: a namespace's last 8,192 to 16,384 hashes are kept, ``MAX_CHAINS``
+        in all), which may be one."""
         key, parent = (uid, space), event.parent_block_hash
-        known = self._chains.pop(key, None)
-        if known is None:
-            known = {}
-        self._chains[key] = known       # the namespace stored into last goes last
+        gens = self._chains.pop(key, None)
+        if gens is None:
+            gens = [{}, {}]         # this generation, the one before
+        self._chains[key] = gens    # the namespace stored into last goes last
+        new, old = gens
         if parent is None:
             salted = bool(event.extra_keys) and _carries_salt(event.extra_keys[0], event.lora_name)
         else:
-            salted = known.get(parent, True)        # unknown: maybe salted
-        before = len(known)
-        known.update(dict.fromkeys(event.block_hashes, salted))
-        if len(known) > MAX_CHAINS:                 # keep its newest half (amortized: a copy per half)
-            known = self._chains[key] = dict(itertools.islice(known.items(), len(known) - MAX_CHAINS // 2, None))
-        self._chain_count += len(known) - before
-        while self._chain_count > MAX_CHAINS:       # forget the namespaces stored into least recently
-            self._chain_count -= len(self._chains.pop(next(iter(self._chains))))
+            salted = new.get(parent)
+            if salted is None:
+                salted = old.get(parent, True)      # unknown: maybe salted
+        before = len(new)
+        new.update(dict.fromkeys(event.block_hashes, salted))
+        self._chain_count += len(new) - before
+        if len(new) > MAX_CHAINS // 8:              # a new generation; the one before is forgotten
+            self._chain_count -= len(old)
+            gens[:] = [{}, new]
+        while self._chain_count > MAX_CHAINS and len(self._chains) > 1:    # forget the namespaces stored
+            # into least recently (this one is last; alone, its two generations bound it)
+            self._chain_count -= sum(map(len, self._chains.pop(next(iter(self._chains)))))
         if not salted:
             return event
         self.scrubbed += 1
