@@ -9,13 +9,16 @@ connection's fd) and, for a peer it refuses, calls ``shutdown(2)`` on that fd: l
 reads the end of the stream, closes the connection itself and forgets its subscriptions. The
 fd itself is never closed here (libzmq owns it), so its number cannot be reused under libzmq.
 
-Refused: a connection past ``max_peers``, or one accepted while fewer than ``FD_RESERVE`` fds
+Refused: a connection past ``max_peers`` when every peer has finished its ZMTP handshake
+(``HANDSHAKE_SUCCEEDED``; else the oldest that has not is shut instead), or one accepted while fewer than ``FD_RESERVE`` fds
 are free (the reserve the request listener keeps, ``server.FD_RESERVE + server.LINK_ROOM``).
 Dropped: a TCP peer that has sent more than ``max_bytes`` plus ``BYTES_PER_S`` for each second
 it has been connected (``TCP_INFO``'s bytes received: the kernel's count, so bytes libzmq has
 not parsed yet count too). A SUB sends nothing else after its handshake than subscriptions,
 cancels and heartbeats, so the cap bounds the trie. ``ipc://`` peers are not counted in bytes
-(the kernel keeps no such count for Unix sockets; they run as the server's uid).
+(the kernel keeps no such count for Unix sockets): a peer that runs as another uid than the
+server's (or root) is refused (``SO_PEERCRED``). ``ipc://PATH`` is mode 0600 anyway, but an
+abstract ``ipc://@NAME`` has no file: any uid on the host could connect to it.
 
 Easy to get wrong: an fd named by an event may be closed and reused before the event is read.
 Every action first checks that the fd is still a socket with the local address recorded when
@@ -48,7 +51,7 @@ _drop_log = Throttle(logger)
 FD_RESERVE = 64 + 256
 BYTES_PER_S = 1              # what a peer may send per second connected, past max_bytes (heartbeats)
 _TCPI_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in Linux's struct tcp_info (4.1+)
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 __all__ = ["PeerGuard", "free_fds"]
 
@@ -80,11 +83,11 @@ def _with_fd(fd: int, local: Optional[object], action):
 
 
 class _Peer:
-    __slots__ = ("local", "remote", "since", "tcp", "dropped")
+    __slots__ = ("local", "remote", "since", "tcp", "dropped", "ready")
 
     def __init__(self, local: object, remote: object, tcp: bool) -> None:
         self.local, self.remote, self.tcp = local, remote, tcp
-        self.since, self.dropped = time.monotonic(), False
+        self.since, self.dropped, self.ready = time.monotonic(), False, False
 
 
 class PeerGuard:
@@ -103,6 +106,7 @@ class PeerGuard:
         # counters (plain ints, read by /metrics from another thread)
         self.refused = 0        # connections shut at once: past max_peers or into the fd reserve
         self.dropped = 0        # peers shut for sending more than max_bytes
+        self.evicted = 0        # peers shut before their handshake finished, to make room past max_peers
 
     @property
     def connected(self) -> int:
@@ -116,21 +120,50 @@ class PeerGuard:
             except zmq.Again:
                 return
             fd = msg["value"]
+            if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                peer = self._peers.get(fd)
+                if peer is not None:
+                    peer.ready = True
+                continue
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 self._peers.pop(fd, None)
                 continue
             self._peers.pop(fd, None)       # a number reused: the old peer is gone
-            info = _with_fd(fd, None, lambda s: (s.getsockname(), s.getpeername(), s.family != socket.AF_UNIX))
+            info = _with_fd(fd, None, _identify)
             if info is None:
                 continue                    # closed already (a DISCONNECTED follows)
-            peer = self._peers[fd] = _Peer(*info)
-            full = len(self._peers) > self.max_peers
-            if full or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
+            local, remote, tcp, uid = info
+            peer = self._peers[fd] = _Peer(local, remote, tcp)
+            full = len(self._peers) > self.max_peers and not self._evict(fd)
+            foreign = uid is not None and uid not in (0, os.geteuid())
+            if full or foreign or free_fds() < self.fd_reserve:      # (the fds are counted only under the cap)
                 self.refused += 1
                 _drop_log.warning("lmshm: a connection to the KV event %s endpoint was refused: %s", self.what,
                                   f"{self.max_peers} are connected" if full else
+                                  f"its peer runs as uid {uid}, not the server's" if foreign else
                                   f"fewer than {self.fd_reserve} fds are free (the server's reserve)")
                 self._shut(fd, peer)
+
+    def _evict(self, newcomer: int) -> bool:
+        """Make room for ``newcomer`` past ``max_peers``: shut the oldest peer that has not
+        finished its ZMTP handshake (with CURVE, a client the ZAP handler refused never does), so
+        that connections which never greet cannot keep every subscriber out. False if there is
+        none, or if shut peers libzmq has not closed yet already number ``max_peers``."""
+        live = [fd for fd, p in self._peers.items() if not p.dropped]
+        if len(live) <= self.max_peers:
+            return True
+        if len(self._peers) - len(live) >= self.max_peers:
+            return False
+        for fd in live:         # oldest first (accepted order)
+            peer = self._peers[fd]
+            if fd != newcomer and not peer.ready:
+                self.evicted += 1
+                _drop_log.warning("lmshm: a connection to the KV event %s endpoint that had not finished its "
+                                  "handshake was shut to make room for a new one (%d are connected)",
+                                  self.what, self.max_peers)
+                self._shut(fd, peer)
+                return True
+        return False
 
     def check(self) -> None:
         """Forget peers whose fd is no longer theirs (a ``DISCONNECTED`` the monitor's queue
@@ -161,6 +194,15 @@ class PeerGuard:
             pass
         self.monitor.close(linger=0)
         self._peers.clear()
+
+
+def _identify(sock: socket.socket) -> tuple:
+    """(local address, peer address, whether TCP, the peer's uid for a Unix socket else None)."""
+    unix = sock.family == socket.AF_UNIX
+    uid = None
+    if unix:
+        uid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+    return sock.getsockname(), sock.getpeername(), not unix, uid
 
 
 def _bytes_received(sock: socket.socket) -> Optional[int]:

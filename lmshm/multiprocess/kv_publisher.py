@@ -19,9 +19,10 @@ and in node mode every node topic's first batch of a run starts with one, so a s
 one model's topic learns that what an earlier run advertised is gone. Records the log dropped
 before this thread read them are counted (``lost``); node topics then start over the same way.
 
-A salted chain (its first block's extra keys hold vLLM's cache salt) goes out as block hashes
-only, and so do its later blocks (``_scrub``): the salt and the tokens would make the private
-prompt findable again.
+Tokens and extra keys go out only for a chain known to be unsalted in its uid and namespace:
+from a first block without vLLM's cache salt, through parents this run remembers. A salted chain,
+and a child of a parent not remembered (a restart, another node, forgotten), go out as block
+hashes only (``_scrub``): the salt and the tokens would make the private prompt findable again.
 
 Bounds: each batch is copied into libzmq once (``zmq.Frame``) and shared by reference by every
 subscriber's queue and every replay. A subscriber that does not read costs at most ``hwm``
@@ -29,7 +30,8 @@ batches (PUB's SNDHWM: ``--kv-events-hwm``, lowered to ``subscriber_bytes`` over
 ``MAX_BATCH_BYTES``); past that it misses batches and the others still get them. The replay
 buffer holds at most ``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at
 most ``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
-requester that does not read is left behind after ``REPLAY_STALL_S``. A malformed request, or
+requester that does not read is left behind after ``REPLAY_STALL_S`` (``REPLAY_BUSY_STALL_S``
+while other requests wait for one of the ``MAX_REPLAYS`` slots). A malformed request, or
 one for a seq not published yet, is answered with the end marker alone. A bound endpoint is
 libzmq's listener, which accepts every connection and keeps every subscription: ``PeerGuard``
 (``kv_peers``) caps its connections, keeps the fd reserve, and drops a subscriber that sends
@@ -71,13 +73,15 @@ READ_RECORDS = 4096             # records read from the log at once
 READ_BYTES = 4 << 20            # ... and about this many bytes of events
 MAX_BATCH_EVENTS = 512          # events of one KVEventBatch at most
 MAX_BATCH_BYTES = 512 << 10     # ... and about this many bytes
-MAX_REPLAYS = 16                # replay requests served at once; more wait in the ROUTER's queue
+MAX_REPLAYS = 16                # replay requests served at once; more wait (WAITING_REQUESTS, then the ROUTER)
+WAITING_REQUESTS = 64           # requests read ahead of the replay slots (one per requester)
 REPLAY_REQUESTS_PER_POLL = 16
 REPLAY_MESSAGES_PER_POLL = 256  # replay messages one poll sends, over all requesters
 REPLAY_BYTES_PER_POLL = 4 << 20
 REPLAY_HWM = 16                 # replay messages queued for one requester; more wait (EAGAIN)
 REPLAY_RCVHWM = 256             # requests queued in the ROUTER
 REPLAY_STALL_S = 5.0            # a requester whose queue stays full this long is left behind
+REPLAY_BUSY_STALL_S = 0.5       # ... or this long while other requests wait for a replay slot
 MAX_REQUEST_BYTES = 256         # a bigger frame on the ROUTER closes that connection (libzmq)
 MAX_SUBSCRIPTION_BYTES = 1024   # a bigger subscription on the PUB closes that connection (libzmq)
 SUBSCRIBER_SENDS = 4 << 10      # bytes a subscriber may send (libzmq keeps its subscriptions); more drops it
@@ -86,7 +90,7 @@ MAX_SUBSCRIBERS = 64            # connections to a bound PUB at most; more are s
 MAX_REQUESTERS = 64             # ... and to the replay ROUTER
 MAX_PODS = 64                   # engines remembered for engine topics, per uid (kv_events.MAX_PODS_PER_UID)
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
-MAX_SALTED = 1 << 16            # block hashes of salted chains remembered (their children are scrubbed too)
+MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (8,192-16,384 a namespace)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 TOPIC_MODES = ("node", "engine")
 
@@ -173,10 +177,14 @@ class KvEventPublisher:
         self._buffer: collections.deque[tuple[int, tuple[zmq.Frame, ...], int]] = collections.deque()
         self._buffered_bytes = 0
         self._replays: collections.deque[_Replay] = collections.deque()
+        self._waiting: collections.deque[tuple[bytes, list]] = collections.deque()   # (identity, frames)
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
         self._node_topics: set[str] = set()
-        self._salted: dict[Any, None] = {}     # hashes of salted chains' blocks, oldest first
+        # (uid, space) -> [{block hash: whether its chain is salted}, the generation before] (namespaces
+        # least recently stored into first); MAX_CHAINS hashes in all at most
+        self._chains: dict[tuple, dict] = {}
+        self._chain_count = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -357,12 +365,15 @@ class KvEventPublisher:
         m.add_gauge("lmshm_kv_events_replay_batches", "Batches sent in answer to replay requests",
                     lambda: self.replay_sent)
         m.add_gauge("lmshm_kv_events_replay_abandoned", "Replays given up: the requester left, or did not read "
-                    f"for {REPLAY_STALL_S:g} s", lambda: self.replay_abandoned)
+                    f"for {REPLAY_STALL_S:g} s ({REPLAY_BUSY_STALL_S:g} s while other requests waited)",
+                    lambda: self.replay_abandoned)
         m.add_gauge("lmshm_kv_events_replay_buffered", "Batches held for replay", lambda: len(self._buffer))
         m.add_gauge("lmshm_kv_events_connections", "Connections to the bound KV event endpoints (PUB and replay)",
                     lambda: sum(g.connected for g in self._guards))
         m.add_gauge("lmshm_kv_events_connections_refused", f"Connections to the KV event endpoints shut at once: past "
                     f"{MAX_SUBSCRIBERS} per endpoint, or into the fd reserve", lambda: sum(g.refused for g in self._guards))
+        m.add_gauge("lmshm_kv_events_connections_evicted", "Connections to the KV event endpoints shut before their "
+                    "handshake finished, to make room past the cap for a new one", lambda: sum(g.evicted for g in self._guards))
         m.add_gauge("lmshm_kv_events_subscribers_dropped", f"Subscribers disconnected for sending more than "
                     f"{SUBSCRIBER_SENDS} bytes (subscriptions)", lambda: sum(g.dropped for g in self._guards))
 
@@ -422,7 +433,7 @@ class KvEventPublisher:
                 if self._poller.sockets:
                     # a connection or a request wakes it early (a request only while replays may start)
                     if self._replay is not None:
-                        self._poller.modify(self._replay, zmq.POLLIN if len(self._replays) < MAX_REPLAYS else 0)
+                        self._poller.modify(self._replay, zmq.POLLIN if len(self._waiting) < WAITING_REQUESTS else 0)
                     self._poller.poll(int(POLL_S * 1000))
                 else:
                     self._stop.wait(POLL_S)
@@ -449,7 +460,7 @@ class KvEventPublisher:
                     (self._detach_pod if r.detach else self._attach_pod)(r.uid, r.space, r.pod)
                 continue
             if isinstance(event, BlockStored):
-                event = self._scrub(event)
+                event = self._scrub(r.uid, r.space, event)
             for topic in self._topics(r.uid, r.space, r.model, event):
                 if r.scope == (OWNER if topic.startswith(self._node_prefix) else NODE):
                     continue        # Record.scope: an owner-only record on a node topic, a node-only one on a pod's
@@ -474,20 +485,38 @@ class KvEventPublisher:
             self._send(topic_b, _encode(events[start:], now))
         return self._cursor < self.log.last
 
-    def _scrub(self, event: BlockStored) -> BlockStored:
-        """``event`` as the stream may carry it: a block of a salted chain (its first block's extra
-        keys carry a cache salt, or its parent is such a block) without token ids and extra keys.
-        The salt would make the private prompt findable again, and its tokens would index it under
-        an unsalted key; its hashes, which need the salt to compute, are all a router may match."""
-        salted = event.parent_block_hash is not None and event.parent_block_hash in self._salted
-        if not salted and event.parent_block_hash is None and event.extra_keys:
-            salted = _carries_salt(event.extra_keys[0], event.lora_name)
+    def _scrub(self, uid: int, space: bytes, event: BlockStored) -> BlockStored:
+        """``event`` as the stream may carry it. Its tokens and extra keys go out only for a chain
+        known to be unsalted: a first block (no parent) whose extra keys hold no cache salt, or a
+        child of a block remembered as such in the same uid and namespace. Anything else goes out
+        as block hashes only: a salted chain (the salt would make the private prompt findable
+        again, its tokens would index it under an unsalted key; its hashes need the salt to
+        compute), and a child of a parent this run does not remember (stored before a restart, on
+        another node, or forgotten: a namespace's last 8,192 to 16,384 hashes are kept, ``MAX_CHAINS``
+        in all), which may be one."""
+        key, parent = (uid, space), event.parent_block_hash
+        gens = self._chains.pop(key, None)
+        if gens is None:
+            gens = [{}, {}]         # this generation, the one before
+        self._chains[key] = gens    # the namespace stored into last goes last
+        new, old = gens
+        if parent is None:
+            salted = bool(event.extra_keys) and _carries_salt(event.extra_keys[0], event.lora_name)
+        else:
+            salted = new.get(parent)
+            if salted is None:
+                salted = old.get(parent, True)      # unknown: maybe salted
+        before = len(new)
+        new.update(dict.fromkeys(event.block_hashes, salted))
+        self._chain_count += len(new) - before
+        if len(new) > MAX_CHAINS // 8:              # a new generation; the one before is forgotten
+            self._chain_count -= len(old)
+            gens[:] = [{}, new]
+        while self._chain_count > MAX_CHAINS and len(self._chains) > 1:    # forget the namespaces stored
+            # into least recently (this one is last; alone, its two generations bound it)
+            self._chain_count -= sum(map(len, self._chains.pop(next(iter(self._chains)))))
         if not salted:
             return event
-        for h in event.block_hashes:
-            self._salted[h] = None
-        while len(self._salted) > MAX_SALTED:
-            del self._salted[next(iter(self._salted))]
         self.scrubbed += 1
         return msgspec.structs.replace(event, token_ids=[], extra_keys=None)
 
@@ -570,37 +599,45 @@ class KvEventPublisher:
 
     # ---- replay -------------------------------------------------------------------------
     def _take_requests(self) -> None:
+        """Read requests (at most ``WAITING_REQUESTS`` waiting; one per requester: a request from
+        one whose replay is under way or waiting is dropped) and start replays while slots are
+        free. Waiting requests shorten how long a stalled replay keeps its slot (``_send_replay``)."""
         sock = self._replay
         for _ in range(REPLAY_REQUESTS_PER_POLL):
-            if len(self._replays) >= MAX_REPLAYS:
-                return          # the rest wait in the ROUTER's queue (REPLAY_RCVHWM)
+            if len(self._waiting) >= WAITING_REQUESTS:
+                break           # the rest wait in the ROUTER's queue (REPLAY_RCVHWM)
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             self.replay_requests += 1
             identity = frames[0]
-            if any(rp.identity == identity for rp in self._replays):
+            if any(rp.identity == identity for rp in self._replays) or any(w[0] == identity for w in self._waiting):
                 # one replay per requester at a time: a flood of requests from one takes one slot,
                 # not all MAX_REPLAYS. Its earlier request's answer (then the end marker) is coming.
                 self.replay_duplicate += 1
                 continue
-            newest = self._seq - 1
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                self.replay_malformed += 1
-                _replay_log.warning("lmshm: a KV event replay request was not [empty frame, 8-byte sequence "
-                                    "number] (%d frames); answered with the end marker", len(frames))
-                self._replays.append(_Replay(identity, 1, 0))      # nothing, then the end marker
-                continue
-            start = int.from_bytes(frames[2], "big")
-            if start > newest:
-                self.replay_future += 1
-                self._replays.append(_Replay(identity, 1, 0))
-                continue
-            oldest = self._buffer[0][0] if self._buffer else self._seq
-            if start < oldest:
-                self.replay_truncated += 1
-            self._replays.append(_Replay(identity, max(start, oldest), newest))
+            self._waiting.append((identity, frames))
+        while self._waiting and len(self._replays) < MAX_REPLAYS:
+            self._start_replay(*self._waiting.popleft())
+
+    def _start_replay(self, identity: bytes, frames: list) -> None:
+        newest = self._seq - 1
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            self.replay_malformed += 1
+            _replay_log.warning("lmshm: a KV event replay request was not [empty frame, 8-byte sequence "
+                                "number] (%d frames); answered with the end marker", len(frames))
+            self._replays.append(_Replay(identity, 1, 0))      # nothing, then the end marker
+            return
+        start = int.from_bytes(frames[2], "big")
+        if start > newest:
+            self.replay_future += 1
+            self._replays.append(_Replay(identity, 1, 0))
+            return
+        oldest = self._buffer[0][0] if self._buffer else self._seq
+        if start < oldest:
+            self.replay_truncated += 1
+        self._replays.append(_Replay(identity, max(start, oldest), newest))
 
     def _serve_replays(self) -> bool:
         """Send replay messages, within this poll's budget, requesters in turn (one replay per
@@ -641,11 +678,12 @@ class KvEventPublisher:
         try:
             self._replay.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)     # the frames are shared
         except zmq.Again:
-            if time.monotonic() - rp.since < REPLAY_STALL_S:
+            # a slot held by a requester that does not read: 5 s, or 0.5 s while others wait for one
+            if time.monotonic() - rp.since < (REPLAY_BUSY_STALL_S if self._waiting else REPLAY_STALL_S):
                 return False
             self.replay_abandoned += 1
-            _replay_log.warning("lmshm: a KV event replay requester read nothing for %g s; its replay was "
-                                "given up", REPLAY_STALL_S)
+            _replay_log.warning("lmshm: a KV event replay requester read nothing for %g s (%g s while other "
+                                "requests wait); its replay was given up", REPLAY_STALL_S, REPLAY_BUSY_STALL_S)
             return None
         except zmq.ZMQError as exc:
             if exc.errno != errno.EHOSTUNREACH:

@@ -356,3 +356,159 @@ def test_garbage_huge_frames_and_a_request_flood_leave_the_stream_and_replay_ser
 def decode_seq_payload_has(payload: bytes, block_hash: int) -> bool:
     from lmshm.core.kv_events import decode_batch
     return any(e.get("block_hashes") == [block_hash] for e in decode_batch(payload)[1])
+
+
+def test_a_salted_chain_whose_root_this_run_never_saw_goes_out_without_tokens(start_server, engines):
+    """The scrub failed open: a block whose parent the publisher did not remember as salted went
+    out with its tokens. That is every continuation of a salted chain whose first blocks were
+    stored before a restart, on another node, or more than 65,536 salted blocks ago; and another
+    namespace could advertise the salted parent's hash as an unsalted root of its own."""
+    server, pub, _ = _events_server(start_server, replay=False)
+    sub = Sub(pub)
+    try:
+        victim, other = engines(server.url), engines(server.url)
+        # the victim's salted root 5000 was stored before this run; only its continuation is new
+        victim.store([protocol.Advert(b"a" * 32, 0, 2, [5001], 5000, [31, 32])])
+        # another namespace advertises the victim's salted hash 7000 as an unsalted root of its own
+        other.store([protocol.Advert(b"o" * 32, 0, 2, [7000], None, [41, 42])], space=b"T")
+        victim.store([protocol.Advert(b"s" * 32, 0, 2, [7000], None, [51, 52],
+                                      extra_keys=msgspec.msgpack.encode([["salt-7"]])),
+                      protocol.Advert(b"b" * 32, 0, 2, [7001], 7000, [53, 54])])
+        plain = [_advert(1), _advert(2, 1001)]          # an unsalted chain seen from its root
+        victim.store(plain)
+        wait_for(lambda: len([e for e in sub.events() if e["type"] == "BlockStored"]) >= 6, 10,
+                 what="six BlockStored")
+        stored = {}
+        for e in sub.events():
+            if e["type"] == "BlockStored":
+                stored.setdefault(tuple(e["block_hashes"]), []).append(e)
+    finally:
+        sub.close()
+    assert not stored[(5001,)][0]["token_ids"], stored[(5001,)]     # its parent unknown: no tokens
+    assert not stored[(7001,)][0]["token_ids"], stored[(7001,)]     # salted in its own namespace
+    assert [e["token_ids"] for e in stored[(7000,)]] == [[41, 42], []]
+    assert stored[(1002,)][0]["token_ids"] == [4, 5]                # an unsalted chain keeps them
+
+
+_FOREIGN_SUB = r"""
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect("\0" + sys.argv[1])
+ready = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB"
+s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" * 32 + bytes((4, len(ready))) + ready)
+s.setblocking(False)
+sent, i, out, end = 0, 0, b"", time.monotonic() + 3
+quiet = len(sys.argv) > 2      # only wait to be refused
+while time.monotonic() < end:       # distinct 1,000-byte subscriptions, as fast as they are taken
+    try:
+        if s.recv(65536) == b"":
+            break
+    except BlockingIOError:
+        pass
+    except OSError:
+        break
+    if quiet:
+        time.sleep(0.01); continue
+    if not out:
+        out, i = b"\x02" + (1001).to_bytes(8, "big") + b"\x01" + i.to_bytes(4, "big") * 250, i + 1
+    try:
+        n = s.send(out)
+        sent, out = sent + n, out[n:]
+    except BlockingIOError:
+        time.sleep(0.01)
+    except OSError:
+        break
+else:
+    print("open", sent); sys.exit()
+print("closed", sent)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs another uid for the subscriber (root)")
+def test_an_abstract_ipc_endpoint_admits_no_peer_of_another_uid(start_server, engines):
+    """``ipc://@NAME`` has no file and no mode: any uid on the host can connect, and ipc peers
+    were never counted in bytes (``ipc://PATH`` is 0600: only the server's uid). A SUB of
+    another uid could send subscriptions without end, libzmq keeping ~170 bytes each."""
+    import subprocess
+    import sys
+    name = f"lmshm-test-{os.getpid()}-{time.monotonic_ns()}"
+    server = start_server("--capacity", "64MiB", "--kv-events", f"ipc://@{name}", "--kv-events-node", NODE)
+    honest = Sub(f"ipc://@{name}")
+    try:
+        # a python nobody may run (the venv's may be under a home it cannot enter)
+        python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.path.exists(p)), None)
+        if python is None:
+            pytest.skip("no system python3 for another uid")
+        out = subprocess.run([python, "-c", _FOREIGN_SUB, name, "quiet"], user=65534, group=65534, cwd="/",
+                             capture_output=True, text=True, timeout=30)
+        engines(server.url).store([_advert(3)])
+        wait_for(lambda: any(e.get("block_hashes") == [1003] for e in honest.events()), 10,
+                 what="the stream at a subscriber of the server's uid")
+    finally:
+        honest.close()
+    assert out.stdout.split()[:1] == ["closed"], (out.stdout, out.stderr)
+
+
+def test_requesters_on_many_connections_that_never_read_do_not_hold_an_honest_replay(start_server, engines):
+    """One replay per requester stops one connection's flood; 48 connections (48 identities,
+    under the 64 the ROUTER admits), each asking once and never reading, took the 16 replay
+    slots three times over, each slot given up only after 5 s of a full queue."""
+    http = _free_port()
+    server, pub, replay = _events_server(start_server, "--http-port", str(http))
+    engine = engines(server.url, blocks=64)
+    engine.store([_advert(1)])
+    for k in range(8):      # ~2.5 MiB more to replay: a requester that never reads fills its socket
+        first = [(1 << 40) + ((k * 64 + i) << 10) for i in range(64)]
+        engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
+                                      list(range(first[i], first[i] + 1024))) for i in range(64)])
+    wait_for(lambda: _metrics(http)["lmshm_kv_events_replay_buffered"] >= 9, 20, what="the replay buffer")
+    stuck = [_stuck_requester(replay) for _ in range(48)]
+    try:
+        time.sleep(0.5)
+        from test_kv_events_stream import _replay
+        t0 = time.monotonic()
+        got = _replay(replay, [b"", (0).to_bytes(8, "big")], timeout_s=30)
+        waited = time.monotonic() - t0
+    finally:
+        for s in stuck:
+            s.close()
+    assert server.alive
+    assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
+    assert waited < 3, f"an honest replay waited {waited:.1f} s behind 48 requesters that never read"
+
+
+@pytest.mark.parametrize("target", ["pub", "replay"])
+def test_connections_that_never_finish_a_handshake_do_not_lock_out_an_honest_subscriber(start_server, engines,
+                                                                                       target):
+    """The 64-connection cap refused the newcomer: 64 TCP connections that never send a greeting
+    (libzmq waits 30 s for a handshake, and the attacker then connects again) kept every honest
+    subscriber or requester out, with CURVE too (a client without a key never finishes one)."""
+    server, pub, replay = _events_server(start_server)
+    port = int((pub if target == "pub" else replay).rpartition(":")[2])
+    held = _hold(port, 64)
+    try:
+        time.sleep(0.5)
+        engine = engines(server.url)
+        t0 = time.monotonic()
+        if target == "pub":
+            reader = Sub(pub, wait=False)
+            try:
+                time.sleep(1)
+                for i in range(5):      # 5 batches in a row (a refused SUB may catch one in a race)
+                    engine.store([_advert(20 + i)])
+                    time.sleep(0.1)
+                wait_for(lambda: {1020, 1021, 1022, 1023, 1024} <= {
+                    h for e in reader.events() for h in e.get("block_hashes") or []}, 4,
+                    what="5 batches at an honest subscriber beside 64 idle connections")
+            finally:
+                reader.close()
+        else:
+            engine.store([_advert(1)])
+            from test_kv_events_stream import _replay
+            got = _replay(replay, [b"", (0).to_bytes(8, "big")], timeout_s=20)
+            assert any(decode_seq_payload_has(p, 1001) for _, _, p in got)
+        waited = time.monotonic() - t0
+    finally:
+        for s in held:
+            s.close()
+    assert waited < 5, f"an honest {target} peer waited {waited:.1f} s beside 64 idle connections"
