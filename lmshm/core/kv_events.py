@@ -390,13 +390,15 @@ class _Run:
     """One reader key's records (a uid's, or a uid's in one space), oldest first, from ``head``
     on (the ones before it left the ring): a read finds its start by bisection."""
 
-    __slots__ = ("records", "head")
+    __slots__ = ("records", "head", "bytes")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.head = 0
+        self.bytes = 0          # the sizes of its records from head on
 
     def drop_first(self) -> None:
+        self.bytes -= self.records[self.head].size
         self.head += 1
         if self.head >= 64 and self.head * 2 >= len(self.records):
             del self.records[:self.head]
@@ -432,6 +434,11 @@ class EventLog:
         # never uids; MAX_GONE kept, then the floor)
         self._gone: OrderedDict[Any, int] = OrderedDict()
         self._gone_floor = 0
+        # each uid's records stay readable by its own feed, past the ring, while they are at
+        # most a quarter of its bounds (``_trim_run``)
+        self.run_records = max(16, self.capacity // RUN_SHARE)
+        self.run_bytes = self.max_bytes // RUN_SHARE
+        self._owners: set[int] = set()         # uids whose runs extend touched (under the lock)
         self._lock = threading.Lock()
         self._next = 1
         self.bytes = 0            # event_bytes of the records in the ring
@@ -447,6 +454,7 @@ class EventLog:
         (``event`` a ``KvEvent``, a ``_Stored`` or None), under one hold of the lock."""
         with self._lock:
             ring, runs, n = self._ring, self._runs, self._next
+            owners = self._owners
             for entry in entries:
                 uid, space, model, ev, pod = entry[:5]
                 scope = entry[5] if len(entry) > 5 else BOTH
@@ -461,25 +469,48 @@ class EventLog:
                         if run is None:
                             run = runs[k] = _Run()
                         run.records.append(r)
+                        run.bytes += size
+                    owners.add(uid)
             self._next = n
             over = 0
             while len(ring) > 1 and (len(ring) > self.capacity or self.bytes > self.max_bytes):
-                self._pop()
+                r = ring.popleft()
+                self.bytes -= r.size
+                if r.scope != NODE and r.uid >= 0:
+                    owners.add(r.uid)
                 over += 1
             self.trimmed += over
+            for uid in owners:
+                self._trim_run(uid)
+            owners.clear()
 
-    def _pop(self) -> None:
-        r = self._ring.popleft()
-        self.bytes -= r.size
-        if r.scope != NODE and r.uid >= 0:
-            for k in (r.uid, (r.uid, r.space)):
-                run = self._runs[k]
-                run.drop_first()
-                if not len(run):
-                    del self._runs[k]
+    def _trim_run(self, uid: int) -> None:
+        """Drop ``uid``'s oldest records that left the ring while its run is past the uid's own
+        bound (``run_records``, ``run_bytes``): a uid's records leave its feed only by its own
+        records' doing, never another tenant's flood of the shared ring."""
+        runs = self._runs
+        run = runs.get(uid)
+        if run is None:
+            return
+        first = self._ring[0].n if self._ring else self._next
+        records = run.records
+        dropped = 0
+        while len(run) and records[run.head].n < first and (
+                len(run) > self.run_records or run.bytes > self.run_bytes):
+            r = records[run.head]
+            run.drop_first()
+            k = (uid, r.space)
+            space_run = runs[k]
+            space_run.drop_first()              # its head too: a space's run is a part of the uid's, in order
+            if not len(space_run):
+                del runs[k]
+            dropped = r.n
+        if not len(run):
+            del runs[uid]
+        if dropped:
             gone = self._gone
-            gone[r.uid] = r.n
-            gone.move_to_end(r.uid)
+            gone[uid] = dropped
+            gone.move_to_end(uid)
             while len(gone) > MAX_GONE:
                 _, n = gone.popitem(last=False)
                 self._gone_floor = max(self._gone_floor, n)
@@ -568,6 +599,11 @@ def event_bytes(event: Any) -> int:
     return 32
 
 
+#: A uid's records that left the ring stay in its own feed (``EventLog._trim_run``) while they
+#: are at most 1/RUN_SHARE of the ring's records and bytes: another tenant's flood of the ring
+#: never trims a reader's own unread records; the log holds at most the ring and, per uid that
+#: has records, a quarter of it besides.
+RUN_SHARE = 4
 #: Uids whose newest trimmed record the log remembers (to tell a reader it lost one of its
 #: uid's); a reader whose uid was forgotten is told it lost some if it is behind the newest
 #: record forgotten so.

@@ -318,3 +318,28 @@ def test_a_uids_queued_adverts_are_bounded_and_another_uids_still_queue(monkeypa
     store(kv, A, range(4))          # A's adverts are queued and applied all the same
     assert found(kv) == (8, 8) and kv.queue_refused == kv.refused
     assert kv._queued_by_uid == {} and kv._queued_adverts == 0
+
+
+# ---- round 4, fresh attack: a hostile tenant against the KV index ---------------------------
+
+
+def test_another_uids_flood_of_records_never_trims_a_readers_own_unread_records():
+    """B's records push A's *unread* ones off the shared ring (by count, or cheaper by bytes:
+    about 160 BlockStored of the wire's largest adverts fill a 64 MiB ring): A's read said
+    ``lost`` (its connector then sends a BlockRemoved for every block it advertised). A uid's
+    records now stay readable by its own feed until its own records pass its bound."""
+    log = EventLog(records=64, max_bytes=1 << 20)
+    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
+    _, cursor, _ = log.read(-1, 10, uid=A, spaces=[SPACE])
+    a_new = kv_events.BlockRemoved([1, 2], "CPU", 0, "LOCAL")
+    log.extend([(A, SPACE, "m", a_new, "")])                     # A's, not read yet (A is idle)
+    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(1000)])     # by count
+    records, cursor2, lost = log.read(cursor, 10, uid=A, spaces=[SPACE])
+    assert [r.event for r in records] == [a_new] and not lost
+    big = kv_events.BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
+    log.extend([(A, SPACE, "m", a_new, "")])
+    log.extend([(B, b"other", "m", big, "") for _ in range(10)])           # by bytes
+    records, _, lost = log.read(cursor2, 10, uid=A)
+    assert [r.event for r in records] == [a_new] and not lost
+    assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
+    assert len(log._runs[B]) <= 64 // 4 + len(log._ring)       # past the ring, B keeps its own bound only

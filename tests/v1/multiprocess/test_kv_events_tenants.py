@@ -219,6 +219,22 @@ def test_another_uids_flood_of_events_never_makes_a_connector_start_over(start_s
     assert a_prompt(http, 1) == (2, 2)
 
 
+def test_another_uids_flood_of_events_never_trims_a_connectors_unread_events(start_server, tenant_a):
+    """As above, but A has events it has not read yet (an idle engine reads none): B's churn
+    pushed them off the shared ring and A's read said ``lost`` (round 4, fresh attack). A
+    uid's records now stay in its own feed until its own records pass its bound."""
+    server, http, _ = serve(start_server, "--kv-events-buffer", "64", "--max-objects", "8")
+    a = tenant_a(server.url)
+    assert a.store(0, [advert(0)]) == [0]
+    wait_for(lambda: a.client.kv_events([SPACE], -1).events, 10, 0.05, "A's BlockStored")
+    cursor = a.client.kv_events([SPACE], -1).cursor
+    assert a.store(1, [advert(1)]) == [0]                  # its BlockStored: not read yet
+    assert as_nobody(server.url, "_b_churn") > cursor + 64
+    reply = a.client.kv_events([SPACE], cursor)
+    assert not reply.lost
+    assert [e.block_hashes[0] for e in reply.events if type(e).__name__ == "BlockStored"] == [hashes_of(1)[0]]
+
+
 # ---- what tenant B does (in its own process, as uid nobody: as_nobody) ---------------------
 
 
