@@ -235,6 +235,26 @@ def test_another_uids_flood_of_events_never_trims_a_connectors_unread_events(sta
     assert [e.block_hashes[0] for e in reply.events if type(e).__name__ == "BlockStored"] == [hashes_of(1)[0]]
 
 
+def test_another_uid_cannot_publish_on_an_engine_topic_a_uid_holds(start_server, tenant_a):
+    """Engine mode: a STORE's ``pod`` names the topic its events go to. B's STOREs naming A's
+    engine (``pod-a``) put B's BlockStored, and B's BlockRemoved of any hashes, on
+    ``kv@pod-a@m``: a router then credited (or uncredited) A's engine with B's claims (round 4,
+    fresh attack). A pod name is now its first uid's while that uid has it attached."""
+    server, http, replay = serve(start_server, "--kv-events-topic", "engine")
+    a = tenant_a(server.url)
+    assert a.store(0, [advert(0)]) == [0]
+    wait_for(lambda: http.leading(block_hashes=hashes_of(0))[0] == 2, 10, 0.05, "A's chunk indexed")
+    assert as_nobody(server.url, "_b_as_pod", "pod-a") == [0]
+    wait_for(lambda: http.leading(block_hashes=[4242, 4243])[0] == 2, 10, 0.05, "B's chunk indexed")
+
+    def topics_of(h: int) -> set:
+        return {bytes(t) for t, _, p in _replay(replay, [b"", (0).to_bytes(8, "big")])
+                if any(e.get("block_hashes", [None])[0] == h for e in decode_batch(p)[1])}
+    wait_for(lambda: topics_of(4242), 10, 0.1, "B's BlockStored on the stream")
+    assert b"kv@pod-a@m" not in topics_of(4242)
+    assert topics_of(hashes_of(0)[0]) == {b"kv@pod-a@m"}         # A's engine topic is still A's
+
+
 # ---- what tenant B does (in its own process, as uid nobody: as_nobody) ---------------------
 
 
@@ -285,6 +305,12 @@ def _b_many_engines(b: Tenant) -> int:
     for i in range(4200):
         b.client.store(b.iid, b.keys(0, 1), [0], 1, adverts=adverts, space=SPACE, pod=f"b-engine-{i}")
     return 4200
+
+
+def _b_as_pod(b: Tenant, pod: str) -> list:
+    """Store a chunk of B's own (hashes 4242, 4243) naming ``pod`` as its engine."""
+    ad = protocol.Advert(b"b-pod", 0, BLOCK, [4242, 4243], None, list(range(2 * BLOCK)))
+    return list(b.client.store(b.iid, b.keys(0, 1), [0], 1, adverts=[ad], space=SPACE, pod=pod).results)
 
 
 def _b_churn(b: Tenant) -> int:
