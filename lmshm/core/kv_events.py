@@ -235,8 +235,15 @@ def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, adv
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
                    None if extra is None else _frozen(extra, {}), born)
     chunk.tkeys = token_keys(chunk)
-    chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0))
+    chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0),
+                            _text_bytes(chunk.lora))
     return chunk
+
+
+def _text_bytes(text: Optional[str]) -> int:
+    """What a LoRA name costs where it is kept (a chunk, a record): its own string, up to
+    16 KiB for 4,096 characters (``MAX_TEXT``) of 4 bytes each."""
+    return 0 if text is None else sys.getsizeof(text)
 
 
 #: What an indexed chunk costs the server's memory, as ``chunk_cost`` estimates it (calibrated
@@ -249,10 +256,11 @@ BLOCK_BYTES = 256
 EXTRA_FACTOR = 2
 
 
-def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int) -> int:
-    """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids and
-    ``extra_bytes`` of encoded extra keys is charged (its uid's share, the index's bound)."""
-    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes
+def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int, text_bytes: int = 0) -> int:
+    """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids,
+    ``extra_bytes`` of encoded extra keys and a LoRA name of ``text_bytes`` (``_text_bytes``)
+    is charged (its uid's share, the index's bound)."""
+    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes + text_bytes
 
 
 def _frozen(value: Any, seen: dict) -> Any:
@@ -590,10 +598,14 @@ class EventLog:
 def event_bytes(event: Any) -> int:
     """About how many bytes ``event`` (a ``KvEvent`` or its packed ``_Stored`` form) encodes to
     (a bound for replies, buffers and the log)."""
+    # a LoRA name counts as the string it is kept as (up to 16 KiB; its encoding is no more
+    # than that, but for 3-byte characters)
     if type(event) is _Stored:
-        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ())
+        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ()) \
+            + _text_bytes(event.lora)
     if isinstance(event, BlockStored):
-        return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ())
+        return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ()) \
+            + _text_bytes(event.lora_name)
     if isinstance(event, BlockRemoved):
         return 80 + 34 * len(event.block_hashes)
     return 32

@@ -343,3 +343,32 @@ def test_another_uids_flood_of_records_never_trims_a_readers_own_unread_records(
     assert [r.event for r in records] == [a_new] and not lost
     assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
     assert len(log._runs[B]) <= 64 // 4 + len(log._ring)       # past the ring, B keeps its own bound only
+
+
+@pytest.mark.parametrize("lora", ["x" * 4096, "\U0001F600" * 4096])
+def test_a_long_lora_name_is_charged_to_the_index_and_the_log(lora):
+    """A LoRA name may be 4,096 characters (``MAX_TEXT``), one string per advert as decoded,
+    kept by the chunk and by its BlockStored record: neither ``chunk_cost`` nor ``event_bytes``
+    counted it, so one-block chunks held 3x (ASCII) to 10x (4-byte characters) what the index's
+    and the log's byte bounds were charged (round 4, fresh attack)."""
+    import gc
+    import tracemalloc
+    n = 500
+    kv = KvIndex()
+    kv.unpack_adverts = unpack_adverts
+    raw = [pack_adverts([Advert(b"c%d" % i, 0, BLOCK, [i], None, list(range(BLOCK)), lora_name=lora)])
+           for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raw[i], count=1)
+            kv.note(B, b"k%d" % i, "pool", True)
+        kv.drain()
+        raw.clear()
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert kv.chunks == n and used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
