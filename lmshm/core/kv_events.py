@@ -221,6 +221,7 @@ class _Chunk(msgspec.Struct, gc=False):
     where: dict = {}                    # tier -> the ranks holding it there, a bit each
     servable: tuple = ()                # tiers BlockStored was sent for (and not removed)
     tkeys: tuple = ()                   # per block, its token_key (token_keys)
+    xheld: int = 0                      # what its decoded extra keys hold (_held_bytes)
 
     def rank_of(self, key: bytes) -> int:
         for rank, k in self.keys.items():
@@ -235,9 +236,24 @@ def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, adv
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
                    None if extra is None else _frozen(extra, {}), born)
     chunk.tkeys = token_keys(chunk)
+    chunk.xheld = 0 if chunk.extra is None else _held_bytes(chunk.extra, set())
     chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0),
-                            _text_bytes(chunk.lora))
+                            _text_bytes(chunk.lora), chunk.xheld)
     return chunk
+
+
+def _held_bytes(value: Any, seen: set) -> int:
+    """What decoded extra keys hold: every distinct object (``_frozen`` made equal values one)
+    once. Small values of many kinds decode to more than twice their encoded size: a one-item
+    list of a 16-bit int is 4 bytes encoded, 84 bytes decoded."""
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    n = sys.getsizeof(value)
+    if type(value) is tuple:
+        for v in value:
+            n += _held_bytes(v, seen)
+    return n
 
 
 def _text_bytes(text: Optional[str]) -> int:
@@ -256,11 +272,13 @@ BLOCK_BYTES = 256
 EXTRA_FACTOR = 2
 
 
-def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int, text_bytes: int = 0) -> int:
+def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int, text_bytes: int = 0, extra_held: int = 0) -> int:
     """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids,
-    ``extra_bytes`` of encoded extra keys and a LoRA name of ``text_bytes`` (``_text_bytes``)
-    is charged (its uid's share, the index's bound)."""
-    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes + text_bytes
+    ``extra_bytes`` of encoded extra keys (``extra_held`` decoded, ``_held_bytes``: the more of
+    it and twice the encoded size) and a LoRA name of ``text_bytes`` (``_text_bytes``) is
+    charged (its uid's share, the index's bound)."""
+    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + max(EXTRA_FACTOR * extra_bytes, extra_held) \
+        + text_bytes
 
 
 def _frozen(value: Any, seen: dict) -> Any:
@@ -359,6 +377,7 @@ class _Stored(msgspec.Struct, gc=False):
     group: int
     medium: str
     locality: str
+    xheld: int = 0          # what ``extra`` holds decoded (``_held_bytes``): what event_bytes charges for it
 
     def build(self) -> BlockStored:
         # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
@@ -601,8 +620,8 @@ def event_bytes(event: Any) -> int:
     # a LoRA name counts as the string it is kept as (up to 16 KiB; its encoding is no more
     # than that, but for 3-byte characters)
     if type(event) is _Stored:
-        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ()) \
-            + _text_bytes(event.lora)
+        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) \
+            + max(64 * len(event.extra or ()), event.xheld) + _text_bytes(event.lora)
     if isinstance(event, BlockStored):
         return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ()) \
             + _text_bytes(event.lora_name)
@@ -1175,7 +1194,7 @@ class KvIndex:
         self.stored_events += 1
         self._pending.append((chunk.uid, chunk.space, chunk.model,
                               _Stored(chunk.hashes, chunk.parent, chunk.tokens, chunk.block_size, chunk.lora,
-                                      chunk.extra, chunk.group, medium, locality), ""))
+                                      chunk.extra, chunk.group, medium, locality, chunk.xheld), ""))
 
     def _emit_removed(self, chunk: _Chunk, tier: str) -> None:
         """``chunk`` (no longer counting ``tier`` in its ``servable``) left ``tier``: its owner
