@@ -324,7 +324,7 @@ class KvEventPublisher:
     def _publish(self) -> bool:
         """Send what the log holds past the cursor; True if it held more than one read."""
         after = self._cursor
-        records, self._cursor, lost = self.log.read(after, READ_RECORDS, max_bytes=READ_BYTES)
+        records, self._cursor, lost = self.log.read(after, READ_RECORDS, max_bytes=READ_BYTES, node=True)
         groups: dict[str, list[KvEvent]] = {}
         if lost and records:
             missed = records[0].n - after - 1

@@ -43,6 +43,7 @@ class Tenant:
         self.client = MPClient(url, client_name=f"kv-tenant-{name}", timeout_s=10)
         self.iid = self.client.register_kv_caches({"l0": self.kv}, f"w-{name}", model_name="m")
         self.name = name
+        self.url = url
 
     def keys(self, first: int, n: int) -> list[bytes]:
         return [hashlib.sha256(b"%s-%d" % (self.name.encode(), first + i)).digest() for i in range(n)]
@@ -255,6 +256,26 @@ def test_another_uid_cannot_publish_on_an_engine_topic_a_uid_holds(start_server,
     assert topics_of(hashes_of(0)[0]) == {b"kv@pod-a@m"}         # A's engine topic is still A's
 
 
+def test_another_uids_flood_of_large_events_never_makes_the_node_stream_start_over(start_server, tenant_a):
+    """B STOREs tiny chunks whose adverts are the wire's largest (65,536 tokens: a 362 KB
+    BlockStored each) from two connections, faster than the publisher sends them: the ring
+    (64 MiB) dropped records the publisher had not sent (``lost`` 1,494 in 8 s), and each time
+    every node topic started over with AllBlocksCleared, wiping A's blocks from the routers
+    (round 4, fresh attack). Now records the publisher has not read stay (up to twice the ring's
+    bounds), and a uid with much of the backlog gets no new adverts applied."""
+    from test_kv_events_stream import _metrics
+    server, http, _ = serve(start_server, "--pool-populate-ahead", "0")
+    a = tenant_a(server.url)
+    assert a.store(0, [advert(0)]) == [0]
+    wait_for(lambda: a_prompt(http, 1) == (2, 2), 10, 0.05, "A's chunk indexed")
+    stored = as_nobody(server.url, "_b_flood_large", 6.0)
+    assert stored > 300                                 # about 110 MiB of events at least
+    assert a.store(1, [advert(1)]) == [0]               # A still advertises
+    wait_for(lambda: a_prompt(http, 2) == (4, 4), 20, 0.1, "A's second chunk indexed")
+    m = _metrics(int(http.base.rsplit(":", 1)[1]))
+    assert m["lmshm_kv_events_lost"] == 0, m
+
+
 # ---- what tenant B does (in its own process, as uid nobody: as_nobody) ---------------------
 
 
@@ -311,6 +332,33 @@ def _b_as_pod(b: Tenant, pod: str) -> list:
     """Store a chunk of B's own (hashes 4242, 4243) naming ``pod`` as its engine."""
     ad = protocol.Advert(b"b-pod", 0, BLOCK, [4242, 4243], None, list(range(2 * BLOCK)))
     return list(b.client.store(b.iid, b.keys(0, 1), [0], 1, adverts=[ad], space=SPACE, pod=pod).results)
+
+
+def _b_flood_large(b: Tenant, seconds: float) -> int:
+    """STOREs of 50 one-block chunks with the wire's largest adverts, from two connections, for
+    ``seconds``; how many chunks were stored."""
+    import threading
+    import time
+    stop = time.monotonic() + seconds
+    done = [0, 0]
+
+    def flood(t: Tenant, k: int) -> None:
+        n = 0
+        while time.monotonic() < stop:
+            ads = [protocol.Advert(b"big-%d-%d" % (k, n + i), 0, 64, [(k << 40) + ((n + i) << 20) + j for j in range(1024)],
+                                   None, [], tokens=bytes(4 * 65536)) for i in range(50)]
+            t.client.store(t.iid, t.keys(n, 50), [i % 16 for i in range(50)], 1, adverts=ads, space=SPACE, pod="")
+            n += 50
+        done[k] = n
+    b2 = Tenant(b.url, "b2")
+    try:
+        th = threading.Thread(target=flood, args=(b2, 1))
+        th.start()
+        flood(b, 0)
+        th.join()
+    finally:
+        b2.close()
+    return sum(done)
 
 
 def _b_churn(b: Tenant) -> int:
