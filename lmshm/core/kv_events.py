@@ -631,6 +631,12 @@ class EventLog:
                     break
             return out, cursor, lost
 
+    def release_node(self) -> None:
+        """The node stream's reader stopped: the ring keeps its own bounds again."""
+        with self._lock:
+            self.node_at = None
+            self.node_unread, self._unread = 0, {}
+
     def _node_read(self, cursor: int) -> None:
         """The node stream's reader read up to ``cursor``: the records it passed are read."""
         at = self.node_at

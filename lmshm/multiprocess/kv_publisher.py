@@ -288,6 +288,7 @@ class KvEventPublisher:
             if thread.is_alive():   # never seen: the loop never blocks. Its sockets stay open.
                 logger.error("lmshm: the KV event publisher did not stop within %g s", timeout_s)
                 return
+        self.log.release_node()         # nobody reads the node stream now: nothing to keep for it
         self._close_sockets()
 
     def _close_sockets(self) -> None:
