@@ -588,8 +588,11 @@ class EventLog:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
         from next, and whether records the reader had not read were dropped from the ring
-        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records:
-        another tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
+        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records, which
+        its feed keeps past the ring up to a quarter of it: another tenant's flood of records
+        never makes a reader of its own feed start over). ``after`` -1: from the oldest kept,
+        nothing lost. ``node``: this is the node stream's reader (the publisher): records after
+        its cursor stay past the bounds, up to twice them (``lagging``).
         ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
         returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
         all; ``KvIndex.drain``)."""

@@ -345,7 +345,8 @@ def _b_flood_large(b: Tenant, seconds: float) -> int:
     def flood(t: Tenant, k: int) -> None:
         n = 0
         while time.monotonic() < stop:
-            ads = [protocol.Advert(b"big-%d-%d" % (k, n + i), 0, 64, [(k << 40) + ((n + i) << 20) + j for j in range(1024)],
+            ads = [protocol.Advert(b"big-%d-%d" % (k, n + i), 0, 64,
+                                   [(k << 40) + ((n + i) << 20) + j for j in range(1024)],
                                    None, [], tokens=bytes(4 * 65536)) for i in range(50)]
             t.client.store(t.iid, t.keys(n, 50), [i % 16 for i in range(50)], 1, adverts=ads, space=SPACE, pod="")
             n += 50
