@@ -221,6 +221,7 @@ class _Chunk(msgspec.Struct, gc=False):
     where: dict = {}                    # tier -> the ranks holding it there, a bit each
     servable: tuple = ()                # tiers BlockStored was sent for (and not removed)
     tkeys: tuple = ()                   # per block, its token_key (token_keys)
+    xheld: int = 0                      # what its decoded extra keys hold (_held_bytes)
 
     def rank_of(self, key: bytes) -> int:
         for rank, k in self.keys.items():
@@ -235,8 +236,30 @@ def _new_chunk(ident: tuple, uid: int, space: bytes, model: str, world: int, adv
                    advert.parent_block_hash, advert.tokens, advert.block_size, advert.lora_name,
                    None if extra is None else _frozen(extra, {}), born)
     chunk.tkeys = token_keys(chunk)
-    chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0))
+    chunk.xheld = 0 if chunk.extra is None else _held_bytes(chunk.extra, set())
+    chunk.cost = chunk_cost(len(chunk.hashes), len(chunk.tokens), getattr(advert, "extra_size", 0),
+                            _text_bytes(chunk.lora), chunk.xheld)
     return chunk
+
+
+def _held_bytes(value: Any, seen: set) -> int:
+    """What decoded extra keys hold: every distinct object (``_frozen`` made equal values one)
+    once. Small values of many kinds decode to more than twice their encoded size: a one-item
+    list of a 16-bit int is 4 bytes encoded, 84 bytes decoded."""
+    if id(value) in seen:
+        return 0
+    seen.add(id(value))
+    n = sys.getsizeof(value)
+    if type(value) is tuple:
+        for v in value:
+            n += _held_bytes(v, seen)
+    return n
+
+
+def _text_bytes(text: Optional[str]) -> int:
+    """What a LoRA name costs where it is kept (a chunk, a record): its own string, up to
+    16 KiB for 4,096 characters (``MAX_TEXT``) of 4 bytes each."""
+    return 0 if text is None else sys.getsizeof(text)
 
 
 #: What an indexed chunk costs the server's memory, as ``chunk_cost`` estimates it (calibrated
@@ -249,10 +272,13 @@ BLOCK_BYTES = 256
 EXTRA_FACTOR = 2
 
 
-def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int) -> int:
-    """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids and
-    ``extra_bytes`` of encoded extra keys is charged (its uid's share, the index's bound)."""
-    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + EXTRA_FACTOR * extra_bytes
+def chunk_cost(blocks: int, token_bytes: int, extra_bytes: int, text_bytes: int = 0, extra_held: int = 0) -> int:
+    """Bytes an indexed chunk of ``blocks`` blocks, ``token_bytes`` of packed token ids,
+    ``extra_bytes`` of encoded extra keys (``extra_held`` decoded, ``_held_bytes``: the more of
+    it and twice the encoded size) and a LoRA name of ``text_bytes`` (``_text_bytes``) is
+    charged (its uid's share, the index's bound)."""
+    return CHUNK_BYTES + BLOCK_BYTES * blocks + token_bytes + max(EXTRA_FACTOR * extra_bytes, extra_held) \
+        + text_bytes
 
 
 def _frozen(value: Any, seen: dict) -> Any:
@@ -351,6 +377,7 @@ class _Stored(msgspec.Struct, gc=False):
     group: int
     medium: str
     locality: str
+    xheld: int = 0          # what ``extra`` holds decoded (``_held_bytes``): what event_bytes charges for it
 
     def build(self) -> BlockStored:
         # tuples, not lists (they encode alike): a tuple of ints or bytes leaves the cyclic
@@ -390,13 +417,15 @@ class _Run:
     """One reader key's records (a uid's, or a uid's in one space), oldest first, from ``head``
     on (the ones before it left the ring): a read finds its start by bisection."""
 
-    __slots__ = ("records", "head")
+    __slots__ = ("records", "head", "bytes")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.head = 0
+        self.bytes = 0          # the sizes of its records from head on
 
     def drop_first(self) -> None:
+        self.bytes -= self.records[self.head].size
         self.head += 1
         if self.head >= 64 and self.head * 2 >= len(self.records):
             del self.records[:self.head]
@@ -432,6 +461,11 @@ class EventLog:
         # never uids; MAX_GONE kept, then the floor)
         self._gone: OrderedDict[Any, int] = OrderedDict()
         self._gone_floor = 0
+        # each uid's records stay readable by its own feed, past the ring, while they are at
+        # most a quarter of its bounds (``_trim_run``)
+        self.run_records = max(16, self.capacity // RUN_SHARE)
+        self.run_bytes = self.max_bytes // RUN_SHARE
+        self._owners: set[int] = set()         # uids whose runs extend touched (under the lock)
         self._lock = threading.Lock()
         self._next = 1
         self.bytes = 0            # event_bytes of the records in the ring
@@ -447,6 +481,7 @@ class EventLog:
         (``event`` a ``KvEvent``, a ``_Stored`` or None), under one hold of the lock."""
         with self._lock:
             ring, runs, n = self._ring, self._runs, self._next
+            owners = self._owners
             for entry in entries:
                 uid, space, model, ev, pod = entry[:5]
                 scope = entry[5] if len(entry) > 5 else BOTH
@@ -461,25 +496,48 @@ class EventLog:
                         if run is None:
                             run = runs[k] = _Run()
                         run.records.append(r)
+                        run.bytes += size
+                    owners.add(uid)
             self._next = n
             over = 0
             while len(ring) > 1 and (len(ring) > self.capacity or self.bytes > self.max_bytes):
-                self._pop()
+                r = ring.popleft()
+                self.bytes -= r.size
+                if r.scope != NODE and r.uid >= 0:
+                    owners.add(r.uid)
                 over += 1
             self.trimmed += over
+            for uid in owners:
+                self._trim_run(uid)
+            owners.clear()
 
-    def _pop(self) -> None:
-        r = self._ring.popleft()
-        self.bytes -= r.size
-        if r.scope != NODE and r.uid >= 0:
-            for k in (r.uid, (r.uid, r.space)):
-                run = self._runs[k]
-                run.drop_first()
-                if not len(run):
-                    del self._runs[k]
+    def _trim_run(self, uid: int) -> None:
+        """Drop ``uid``'s oldest records that left the ring while its run is past the uid's own
+        bound (``run_records``, ``run_bytes``): a uid's records leave its feed only by its own
+        records' doing, never another tenant's flood of the shared ring."""
+        runs = self._runs
+        run = runs.get(uid)
+        if run is None:
+            return
+        first = self._ring[0].n if self._ring else self._next
+        records = run.records
+        dropped = 0
+        while len(run) and records[run.head].n < first and (
+                len(run) > self.run_records or run.bytes > self.run_bytes):
+            r = records[run.head]
+            run.drop_first()
+            k = (uid, r.space)
+            space_run = runs[k]
+            space_run.drop_first()              # its head too: a space's run is a part of the uid's, in order
+            if not len(space_run):
+                del runs[k]
+            dropped = r.n
+        if not len(run):
+            del runs[uid]
+        if dropped:
             gone = self._gone
-            gone[r.uid] = r.n
-            gone.move_to_end(r.uid)
+            gone[uid] = dropped
+            gone.move_to_end(uid)
             while len(gone) > MAX_GONE:
                 _, n = gone.popitem(last=False)
                 self._gone_floor = max(self._gone_floor, n)
@@ -498,8 +556,10 @@ class EventLog:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
         from next, and whether records the reader had not read were dropped from the ring
-        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records:
-        another tenant's flood of records never makes a reader of its own feed start over). ``after`` -1: from the oldest kept, nothing lost.
+        (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records, which
+        its feed keeps past the ring up to a quarter of it: another tenant's flood of records
+        never makes a reader of its own feed start over). ``after`` -1: from the oldest kept,
+        nothing lost.
         ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
         returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
         all; ``KvIndex.drain``)."""
@@ -559,15 +619,24 @@ class EventLog:
 def event_bytes(event: Any) -> int:
     """About how many bytes ``event`` (a ``KvEvent`` or its packed ``_Stored`` form) encodes to
     (a bound for replies, buffers and the log)."""
+    # a LoRA name counts as the string it is kept as (up to 16 KiB; its encoding is no more
+    # than that, but for 3-byte characters)
     if type(event) is _Stored:
-        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) + 64 * len(event.extra or ())
+        return 160 + 34 * len(event.hashes) + (5 * len(event.tokens) >> 2) \
+            + max(64 * len(event.extra or ()), event.xheld) + _text_bytes(event.lora)
     if isinstance(event, BlockStored):
-        return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ())
+        return 160 + 34 * len(event.block_hashes) + 5 * len(event.token_ids) + 64 * len(event.extra_keys or ()) \
+            + _text_bytes(event.lora_name)
     if isinstance(event, BlockRemoved):
         return 80 + 34 * len(event.block_hashes)
     return 32
 
 
+#: A uid's records that left the ring stay in its own feed (``EventLog._trim_run``) while they
+#: are at most 1/RUN_SHARE of the ring's records and bytes: another tenant's flood of the ring
+#: never trims a reader's own unread records; the log holds at most the ring and, per uid that
+#: has records, a quarter of it besides.
+RUN_SHARE = 4
 #: Uids whose newest trimmed record the log remembers (to tell a reader it lost one of its
 #: uid's); a reader whose uid was forgotten is told it lost some if it is behind the newest
 #: record forgotten so.
@@ -1127,7 +1196,7 @@ class KvIndex:
         self.stored_events += 1
         self._pending.append((chunk.uid, chunk.space, chunk.model,
                               _Stored(chunk.hashes, chunk.parent, chunk.tokens, chunk.block_size, chunk.lora,
-                                      chunk.extra, chunk.group, medium, locality), ""))
+                                      chunk.extra, chunk.group, medium, locality, chunk.xheld), ""))
 
     def _emit_removed(self, chunk: _Chunk, tier: str) -> None:
         """``chunk`` (no longer counting ``tier`` in its ``servable``) left ``tier``: its owner

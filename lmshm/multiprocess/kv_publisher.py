@@ -180,6 +180,9 @@ class KvEventPublisher:
         self._waiting: collections.deque[tuple[bytes, list]] = collections.deque()   # (identity, frames)
         self._pods: dict[tuple[int, bytes], list[str]] = {}
         self._pod_count: dict[int, int] = {}      # uid -> engines remembered for it
+        # pod name -> [the uid whose topic it is, its (uid, space) attachments]: a pod name is
+        # the first uid's to attach it until that uid detaches it everywhere
+        self._pod_owner: dict[str, list[int]] = {}
         self._node_topics: set[str] = set()
         # (uid, space) -> [{block hash: whether its chain is salted}, the generation before] (namespaces
         # least recently stored into first); MAX_CHAINS hashes in all at most
@@ -203,6 +206,7 @@ class KvEventPublisher:
         self.pods_unmapped = 0    # engines not remembered: their uid had MAX_PODS
         self.pods_refused = 0     # pod names no topic can carry ('@', spaces, "node:...")
         self.scrubbed = 0         # BlockStored of salted chains sent without tokens and extra keys
+        self.pods_taken = 0       # pod names another uid's engine holds (its events go to the node topic)
         # inproc:// only reaches sockets of the same context: the process's shared one, as vLLM
         self._own_ctx = not endpoint.startswith("inproc://") and not replay_endpoint.startswith("inproc://")
         self._ctx = zmq.Context() if self._own_ctx else zmq.Context.instance()
@@ -524,6 +528,15 @@ class KvEventPublisher:
         if "@" in pod or pod.startswith("node:") or any(c.isspace() for c in pod):
             self.pods_refused += 1      # kv@POD@MODEL would not parse, or would pose as a node topic
             return
+        owner = self._pod_owner.get(pod)
+        if owner is not None and owner[0] != uid:
+            # another uid's engine publishes under this name: a STORE's pod is what its sender
+            # says, so another tenant naming it would put its claims (and removals) on that
+            # engine's topic; its events go to the node topic instead
+            self.pods_taken += 1
+            _failure_log.warning("lmshm: uid %d names engine %r of another uid in its STOREs; its KV events go "
+                                 "to the node topic", uid, pod[:80])
+            return
         pods = self._pods.setdefault((uid, space), [])
         if pod in pods:
             return
@@ -534,6 +547,10 @@ class KvEventPublisher:
             return
         pods.append(pod)
         self._pod_count[uid] = self._pod_count.get(uid, 0) + 1
+        if owner is None:
+            self._pod_owner[pod] = [uid, 1]
+        else:
+            owner[1] += 1
 
     def _detach_pod(self, uid: int, space: bytes, pod: str) -> None:
         """The index forgot this engine (``Record.detach``): its topic is no longer sent to."""
@@ -543,6 +560,11 @@ class KvEventPublisher:
         pods.remove(pod)
         if not pods:
             del self._pods[(uid, space)]
+        owner = self._pod_owner.get(pod)
+        if owner is not None and owner[0] == uid:
+            owner[1] -= 1
+            if not owner[1]:
+                del self._pod_owner[pod]
         left = self._pod_count[uid] - 1
         if left:
             self._pod_count[uid] = left

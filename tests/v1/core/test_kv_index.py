@@ -318,3 +318,89 @@ def test_a_uids_queued_adverts_are_bounded_and_another_uids_still_queue(monkeypa
     store(kv, A, range(4))          # A's adverts are queued and applied all the same
     assert found(kv) == (8, 8) and kv.queue_refused == kv.refused
     assert kv._queued_by_uid == {} and kv._queued_adverts == 0
+
+
+# ---- round 4, fresh attack: a hostile tenant against the KV index ---------------------------
+
+
+def test_another_uids_flood_of_records_never_trims_a_readers_own_unread_records():
+    """B's records push A's *unread* ones off the shared ring (by count, or cheaper by bytes:
+    about 160 BlockStored of the wire's largest adverts fill a 64 MiB ring): A's read said
+    ``lost`` (its connector then sends a BlockRemoved for every block it advertised). A uid's
+    records now stay readable by its own feed until its own records pass its bound."""
+    log = EventLog(records=64, max_bytes=1 << 20)
+    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
+    _, cursor, _ = log.read(-1, 10, uid=A, spaces=[SPACE])
+    a_new = kv_events.BlockRemoved([1, 2], "CPU", 0, "LOCAL")
+    log.extend([(A, SPACE, "m", a_new, "")])                     # A's, not read yet (A is idle)
+    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(1000)])     # by count
+    records, cursor2, lost = log.read(cursor, 10, uid=A, spaces=[SPACE])
+    assert [r.event for r in records] == [a_new] and not lost
+    big = kv_events.BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
+    log.extend([(A, SPACE, "m", a_new, "")])
+    log.extend([(B, b"other", "m", big, "") for _ in range(10)])           # by bytes
+    records, _, lost = log.read(cursor2, 10, uid=A)
+    assert [r.event for r in records] == [a_new] and not lost
+    assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
+    assert len(log._runs[B]) <= 64 // 4 + len(log._ring)       # past the ring, B keeps its own bound only
+
+
+@pytest.mark.parametrize("lora", ["x" * 4096, "\U0001F600" * 4096])
+def test_a_long_lora_name_is_charged_to_the_index_and_the_log(lora):
+    """A LoRA name may be 4,096 characters (``MAX_TEXT``), one string per advert as decoded,
+    kept by the chunk and by its BlockStored record: neither ``chunk_cost`` nor ``event_bytes``
+    counted it, so one-block chunks held 3x (ASCII) to 10x (4-byte characters) what the index's
+    and the log's byte bounds were charged (round 4, fresh attack)."""
+    import gc
+    import tracemalloc
+    n = 500
+    kv = KvIndex()
+    kv.unpack_adverts = unpack_adverts
+    raw = [pack_adverts([Advert(b"c%d" % i, 0, BLOCK, [i], None, list(range(BLOCK)), lora_name=lora)])
+           for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raw[i], count=1)
+            kv.note(B, b"k%d" % i, "pool", True)
+        kv.drain()
+        raw.clear()
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert kv.chunks == n and used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
+
+
+def test_extra_keys_are_charged_what_they_hold_decoded():
+    """Extra keys of many small distinct values (each block 15 one-item lists of a distinct
+    int: 61 bytes encoded, about 1.3 KB decoded) held about 3x what ``chunk_cost`` (twice the
+    encoded size) and ``event_bytes`` (64 bytes a block) charged (round 4, fresh attack)."""
+    import gc
+    import tracemalloc
+    n = 30
+
+    def extra(i: int) -> bytes:
+        return msgspec.msgpack.encode([[[300 + b * 15 + j] for j in range(15)] for b in range(1024)])
+    kv = KvIndex()
+    kv.unpack_adverts = unpack_adverts
+    raw = [pack_adverts([Advert(b"c%d" % i, 0, 1, [i * 1024 + j for j in range(1024)], None, list(range(1024)),
+                                extra_keys=extra(i))]) for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(n):
+            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raw[i], count=1)
+            kv.note(B, b"k%d" % i, "pool", True)
+        kv.drain()
+        raw.clear()
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert kv.chunks == n and kv.refused == 0
+    assert used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
+
