@@ -472,6 +472,13 @@ class EventLog:
         self.trimmed = 0          # records dropped from the ring's old end
         self.epoch = ""           # set by the owner: a new value means the log started over
         self.before_read: Optional[Any] = None
+        # the node stream's reader (``read(..., node=True)``: the publisher): n of its cursor,
+        # and the bytes of records after it, in all and per uid. Records it has not read stay
+        # past the bounds, up to twice them; a uid with more than an eighth of the ring unread
+        # while it lags a quarter gets no new adverts applied (``lagging``)
+        self.node_at: Optional[int] = None
+        self.node_unread = 0
+        self._unread: dict[int, int] = {}
 
     def append(self, uid: int, space: bytes, model: str, event: Optional[KvEvent], pod: str = "") -> None:
         self.extend(((uid, space, model, event, pod),))
@@ -489,6 +496,9 @@ class EventLog:
                 r = Record(n, uid, space, model, ev, pod, scope, size, len(entry) > 6 and entry[6])
                 ring.append(r)
                 self.bytes += size
+                if self.node_at is not None:
+                    self.node_unread += size
+                    self._unread[uid] = self._unread.get(uid, 0) + size
                 n += 1
                 if scope != NODE and uid >= 0:          # the owner's feed: what KV_EVENTS reads
                     for k in (uid, (uid, space)):
@@ -500,9 +510,14 @@ class EventLog:
                     owners.add(uid)
             self._next = n
             over = 0
-            while len(ring) > 1 and (len(ring) > self.capacity or self.bytes > self.max_bytes):
+            node_at = self.node_at
+            while len(ring) > 1 and (len(ring) > self.capacity or self.bytes > self.max_bytes) and (
+                    node_at is None or ring[0].n <= node_at
+                    or len(ring) > 2 * self.capacity or self.bytes > 2 * self.max_bytes):
                 r = ring.popleft()
                 self.bytes -= r.size
+                if node_at is not None and r.n > node_at:
+                    self._read_by_node(r)
                 if r.scope != NODE and r.uid >= 0:
                     owners.add(r.uid)
                 over += 1
@@ -510,6 +525,22 @@ class EventLog:
             for uid in owners:
                 self._trim_run(uid)
             owners.clear()
+
+    def _read_by_node(self, r: Record) -> None:
+        self.node_unread -= r.size
+        left = self._unread.get(r.uid, 0) - r.size
+        if left > 0:
+            self._unread[r.uid] = left
+        else:
+            self._unread.pop(r.uid, None)
+
+    def lagging(self, uid: int) -> bool:
+        """The node stream's reader is behind by more than a quarter of the ring's bytes, and
+        more than an eighth of them are ``uid``'s: its new adverts are not applied (a tenant
+        that produces events faster than the publisher sends them would otherwise push
+        unsent records off the ring, and the node topics would start over with
+        AllBlocksCleared for every tenant)."""
+        return self.node_unread > self.max_bytes >> 2 and self._unread.get(uid, 0) > self.max_bytes >> 3
 
     def _trim_run(self, uid: int) -> None:
         """Drop ``uid``'s oldest records that left the ring while its run is past the uid's own
@@ -552,14 +583,16 @@ class EventLog:
             return self._ring[0].n if self._ring else self._next
 
     def read(self, after: int, limit: int, uid: Optional[int] = None, spaces: Optional[Iterable[bytes]] = None,
-             max_bytes: int = 1 << 62, apply: Optional[int] = None) -> tuple[list[Record], int, bool]:
+             max_bytes: int = 1 << 62, apply: Optional[int] = None, node: bool = False
+             ) -> tuple[list[Record], int, bool]:
         """``(records, cursor, lost)``: up to ``limit`` records after ``after`` (of ``uid`` and
         ``spaces``, if given: the owner's feed, ``NODE`` records left out), the cursor to read
         from next, and whether records the reader had not read were dropped from the ring
         (``after`` below the oldest one kept; for a uid's read, one of *its uid's* records, which
         its feed keeps past the ring up to a quarter of it: another tenant's flood of records
         never makes a reader of its own feed start over). ``after`` -1: from the oldest kept,
-        nothing lost.
+        nothing lost. ``node``: this is the node stream's reader (the publisher): records after
+        its cursor stay past the bounds, up to twice them (``lagging``).
         ``max_bytes`` bounds the events' encoded size (roughly; at least one record is
         returned). ``apply``: how much of the index's queue ``before_read`` applies first (None:
         all; ``KvIndex.drain``)."""
@@ -572,7 +605,10 @@ class EventLog:
                 after = first - 1
             lost = after + 1 < first
             if uid is None:
-                return self._scan(after, first, limit, max_bytes, lost)
+                out = self._scan(after, first, limit, max_bytes, lost)
+                if node:
+                    self._node_read(out[1])
+                return out
             keys = [uid] if spaces is None else [(uid, s) for s in dict.fromkeys(spaces)]
             if lost:
                 lost = after < max(self._gone_floor, self._gone.get(uid, 0))
@@ -597,6 +633,32 @@ class EventLog:
                     cursor = r.n
                     break
             return out, cursor, lost
+
+    def release_node(self) -> None:
+        """The node stream's reader stopped: the ring keeps its own bounds again."""
+        with self._lock:
+            self.node_at = None
+            self.node_unread, self._unread = 0, {}
+
+    def _node_read(self, cursor: int) -> None:
+        """The node stream's reader read up to ``cursor``: the records it passed are read."""
+        at = self.node_at
+        self.node_at = cursor
+        if at is None:                  # its first read: what it has not read yet, counted
+            self.node_unread, self._unread = 0, {}
+            for r in self._ring:
+                if r.n > cursor:
+                    self.node_unread += r.size
+                    self._unread[r.uid] = self._unread.get(r.uid, 0) + r.size
+            return
+        ring = self._ring
+        if not ring:
+            return
+        for i in range(max(0, at + 1 - ring[0].n), len(ring)):
+            r = ring[i]
+            if r.n > cursor:
+                break
+            self._read_by_node(r)
 
     def _scan(self, after: int, first: int, limit: int, max_bytes: int, lost: bool) -> tuple[list[Record], int, bool]:
         ring = self._ring
@@ -773,6 +835,7 @@ class KvIndex:
         self.unindexed = 0        # chunks forgotten to make room: the index was full
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
         self.queue_refused = 0    # ... of them, refused because their uid's queued adverts were at the bound
+        self.lag_refused = 0      # ... or because the node stream lagged, much of it their uid's (EventLog.lagging)
         self.unresident_dropped = 0   # adverts forgotten: their uid had MAX_UNRESIDENT waiting
         self.stored_events = self.removed_events = 0
         self.failed = 0           # queued entries whose application raised (a bug; logged)
@@ -809,6 +872,11 @@ class KvIndex:
         else:
             n, size = len(adverts), 0
         if not self.enabled or not n:
+            return
+        if self.log.lagging(uid):
+            # the node stream is behind, much of it this uid's: stored, not advertised
+            self.refused += 1
+            self.lag_refused += 1
             return
         with self._count_lock:
             mine = self._queued_by_uid.get(uid, (0, 0))
@@ -942,6 +1010,9 @@ class KvIndex:
                 if len(cur.items) != len(keys):
                     raise ValueError(f"{len(cur.items)} adverts for {len(keys)} keys")
             items, start = cur.items, cur.done
+            if self.log.lagging(uid):
+                self.lag_refused += 1
+                raise ValueError("the node stream is behind, much of it this uid's events: the rest not advertised")
             end = start
             while end < len(items) and (end == start or units < room):
                 units += _units(items[end])

@@ -397,6 +397,7 @@ class KvEventPublisher:
             if thread.is_alive():   # never seen: the loop never blocks. Its sockets stay open.
                 logger.error("lmshm: the KV event publisher did not stop within %g s", timeout_s)
                 return
+        self.log.release_node()         # nobody reads the node stream now: nothing to keep for it
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -445,7 +446,7 @@ class KvEventPublisher:
     def _publish(self) -> bool:
         """Send what the log holds past the cursor; True if it held more than one read."""
         after = self._cursor
-        records, self._cursor, lost = self.log.read(after, READ_RECORDS, max_bytes=READ_BYTES)
+        records, self._cursor, lost = self.log.read(after, READ_RECORDS, max_bytes=READ_BYTES, node=True)
         groups: dict[str, list[KvEvent]] = {}
         if lost and records:
             missed = records[0].n - after - 1

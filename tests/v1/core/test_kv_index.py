@@ -404,3 +404,21 @@ def test_extra_keys_are_charged_what_they_hold_decoded():
     assert kv.chunks == n and kv.refused == 0
     assert used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
 
+
+def test_records_the_node_stream_has_not_read_stay_and_a_uid_with_much_of_the_backlog_is_not_advertised():
+    """Round 4, fresh attack: B's events, produced faster than the publisher sends them, pushed
+    unsent records off the ring, and the node topics started over with AllBlocksCleared."""
+    kv = KvIndex(records=64, log_bytes=1 << 20)
+    log = kv.log
+    log.read(-1, 10, node=True)                         # the publisher, caught up
+    big = kv_events.BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
+    log.extend([(B, SPACE, "m", big, "") for _ in range(6)])                # 1.6 MiB: past the bound
+    assert log.trimmed == 0 and log.lagging(B) and not log.lagging(A)
+    store(kv, B, range(2))
+    assert kv.lag_refused == 1 and len(kv) == 0         # stored, not advertised
+    store(kv, A, range(2))
+    assert len(kv) == 2                                 # A's are
+    records, _, lost = log.read(0, 100, node=True)
+    assert not lost and len(records) == 6 + 2 and not log.lagging(B)
+    log.extend([(B, SPACE, "m", big, "") for _ in range(10)])               # past twice the bound: trimmed
+    assert log.bytes <= 2 << 20 and log.trimmed > 0

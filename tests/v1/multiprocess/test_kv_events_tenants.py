@@ -256,15 +256,13 @@ def test_another_uid_cannot_publish_on_an_engine_topic_a_uid_holds(start_server,
     assert topics_of(hashes_of(0)[0]) == {b"kv@pod-a@m"}         # A's engine topic is still A's
 
 
-@pytest.mark.xfail(strict=True, reason="open (round 4, fresh attack, docs/security.md): a tenant's large events "
-                   "outrun the publisher; the tried defence (backpressure) made "
-                   "test_a_subscriber_that_never_reads_costs_bounded_memory... grow 11-23 MiB, unexplained in the time box")
 def test_another_uids_flood_of_large_events_never_makes_the_node_stream_start_over(start_server, tenant_a):
     """B STOREs tiny chunks whose adverts are the wire's largest (65,536 tokens: a 362 KB
     BlockStored each) from two connections, faster than the publisher sends them: the ring
     (64 MiB) dropped records the publisher had not sent (``lost`` 1,494 in 8 s), and each time
     every node topic started over with AllBlocksCleared, wiping A's blocks from the routers
-    (round 4, fresh attack; open, see docs/security.md)."""
+    (round 4, fresh attack). Now records the publisher has not read stay (up to twice the ring's
+    bounds), and a uid with much of the backlog gets no new adverts applied."""
     from test_kv_events_stream import _metrics
     server, http, _ = serve(start_server, "--pool-populate-ahead", "0")
     a = tenant_a(server.url)
