@@ -375,7 +375,9 @@ def _b_churn(b: Tenant) -> int:
 def test_the_largest_adverts_grow_the_server_by_the_index_bound_not_by_what_is_sent(start_server, tenant_a):
     """300 of the wire's largest adverts (1,024 hashes, 65,536 tokens, a LoRA name on each block:
     85 MiB sent). Before round 4 the server grew about 12 times that (a GiB); the index is now
-    bounded in bytes (``--kv-events-index 16384``: 64 MiB) and so is the log (64 MiB)."""
+    bounded in bytes (``--kv-events-index 16384``: 64 MiB) and so is the log (64 MiB, up to twice
+    that while the publisher has not read its records: 128 MiB), so 192 MiB and the allocator's
+    slack at most."""
     server, _, _ = serve(start_server, "--pool-populate-ahead", "0", "--kv-events-index", "16384")
     a = tenant_a(server.url)
     lora = "adapter-%020d" % 0
@@ -393,4 +395,4 @@ def test_the_largest_adverts_grow_the_server_by_the_index_bound_not_by_what_is_s
         a.store(i, [largest(i)])
     a.client.kv_events([SPACE], -1, 1)                      # a reader: the index applied everything
     grown = _rss(server.proc.pid) - before
-    assert grown < 200 << 20, f"the server grew {grown / 2**20:.0f} MiB for 85 MiB of adverts"
+    assert grown < 240 << 20, f"the server grew {grown / 2**20:.0f} MiB for 85 MiB of adverts"
