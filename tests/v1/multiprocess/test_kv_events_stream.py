@@ -482,7 +482,9 @@ def test_a_subscriber_that_never_reads_costs_bounded_memory_and_is_counted_as_dr
     # with --kv-events-hwm 100000 the stuck subscriber's queue holds about all of it; here the
     # log's records the publisher has not read yet (up to twice its bounds while it lags) and
     # the allocator's slack are what grow
-    assert grown < min(24 << 20, sent / 3), \
+    # (CI, beside the other pytest group, saw 18.8 and 27.4 MiB for 72-76 MiB sent); a stuck queue
+    # that held it all would grow by what went out
+    assert grown < min(40 << 20, sent / 2), \
         f"the server grew {grown / 2**20:.1f} MiB while {sent / 2**20:.1f} MiB went out"
     assert m["lmshm_kv_events_dropped"] >= 1
 
