@@ -15,6 +15,7 @@ every object evicted, for read-backs that must find none of theirs in it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -22,7 +23,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import contextlib
 import tempfile
 from typing import Iterator, Optional
 

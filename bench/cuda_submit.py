@@ -67,7 +67,7 @@ class FakeRecordingBindings:
             self._raw = ctypes.create_string_buffer(24)
             self.srcAccessOrder = 0
 
-        def getPtr(self) -> int:  # noqa: N802 - cuda-python's name
+        def getPtr(self) -> int:
             return ctypes.addressof(self._raw)
 
     def __init__(self) -> None:
@@ -81,25 +81,25 @@ class FakeRecordingBindings:
         self.recorded.append(count)
         return 0
 
-    def cuInit(self, flags):  # noqa: N802
+    def cuInit(self, flags):
         return (self.ok,)
 
-    def cuDeviceGet(self, ordinal):  # noqa: N802
+    def cuDeviceGet(self, ordinal):
         return (self.ok, ordinal)
 
-    def cuDevicePrimaryCtxRetain(self, dev):  # noqa: N802
+    def cuDevicePrimaryCtxRetain(self, dev):
         return (self.ok, 100)
 
-    def cuCtxGetCurrent(self):  # noqa: N802
+    def cuCtxGetCurrent(self):
         return (self.ok, 100)
 
-    def CUstream(self, s):  # noqa: N802
+    def CUstream(self, s):
         return s
 
-    def cuGetProcAddress(self, symbol, version, flags):  # noqa: N802
+    def cuGetProcAddress(self, symbol, version, flags):
         return (self.ok, ctypes.cast(self._batch, ctypes.c_void_p).value, 0)
 
-    def cuMemcpyAsync(self, dst, src, n, stream):  # noqa: N802
+    def cuMemcpyAsync(self, dst, src, n, stream):
         self.recorded.append(n)
         return (self.ok,)
 

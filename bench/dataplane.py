@@ -29,11 +29,11 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
+import torch
+from _server import BenchServer
 
-from _server import BenchServer  # noqa: E402
-from lmshm.multiprocess.client import MPClient  # noqa: E402
-from lmshm.platform.cpu import empty_shared  # noqa: E402
+from lmshm.multiprocess.client import MPClient
+from lmshm.platform.cpu import empty_shared
 
 LAYERS, HEADS, TOKENS, DIM = 32, 8, 32, 128
 BLOCK_LAYER_BYTES = HEADS * TOKENS * DIM * 2
@@ -129,7 +129,7 @@ def main() -> int:
     warm_cp, cold_cp = memcpy_times(request_bytes, args.reps)
 
     fill = max(1, min(args.reps - 1, parse_capacity(args.capacity) // request_bytes))
-    gbs = lambda s: request_bytes / statistics.median(s) / 1e9  # noqa: E731
+    gbs = lambda s: request_bytes / statistics.median(s) / 1e9
     print(f"{args.request_mib} MiB per request ({chunks} chunks of {CHUNK_BLOCKS} blocks x {LAYERS} layers), "
           f"{args.copy_threads} copy threads, {os.cpu_count()} CPUs, block ids "
           f"{'shuffled' if args.shuffled else 'consecutive'}")

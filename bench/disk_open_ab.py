@@ -28,12 +28,12 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _server import empty_pool  # noqa: E402
+from _server import empty_pool
 
-from lmshm.core.pool import Pool, cost_of  # noqa: E402
-from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.disk import DiskTier, file_bytes  # noqa: E402
-from lmshm.core.tiers.stack import TierStack  # noqa: E402
+from lmshm.core.pool import Pool, cost_of
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.disk import DiskTier, file_bytes
+from lmshm.core.tiers.stack import TierStack
 
 
 def run(directory: str, size: int, total: int, reps: int) -> dict[bool, list[tuple[float, float]]]:

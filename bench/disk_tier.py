@@ -59,14 +59,23 @@ from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
+import torch
+from _server import BenchServer
 
-from _server import BenchServer  # noqa: E402
-from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.disk import (CHECKSUMS, HEADER_BYTES, DiskTier, checksum_algorithm, direct_ok,  # noqa: E402
-                                   encode_header, file_bytes, read_file, write_file)
-from lmshm.multiprocess.client import MPClient  # noqa: E402
-from lmshm.platform.cpu import empty_shared  # noqa: E402
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.disk import (
+    CHECKSUMS,
+    HEADER_BYTES,
+    DiskTier,
+    checksum_algorithm,
+    direct_ok,
+    encode_header,
+    file_bytes,
+    read_file,
+    write_file,
+)
+from lmshm.multiprocess.client import MPClient
+from lmshm.platform.cpu import empty_shared
 
 LAYERS, HEADS, TOKENS, DIM = 32, 8, 32, 128
 BLOCK_LAYER_BYTES = HEADS * TOKENS * DIM * 2

@@ -45,12 +45,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
+import torch
+from _server import BenchServer
 
-from _server import BenchServer  # noqa: E402
-from lmshm.core.pool import OBJECT_COST  # noqa: E402
-from lmshm.multiprocess.client import MPClient  # noqa: E402
-from lmshm.platform import ipc_policy  # noqa: E402
+from lmshm.core.pool import OBJECT_COST
+from lmshm.multiprocess.client import MPClient
+from lmshm.platform import ipc_policy
 
 CHUNK_BLOCKS = 16
 DEFAULT_MODES = ["default=memfd", "shm-file=shm", "shm-mapping=shm,--copy-through-mapping"]

@@ -74,7 +74,6 @@ def copy_bandwidth(srcs: list, reps: int = 5) -> tuple[float, float]:
 
 def register(producer, kind: str, views: list, name: str = "pool", session: str = "bench") -> tuple[dict, list, list]:
     import torch
-
     from cuda_testing import open_count, receive
 
     opens = open_count(kind)
@@ -134,7 +133,7 @@ def environment() -> str:
         try:
             m = __import__(mod, fromlist=["__version__"])
             parts.append(f"{label} {m.__version__}")
-        except Exception:  # noqa: BLE001
+        except Exception:
             parts.append(f"{label} missing")
     return ", ".join(parts)
 
@@ -187,7 +186,7 @@ def main() -> int:
         t0 = time.monotonic()
         try:
             rows.append(bench_kind(kind, args.layers, args.layer_mib << 20, args.reclaim_gib << 30))
-        except Exception as exc:  # noqa: BLE001 - one kind failing must not hide the others
+        except Exception as exc:
             log(f"{kind} failed: {exc}")
             rows.append({"kind": kind, "error": str(exc).splitlines()[-1][:200]})
         log(f"{kind}: {time.monotonic() - t0:.1f} s")

@@ -77,11 +77,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import torch  # noqa: E402
+import torch
+from _server import BenchServer
 
-from _server import BenchServer  # noqa: E402
-from lmshm.multiprocess import protocol  # noqa: E402
-from lmshm.multiprocess.client import MPClient  # noqa: E402
+from lmshm.multiprocess import protocol
+from lmshm.multiprocess.client import MPClient
 
 TOKENS, DIM = 32, 128
 CHUNKS = 16                 # chunks per STORE: one 512-token prefill
@@ -129,7 +129,7 @@ class Side:
                 if self.list_tokens:     # a 3.7 client's adverts
                     adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent, tokens, None, None))
                 else:                    # as LmshmConnector sends them: packed (its describer packs them)
-                    from lmshm.integrations.adapter import packed_tokens    # 3.8 (--list-tokens runs on 3.7)
+                    from lmshm.integrations.adapter import packed_tokens  # 3.8 (--list-tokens runs on 3.7)
 
                     adverts.append(protocol.Advert(k, 0, TOKENS, [h], parent, [], None, None, packed_tokens(tokens)))
                 parent, self._n = h, self._n + TOKENS
@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> dict:
         served: dict[tuple[str, str, str], list[float]] = {}  # the server's own mean time, per block
         threads: dict[tuple[str, str, str], list[int]] = {}  # (size, server, thread kind): [ns, STOREs]
         try:
-            for mode, side in sides.items():         # warm-up: fill the pools, so rounds evict
+            for side in sides.values():         # warm-up: fill the pools, so rounds evict
                 for _ in range(3):
                     for case in CASES:
                         for _ in range(args.stores):

@@ -39,10 +39,10 @@ import msgspec
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _server import BenchServer  # noqa: E402
+from _server import BenchServer
 
-from lmshm.multiprocess import protocol  # noqa: E402
-from lmshm.multiprocess.client import MPClient  # noqa: E402
+from lmshm.multiprocess import protocol
+from lmshm.multiprocess.client import MPClient
 
 SPACE = b"bench"
 
@@ -67,7 +67,7 @@ def forked(work: Callable[[], Any]) -> int:
         code = 0
         try:
             work()
-        except BaseException:  # noqa: BLE001 - a bench client; its failure shows in the figures
+        except BaseException:
             code = 1
         os._exit(code)
     return pid
@@ -108,7 +108,7 @@ def summary(samples: list[float]) -> str:
     if not samples:
         return "no samples"
     s = sorted(samples)
-    p = lambda q: s[min(len(s) - 1, int(q * len(s)))] * 1e3  # noqa: E731
+    p = lambda q: s[min(len(s) - 1, int(q * len(s)))] * 1e3
     return f"p50 {p(0.5):.2f} ms, p99 {p(0.99):.1f} ms, max {s[-1] * 1e3:.1f} ms ({len(s)} pings)"
 
 
@@ -150,7 +150,7 @@ def measure(python_path: str, args: argparse.Namespace) -> dict[str, str]:
             for msg in msgs:
                 try:
                     c.submit(msg, 60).result()
-                except Exception:  # noqa: BLE001 - UNAVAILABLE: what we want
+                except Exception:
                     pass
             c.close()
         flood_pid = forked(flood)

@@ -31,10 +31,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import msgspec  # noqa: E402
+import msgspec
 
-from lmshm.integrations.adapter import packed_tokens  # noqa: E402
-from lmshm.multiprocess import protocol  # noqa: E402
+from lmshm.integrations.adapter import packed_tokens
+from lmshm.multiprocess import protocol
 
 CHUNKS, TOKENS = 16, 32
 PHASES = ("describe", "present", "evict", "read")

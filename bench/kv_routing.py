@@ -52,10 +52,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples"))
-from _server import BenchServer  # noqa: E402
-from kv_router import Router  # noqa: E402
+from _server import BenchServer
+from kv_router import Router
 
-from lmshm.multiprocess.client import query_status  # noqa: E402
+from lmshm.multiprocess.client import query_status
 
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
 # Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
@@ -257,8 +257,8 @@ def main() -> int:
           f"{args.rounds} round(s), seed {args.seed}; events from each {args.events}'s stream; engine threads "
           f"{'bound, one core each' if args.bind else f'{args.engine_threads} unbound'}; {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f}")
-    print(f"| pool objects/host | policy | requests a/b | prompt tokens | from lmshm | hit rate | evictions "
-          f"| TTFT median ms | TTFT p90 ms | TTFT mean ms | median x round robin |")
+    print("| pool objects/host | policy | requests a/b | prompt tokens | from lmshm | hit rate | evictions "
+          "| TTFT median ms | TTFT p90 ms | TTFT mean ms | median x round robin |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for max_objects in dict.fromkeys(k[0] for k in runs):
         base = statistics.median(x["seconds"] for run in runs[(max_objects, "round robin")] for x in run["results"])

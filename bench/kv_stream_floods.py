@@ -44,7 +44,7 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from _server import BenchServer  # noqa: E402
+from _server import BenchServer
 
 
 def _free_port() -> int:

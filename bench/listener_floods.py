@@ -40,10 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "v1" / "multiprocess"))
 
-from attacks import DEALER_GREETING, RawZmtp, zmtp_frame, zmtp_ping  # noqa: E402
-from harness import raw_reply, server_rss_kb  # noqa: E402
+from attacks import DEALER_GREETING, RawZmtp, zmtp_frame, zmtp_ping
+from harness import raw_reply, server_rss_kb
 
-from lmshm.multiprocess import codec, protocol  # noqa: E402
+from lmshm.multiprocess import codec, protocol
 
 LIMIT = 16 << 20
 READY = re.compile(r"listening on (\S+).*fd channel (\S+)")

@@ -53,12 +53,11 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server import BenchServer  # noqa: E402
-from vllm_parallel import engine_env  # noqa: E402  (one environment for every bench engine)
+import torch
+from _server import BenchServer
+from vllm_parallel import engine_env
 
-import torch  # noqa: E402
-
-from lmshm.integrations.adapter import (  # noqa: E402
+from lmshm.integrations.adapter import (
     Link,
     LinkConfig,
     Namespace,

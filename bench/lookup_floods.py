@@ -29,7 +29,6 @@ import os
 import random
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import Any, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from lmshm.multiprocess.client import MPClient  # noqa: E402
+from lmshm.multiprocess.client import MPClient
 
 VOCAB = 128256
 TOKENS = 1 << 20

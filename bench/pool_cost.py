@@ -40,7 +40,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _server import BenchServer  # noqa: E402
+from _server import BenchServer
 
 KEYS_PER_STORE = 65536
 

@@ -27,9 +27,9 @@ import time
 
 import torch
 
+from lmshm.core.registry import Registry
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import MPClient, layer_groups, query_status
-from lmshm.core.registry import Registry
 from lmshm.platform.cpu import empty_shared
 from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
 

@@ -41,12 +41,12 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _server import empty_pool, valkey_url  # noqa: E402
+from _server import empty_pool, valkey_url
 
-from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of  # noqa: E402
-from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.remote import HEADER_BYTES, RemoteTier  # noqa: E402
-from lmshm.core.tiers.stack import HEAD_BATCH, READ_GROUP_CHUNKS, TierStack  # noqa: E402
+from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.remote import HEADER_BYTES, RemoteTier
+from lmshm.core.tiers.stack import HEAD_BATCH, READ_GROUP_CHUNKS, TierStack
 
 RUN = READ_GROUP_CHUNKS
 READERS = TierStack.__init__.__kwdefaults__["readers"]

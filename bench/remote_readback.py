@@ -60,14 +60,14 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _server import empty_pool, valkey_url  # noqa: E402
+from _server import empty_pool, valkey_url
 
-from lmshm.core import dataplane  # noqa: E402
-from lmshm.core.tiers import resp  # noqa: E402
-from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of  # noqa: E402
-from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
-from lmshm.core.tiers.stack import TierStack  # noqa: E402
+from lmshm.core import dataplane
+from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of
+from lmshm.core.tiers import resp
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.remote import RemoteTier
+from lmshm.core.tiers.stack import TierStack
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
 READERS = TierStack.__init__.__kwdefaults__["readers"]

@@ -63,8 +63,8 @@ from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
-from lmshm.core.tiers.base import ChunkMeta  # noqa: E402
-from lmshm.core.tiers.remote import RemoteTier  # noqa: E402
+from lmshm.core.tiers.base import ChunkMeta
+from lmshm.core.tiers.remote import RemoteTier
 
 
 def timed(fn) -> float:
@@ -210,7 +210,7 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
         for _, _, fn in jobs:                   # every key exists before the first timed GET
             fn()
         order = random.Random(size)
-        for rep in range(reps):
+        for _rep in range(reps):
             order.shuffle(jobs)                 # the server's frees and page faults hit all alike
             for name, op, fn in jobs:
                 times.setdefault((name, op), []).append(timed(fn))

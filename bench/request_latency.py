@@ -26,11 +26,11 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
+from _server import BenchServer
 
-from _server import BenchServer  # noqa: E402
-from lmshm.multiprocess import protocol  # noqa: E402
-from lmshm.multiprocess.client import MPClient  # noqa: E402
+from lmshm.multiprocess import protocol
+from lmshm.multiprocess.client import MPClient
 
 LAYERS = 8
 BLOCKS = 64

@@ -49,7 +49,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _server import BenchServer  # noqa: E402
+from _server import BenchServer
 
 KEYS_PER_STORE = 65536
 LOOKUP_KEYS = 64
@@ -387,7 +387,7 @@ def section_registry(args: argparse.Namespace) -> None:
             time.sleep(0.2)
             rss = rss_kb(server.pid)
             pings, regs, unregs = [], [], []
-            for r in range(args.reg_runs):
+            for _ in range(args.reg_runs):
                 pings.append(client.ping())
                 t0 = time.perf_counter()
                 register("extra")

@@ -46,10 +46,9 @@ def inner(a: argparse.Namespace) -> None:
     import torch
 
     sys.path.insert(0, str(ROOT / "tests" / "v1" / "integrations"))
-    import sglang_driver  # noqa: F401 - the named torchvision stand-in, before SGLang imports
-
     from types import SimpleNamespace
 
+    import sglang_driver  # noqa: F401 - the named torchvision stand-in, before SGLang imports
     from sglang.srt.managers.cache_controller import HiCacheController, PrefetchOperation
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool

@@ -23,6 +23,7 @@ import time
 
 from _server import BenchServer
 
+
 def run_once(cmd: list[str]) -> tuple[float, float]:
     """(wall ms, max RSS MB) of one run of ``cmd``, which must exit 0."""
     t0 = time.perf_counter()

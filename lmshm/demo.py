@@ -238,7 +238,8 @@ def main() -> int:
                     want = _marker(k, round_)
                     got = checker.peek(info["instance_id"], PROBE_LAYER, 0, len(want))
                     verdict = "ok" if got == want else "MISMATCH"
-                    print(f"   worker {k} wrote {want.decode()!r:22} -> server read {got.decode(errors='replace')!r:22} {verdict}")
+                    read = got.decode(errors="replace")
+                    print(f"   worker {k} wrote {want.decode()!r:22} -> server read {read!r:22} {verdict}")
                     if got != want:
                         raise RuntimeError("the server does not see the worker's memory")
 
@@ -267,7 +268,7 @@ def main() -> int:
             raise RuntimeError(f"unclean shutdown: server status {rc}, leftovers {sorted(leaked)}")
         print("   /dev/shm holds no lmshm segment. Done.")
         return 0
-    except Exception as exc:  # noqa: BLE001 - report and clean up
+    except Exception as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
     finally:

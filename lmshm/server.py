@@ -198,7 +198,7 @@ class Server:
         for endpoint in reversed(side):
             try:
                 endpoint.stop()
-            except Exception:  # noqa: BLE001 - shutdown goes on
+            except Exception:
                 logger.exception("lmshm: stopping the %s endpoint failed", endpoint.protocol)
 
     def start(self) -> "Server":
@@ -344,7 +344,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     try:
         server.start_side_endpoints()
-    except Exception as exc:  # noqa: BLE001 - a busy HTTP/gRPC port, a bad host
+    except Exception as exc:
         server.stop()
         print(f"lmshm-server: {exc}", file=sys.stderr)
         return 1

@@ -67,7 +67,7 @@ def _collect(args: list[str]) -> set[str]:
     class Keep:
         ids: set[str] = set()
 
-        def pytest_collection_finish(self, session) -> None:  # noqa: ANN001 - pytest's hook
+        def pytest_collection_finish(self, session) -> None:
             self.ids = {item.nodeid for item in session.items}
 
     keep = Keep()

@@ -124,7 +124,7 @@ class Clock:
                 _, _, timer = heapq.heappop(self._heap)
             try:
                 timer.job()
-            except Exception:  # noqa: BLE001 - one failing job must not stop the others
+            except Exception:
                 logger.exception("lmshm: the %s job failed; it keeps its schedule", timer.name)
             if timer.interval_s is not None:
                 with self._cond:

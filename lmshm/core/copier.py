@@ -472,7 +472,7 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
         for c, (ids, obj) in enumerate(chunks):
             try:
                 _each_layer(layout, ids, obj, chunk_blocks, store=store, pool=pool)
-            except Exception as exc:  # noqa: BLE001 - the caller answers it
+            except Exception as exc:
                 return c, exc
         return len(chunks), None
     per_chunk = min(len(layout.layers), max(1, -(-4 * ways // len(chunks))))
@@ -496,7 +496,7 @@ def copy_chunks(layout: BlockLayout, chunks: Sequence[tuple[Sequence[int], torch
             try:
                 for p, o in part:
                     _take_or_put(p, o, rows, chunk_blocks, store)
-            except Exception as exc:  # noqa: BLE001 - reported per chunk
+            except Exception as exc:
                 errors[c] = exc
 
     _on_threads(work, min(ways, len(units) or 1))
@@ -694,7 +694,7 @@ class OrderedExecutor:
                 closed = self._closed
             try:
                 (cancel if closed else job)()
-            except Exception:  # noqa: BLE001 - jobs answer their own errors; this is a bug
+            except Exception:
                 logger.exception("lmshm: a copy job failed")
             with self._lock:
                 queue_.popleft()

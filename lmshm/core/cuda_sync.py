@@ -231,7 +231,7 @@ class TorchCudaSync:
             _streams_registry().unregister(handle, device, session)
             try:
                 self._drv.stream_destroy(handle, device)
-            except Exception:  # noqa: BLE001 - teardown goes on
+            except Exception:
                 logger.exception("lmshm: destroying a session's CUDA stream failed")
 
     # ---- the worker's ordering token -----------------------------------------------------
@@ -242,7 +242,7 @@ class TorchCudaSync:
                                 f"bytes, got {len(handle)}")
         try:
             return self._torch.cuda.Event.from_ipc_handle(device, handle)
-        except Exception as exc:  # noqa: BLE001 - a peer's bytes
+        except Exception as exc:
             raise CudaSyncError(f"cannot open the worker's CUDA event: {exc}") from None
 
     def wait_word(self, page: Any, slot: int, seq: int, deadline: float,
@@ -374,7 +374,7 @@ class WorkerCudaSync:
 
             try:
                 usable = get_driver().can_use_64bit_stream_mem_ops(device)
-            except Exception as exc:  # noqa: BLE001 - no driver: every token says why
+            except Exception as exc:
                 usable, self._refused = False, f"isolated mode needs the CUDA driver's stream memory operations: {exc}"
             if not usable and not self._refused:
                 self._refused = (f"isolated mode (--isolated-ipc, LMSHM_ISOLATED_IPC) orders requests with 64-bit "
@@ -408,7 +408,7 @@ class WorkerCudaSync:
                         "the client is another one", iid, old)
             try:
                 old_client.unregister_kv_caches(old)
-            except Exception:  # noqa: BLE001 - a server that restarted does not know it
+            except Exception:
                 logger.debug("lmshm: unregistering the old flag page failed", exc_info=True)
         return page, iid
 
@@ -450,7 +450,7 @@ class WorkerCudaSync:
         if self._page is not None:
             try:
                 self._registered_with.unregister_kv_caches(self._page_id)
-            except Exception:  # noqa: BLE001 - the server may be gone
+            except Exception:
                 logger.debug("lmshm: unregistering the flag page failed", exc_info=True)
         self._page = None
 

@@ -20,10 +20,11 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
+from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.core.copier import (
     BlockLayout,
     FileSide,
@@ -48,7 +49,6 @@ from lmshm.core.cuda_sync import (
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import KvIndex
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
-from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.core.tiers.stack import TierStack
 from lmshm.quoting import clip, quote
 
@@ -367,7 +367,7 @@ class DataPlane:
                     checked = True
                 done, exc = copy_chunks(layout, [(req.block_ids[i * cb:(i + 1) * cb], self.pool.view(obj))
                                                  for i, obj in pending], cb, store=True, pool=self.pool.bytes)
-            except Exception as failed:  # noqa: BLE001 - the chunks stay invisible, the request fails
+            except Exception as failed:
                 exc = failed
             if time.monotonic() > deadline:   # copied after the worker stopped waiting: maybe reused blocks
                 self.pool.abort([obj for _, obj in pending])
@@ -448,7 +448,7 @@ class DataPlane:
                                              for i, obj in enumerate(objs)], cb, store=False, pool=self.pool.bytes)
             if failed is not None:
                 raise failed
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.pool.unpin(objs, retrieved=False)
             self.pool.count_failure()
             logger.warning("lmshm: RETRIEVE into %s failed: %s", quote(reg.instance_id, 60), str(exc))
@@ -468,7 +468,7 @@ class DataPlane:
         token = req.event
         if not token:
             return
-        ended = lambda: session.ended   # noqa: E731 - the worker is gone: stop waiting
+        ended = lambda: session.ended
         flag = parse_flag_token(token)
         if flag is None:
             ev = sync.open_ipc_event(token, dev)
@@ -536,7 +536,7 @@ class DataPlane:
         if done is None:
             try:
                 done, _ = sync.record(stream, dev, False)
-            except Exception:  # noqa: BLE001 - nothing to wait on: keep the pool bytes out of use, forever
+            except Exception:
                 logger.exception("lmshm: cannot record an event after failed CUDA copies; their pool bytes "
                                  "are kept out of use")
                 self.cuda_quarantined += 1
@@ -612,7 +612,7 @@ class DataPlane:
                 queued = True
                 sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             def failed(_ok: bool) -> None:
                 self.pool.abort(objs)
             if queued and stream is not None:   # never hand back pool bytes the GPU may still write
@@ -695,7 +695,7 @@ class DataPlane:
                 queued = True
                 sync.submit(plan, stream, dev)
             done, handle = sync.record(stream, dev, not isolated)
-        except Exception as exc:  # noqa: BLE001 - an unusable token, a pin or a copy that cannot be queued
+        except Exception as exc:
             def failed(_ok: bool) -> None:
                 self.pool.unpin(objs, retrieved=False)
             if queued and stream is not None:   # never let pool bytes go that the GPU may still read
@@ -848,6 +848,6 @@ class DataPlane:
         if self._cuda_sync is not None and hasattr(self._cuda_sync, "unpin_all"):
             try:
                 self._cuda_sync.unpin_all([self.pool.tensor])
-            except Exception:  # noqa: BLE001 - shutdown goes on
+            except Exception:
                 logger.exception("lmshm: unpinning the pool failed")
         self.pool.release()

@@ -987,7 +987,7 @@ class KvIndex:
                 return max(1, len(pairs))
             self._current = _Describing(entry)
             return 0
-        except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
+        except Exception:
             self.failed += 1
             logger.exception("lmshm: applying a KV event index entry failed")
             return 1
@@ -1032,7 +1032,7 @@ class KvIndex:
         except ValueError as exc:     # msgspec's DecodeError and ValidationError among them
             self.refused += 1
             logger.debug("lmshm: STORE adverts from %s ignored: %s", quote(source, 60), exc)
-        except Exception:  # noqa: BLE001 - a bug; the entries after it still apply
+        except Exception:
             self.failed += 1
             logger.exception("lmshm: applying a KV event index entry failed")
         self._current = None
@@ -1458,7 +1458,7 @@ def check_advert(advert: Any) -> CheckedAdvert:
     if advert.extra_keys:
         try:
             extra = msgspec.msgpack.decode(advert.extra_keys)
-        except Exception as exc:  # noqa: BLE001 - hostile bytes: not advertised
+        except Exception as exc:
             raise ValueError(f"extra_keys are not msgpack: {type(exc).__name__}") from None
         if not isinstance(extra, list) or len(extra) != n or not all(_plain(e, 2) for e in extra):
             raise ValueError("extra_keys must be one entry per block: null or a list of plain values")

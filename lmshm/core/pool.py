@@ -21,7 +21,8 @@ Life of an object:
 So an object is visible all or nothing.
 
 Accounting: an object costs its extent (its bytes and the pool's ``head_room``, rounded up to
-its ``align``, ``ALIGN`` unless a tier asks for more) plus ``OBJECT_COST`` bytes of bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
+its ``align``, ``ALIGN`` unless a tier asks for more) plus ``OBJECT_COST`` bytes of
+bookkeeping, and ``used`` is the sum of those costs, in flight or ready: the pool's
 whole cost in server memory stays within ``capacity``. ``max_objects`` caps the count too.
 Every figure ``info()`` reports is a counter kept as objects change; no method walks the
 objects or the free extents (lookups are dict lookups, eviction pops the head of an LRU and

@@ -161,7 +161,7 @@ def open_cuda(raw_handle: bytes, device_id: int, byte_size: int) -> CudaRegion:
         from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
 
         uuid = get_driver().device_uuid(device_id)
-    except Exception as exc:  # noqa: BLE001 - no cuda-python, no driver, no such device
+    except Exception as exc:
         raise ServerError(ErrorCode.UNAVAILABLE,
                           f"cannot open CUDA device {device_id} in lmshm-server: {type(exc).__name__}: "
                           f"{quote(str(exc), 200)}") from None
@@ -170,7 +170,7 @@ def open_cuda(raw_handle: bytes, device_id: int, byte_size: int) -> CudaRegion:
                                 alloc_size=byte_size)
     try:
         tensor = wrapper.to_tensor()
-    except Exception as exc:  # noqa: BLE001 - a bad handle, a size past the allocation
+    except Exception as exc:
         wrapper.close()
         raise _invalid(f"cannot open the CUDA IPC handle on device {device_id} ({byte_size} bytes): "
                        f"{quote(str(exc), 300)}") from None

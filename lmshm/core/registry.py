@@ -176,12 +176,12 @@ def _close_quietly(wrappers: Sequence[DeviceIPCWrapper], orphaned: bool = False)
     for w in wrappers:
         try:
             w.close()
-        except Exception:  # noqa: BLE001 - close must not raise, but a bug must not stop the loop
+        except Exception:
             logger.exception("lmshm: closing %r failed", w)
         if orphaned:
             try:
                 w.release_orphaned()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("lmshm: release_orphaned on %r failed", w)
 
 
@@ -348,7 +348,7 @@ class Registry:
                     "no layer of this registration was kept") from None
             try:
                 base = w.to_tensor()
-            except Exception as exc:  # noqa: BLE001 - any mapping failure refuses the whole registration
+            except Exception as exc:
                 bases.clear()  # drop layers < k before the caller closes the wrappers
                 kind = NotPermitted if isinstance(exc, PermissionError) else InvalidRegistration
                 raise kind(
@@ -510,7 +510,7 @@ class Registry:
         if reg.region is not None:  # never unlinked: the client created its object and owns it
             try:
                 reg.region.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("lmshm: closing region %r failed", reg.instance_id)
             logger.debug("lmshm: released %s %r", reg.describe_kind(), reg.instance_id)
             return

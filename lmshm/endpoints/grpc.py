@@ -137,7 +137,7 @@ class GrpcEndpoint:
                     raw = self._message(rpc, requests, context)
                     try:
                         request = request_type.FromString(raw)
-                    except Exception:  # noqa: BLE001 - any undecodable message is the caller's error
+                    except Exception:
                         raise ServerError(ErrorCode.INVALID_ARG,
                                           f"the request is not a valid {request_type.DESCRIPTOR.name} message"
                                           ) from None
@@ -148,7 +148,7 @@ class GrpcEndpoint:
             except ServerError as exc:
                 code = exc.code.name if isinstance(exc.code, ErrorCode) else str(exc.code)
                 status, details = grpc_status(exc.code), exc.message
-            except Exception as exc:  # noqa: BLE001 - every RPC gets a status
+            except Exception as exc:
                 logger.exception("lmshm: gRPC %s failed", rpc)
                 code, status, details = "INTERNAL", grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
             finally:
@@ -184,37 +184,37 @@ class GrpcEndpoint:
                 setattr(row, field, value)
         return out
 
-    def _ServerLive(self, request: Any) -> Any:  # noqa: N802 - the RPC's name
+    def _ServerLive(self, request: Any) -> Any:
         return pb.message("ServerLiveResponse")(live=self.server.live())
 
-    def _ServerReady(self, request: Any) -> Any:  # noqa: N802
+    def _ServerReady(self, request: Any) -> Any:
         return pb.message("ServerReadyResponse")(ready=self.server.ready())
 
-    def _ServerMetadata(self, request: Any) -> Any:  # noqa: N802
+    def _ServerMetadata(self, request: Any) -> Any:
         meta = self.server.metadata()
         return pb.message("ServerMetadataResponse")(name=meta["name"], version=meta["version"],
                                                     extensions=meta["extensions"])
 
-    def _SystemSharedMemoryRegister(self, r: Any) -> Any:  # noqa: N802
+    def _SystemSharedMemoryRegister(self, r: Any) -> Any:
         self.server.register_system_region(r.name, key=r.key, offset=r.offset, byte_size=r.byte_size, client="grpc")
         return pb.message("SystemSharedMemoryRegisterResponse")()
 
-    def _SystemSharedMemoryStatus(self, r: Any) -> Any:  # noqa: N802
+    def _SystemSharedMemoryStatus(self, r: Any) -> Any:
         return self._status("system", r.name, "SystemSharedMemoryStatusResponse")
 
-    def _SystemSharedMemoryUnregister(self, r: Any) -> Any:  # noqa: N802
+    def _SystemSharedMemoryUnregister(self, r: Any) -> Any:
         self.server.unregister_region("system", r.name)
         return pb.message("SystemSharedMemoryUnregisterResponse")()
 
-    def _CudaSharedMemoryRegister(self, r: Any) -> Any:  # noqa: N802
+    def _CudaSharedMemoryRegister(self, r: Any) -> Any:
         self.server.register_cuda_region(r.name, raw_handle=r.raw_handle, device_id=r.device_id,
                                          byte_size=r.byte_size, client="grpc")
         return pb.message("CudaSharedMemoryRegisterResponse")()
 
-    def _CudaSharedMemoryStatus(self, r: Any) -> Any:  # noqa: N802
+    def _CudaSharedMemoryStatus(self, r: Any) -> Any:
         return self._status("cuda", r.name, "CudaSharedMemoryStatusResponse")
 
-    def _CudaSharedMemoryUnregister(self, r: Any) -> Any:  # noqa: N802
+    def _CudaSharedMemoryUnregister(self, r: Any) -> Any:
         self.server.unregister_region("cuda", r.name)
         return pb.message("CudaSharedMemoryUnregisterResponse")()
 
@@ -270,7 +270,7 @@ class _Watchdog:
             for _, context in late:
                 try:
                     context.cancel()  # the waiting handler wakes up and answers
-                except Exception:  # noqa: BLE001 - a call that ended meanwhile
+                except Exception:
                     logger.debug("lmshm: cancelling a late gRPC call failed", exc_info=True)
 
     def stop(self) -> None:

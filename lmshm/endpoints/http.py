@@ -62,9 +62,12 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints.browser_guard import SECURITY_HEADERS, BrowserGuard
-from lmshm.endpoints.kv_lookup import (BYTES_HELD as LOOKUP_BYTES_HELD, OPERATIONS as KV_LOOKUP_OPERATIONS,
-                                       PATH as KV_LOOKUP_PATH, RETRY_AFTER_S, KvLookup)
-from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS, StatusPage
+from lmshm.endpoints.kv_lookup import BYTES_HELD as LOOKUP_BYTES_HELD
+from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS
+from lmshm.endpoints.kv_lookup import PATH as KV_LOOKUP_PATH
+from lmshm.endpoints.kv_lookup import RETRY_AFTER_S, KvLookup
+from lmshm.endpoints.status_page import OPERATIONS as STATUS_PAGE_OPERATIONS
+from lmshm.endpoints.status_page import StatusPage
 from lmshm.endpoints.triton import ROWS, Restriction, connection_budget, http_status
 from lmshm.quoting import clip, quote
 
@@ -170,7 +173,7 @@ class HttpEndpoint:
                 self.connections = connections
                 sweeper = loop.create_task(connections.sweep_forever())
                 self._runner = runner
-            except BaseException as exc:  # noqa: BLE001 - reported to start()'s caller
+            except BaseException as exc:
                 failure.append(exc)
                 ready.set()
                 loop.close()
@@ -278,7 +281,7 @@ class HttpEndpoint:
             response = web.Response(status=400)
             response.force_close()
             return self._done(name, "INVALID_ARG", started, response)
-        except Exception as exc:  # noqa: BLE001 - every request gets an answer
+        except Exception as exc:
             logger.exception("lmshm: HTTP %s %s failed", request.method, clip(request.path, 120))
             return self._done(name, "INTERNAL", started,
                               _json_error(500, f"{type(exc).__name__}: {clip(str(exc), 300)}"))
@@ -476,7 +479,7 @@ class _Connections:
     async def _adopt(self, sock: socket.socket, conn: "_Conn") -> None:
         try:
             await self._loop.connect_accepted_socket(lambda: conn, sock)
-        except Exception:  # noqa: BLE001 - the peer left before its transport existed
+        except Exception:
             sock.close()
             conn.connection_lost(None)
 
@@ -576,7 +579,7 @@ class _Connections:
                                 "see --http-max-connections, --http-idle-timeout, --http-request-timeout",
                                 ", ".join(f"{n} {why}" for why, n in self.closed.items()), len(self), self.limit)
                     reported, next_report = dict(self.closed), self.now() + 10
-            except Exception:  # noqa: BLE001 - the sweeper must outlive any one bad connection
+            except Exception:
                 logger.exception("lmshm: the HTTP connection sweep failed")
 
 

@@ -26,7 +26,8 @@ checked before the index is touched, and every refusal is a 400 naming the field
 off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
 per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens packs them block by
 block, then walks each uid's chain under the lock, in ``KvIndex.chains_of_tokens``, as far as
-the index knows it: ``MAX_TOKENS`` bounds it, and the best chain is answered. Such a lookup names a LoRA adapter and a cache salt with
+the index knows it: ``MAX_TOKENS`` bounds it, and the best chain is answered. Such a lookup
+names a LoRA adapter and a cache salt with
 ``lora_name`` and ``cache_salt``, and matches only blocks stored with exactly those; a block with
 multimodal inputs is matched by its hash only, ``kv_events.block_salt``.) The index applies its
 queued entries first (``KvIndex.drain``).

@@ -169,7 +169,7 @@ class Link:
         try:
             client = MPClient(self.config.url, timeout_s=self.config.timeout_s,
                               client_name=self.config.client_name)
-        except Exception as exc:  # noqa: BLE001 - a missing server is not the engine's problem
+        except Exception as exc:
             self._warn.warn("connect", "cannot reach lmshm-server at %s: %s; lookups miss and stores are dropped "
                             "until it answers", self.config.url or "the default URL", str(exc))
             with self._lock:
@@ -242,7 +242,7 @@ class Link:
                 for iid in done:  # all groups or none
                     try:
                         client.unregister_kv_caches(iid)
-                    except Exception:  # noqa: BLE001
+                    except Exception:
                         logger.debug("lmshm: unregistering %s after a failed registration failed", iid)
                 raise
             return done
@@ -264,7 +264,7 @@ class Link:
         try:
             ids = registrar(self._client)
             self.instance_ids = [ids] if isinstance(ids, str) else list(ids)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed("register", exc)
 
     @property
@@ -282,7 +282,7 @@ class Link:
         try:
             reply = client.submit(protocol.Lookup(keys, ttl_s), self.config.lookup_timeout_s).result()
             return reply.hits, reply.lease
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed("lookup", exc)
             return 0, b""
 
@@ -295,7 +295,7 @@ class Link:
         try:
             # Not awaited: cancel() makes the client drop the reply when it comes.
             client.submit(protocol.Release(lease), self.config.lookup_timeout_s).cancel()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed("release", exc)
 
     def _instance(self, group: int) -> Optional[str]:
@@ -318,7 +318,7 @@ class Link:
                 ads = [_advert(protocol, a) for a in adverts]
             return client.store(iid, keys, block_ids, chunk_blocks, wait=False,
                                 timeout_s=self.config.timeout_s, event=event, adverts=ads, space=space, pod=pod)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed("store", exc)
             return None
 
@@ -332,7 +332,7 @@ class Link:
         try:
             return client.retrieve(iid, keys, block_ids, chunk_blocks, lease, wait=False,
                                    timeout_s=self.config.timeout_s, event=event)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed("retrieve", exc)
             return None
 
@@ -346,7 +346,7 @@ class Link:
             self._failed(what, exc)
         except ServerError as exc:  # the server answered: it is up, this request failed
             self._warn.warn(what, "%s failed: %s", what.upper(), str(exc))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self._failed(what, exc)
         return None
 
@@ -357,7 +357,7 @@ class Link:
         if client is not None:
             try:
                 client.close()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.debug("lmshm: closing the client failed", exc_info=True)
 
 
@@ -572,7 +572,7 @@ class SchedulerSide:
                 if info is None:
                     return []
                 out.append((r.keys[0][group][c], group, *info))
-        except Exception as exc:  # noqa: BLE001 - events are best effort; the store goes on
+        except Exception as exc:
             logger.debug("lmshm: describing chunks for KV events failed: %s", exc)
             return []
         return out
@@ -666,7 +666,7 @@ class EventFeed:
             self._pending = None
             try:
                 reply = p.result()
-            except Exception as exc:  # noqa: BLE001 - an old server, a timeout: try again later
+            except Exception as exc:
                 logger.debug("lmshm: KV_EVENTS failed: %s", exc)
                 self._next_at = time.monotonic() + max(1.0, self.link.config.retry_s)
                 reply = None
@@ -681,7 +681,7 @@ class EventFeed:
                 try:
                     self._pending = client.submit(protocol.KvEvents(self.spaces, self.cursor, self.limit),
                                                   self.link.config.lookup_timeout_s)
-                except Exception as exc:  # noqa: BLE001
+                except Exception as exc:
                     logger.debug("lmshm: sending KV_EVENTS failed: %s", exc)
         return out
 
@@ -890,7 +890,7 @@ class WorkerSide:
             return None, b""
         try:
             return self.cuda.ready()
-        except Exception as exc:  # noqa: BLE001 - a CUDA error is a miss or a dropped store, never the engine's
+        except Exception as exc:
             self.stats.cuda_errors += 1
             self.link._warn.warn("cuda-ready", "lmshm: cannot make a CUDA ordering token (%s); these blocks are "
                                  "not copied", str(exc))
@@ -900,7 +900,7 @@ class WorkerSide:
         try:
             self.cuda.wait(handle)
             return True
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             self.stats.cuda_errors += 1
             self.link._warn.warn("cuda-wait", "lmshm: cannot wait for the server's %s event (%s)", what, str(exc))
             return False

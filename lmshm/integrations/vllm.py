@@ -57,8 +57,8 @@ from lmshm.integrations.adapter import (
     SchedulerSide,
     StepPlan,
     WorkerSide,
-    packed_tokens,
     _RateLimited,
+    packed_tokens,
 )
 
 try:  # vLLM >= 0.32
@@ -265,7 +265,7 @@ def block_view(name: str, tensor: torch.Tensor, spec: Any, num_blocks: int) -> t
                             "knows the KV layout of vLLM 0.32") from None
     try:
         blocks, heads, tokens, content = compute_layer_kv_cache_shape_bytes(spec, num_blocks)
-    except Exception as exc:  # noqa: BLE001 - a spec without heads or states (Mamba, ...)
+    except Exception as exc:
         raise LayoutRefused(f"layer {name!r}: its KV cache spec {type(spec).__name__} has no per-token layout "
                             f"({exc})") from None
     item = tensor.element_size()
@@ -273,7 +273,7 @@ def block_view(name: str, tensor: torch.Tensor, spec: Any, num_blocks: int) -> t
         ratio = tensor.shape[0] // num_blocks
         try:
             kernel = compute_layer_kv_cache_shape_bytes(spec, num_blocks, spec.block_size // ratio)
-        except Exception:  # noqa: BLE001
+        except Exception:
             kernel = None
         if kernel is not None and tuple(tensor.shape[1:3]) == kernel[1:3] and tensor.shape[3] * item == kernel[3]:
             return (tensor if ratio == 1 else tensor.unflatten(0, (num_blocks, ratio))), 0
@@ -406,7 +406,7 @@ def required_kv_layout(vllm_config: Any) -> str:
     if backend is not None:
         try:
             supported = backend.get_class().supported_kv_cache_layouts()
-        except Exception as exc:  # noqa: BLE001 - a backend that cannot say: do not ask
+        except Exception as exc:
             logger.warning("lmshm: lmshm.kv_layout=%s ignored: attention backend %s does not say which layouts "
                            "it takes (%s)", wanted, getattr(backend, "name", backend), exc)
             return ""
@@ -655,12 +655,12 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         (block_pool.py): the hash-block size, block hashes, parent hash, token ids (packed:
         ``packed_tokens``), LoRA name and per-block extra keys (cache salt, multimodal ids,
         prompt-embeds digests)."""
+        import msgspec
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             maybe_convert_block_hash,
             to_event_extra_keys,
         )
-        import msgspec
 
         k, size = self._hashes_per_chunk, self._hash_block
         lora = request.lora_request.name if getattr(request, "lora_request", None) else None
@@ -749,5 +749,5 @@ def _tp_rank() -> int:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         return int(get_tensor_model_parallel_rank())
-    except Exception:  # noqa: BLE001 - no parallel state (single process): rank 0
+    except Exception:
         return 0

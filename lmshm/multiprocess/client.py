@@ -347,7 +347,7 @@ class MPClient:
                         self._recover()
             except ServerTimeout:
                 logger.debug("lmshm: heartbeat to %s timed out", self.url)
-            except Exception as exc:  # noqa: BLE001 - the heartbeat must keep going
+            except Exception as exc:
                 logger.warning("lmshm: heartbeat to %s failed: %s", self.url, exc)
 
     def _send_fds(self, wrappers: list[DeviceIPCWrapper]) -> None:

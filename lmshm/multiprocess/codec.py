@@ -117,7 +117,7 @@ class Decoder:
             raise CodecError(f"invalid message: {exc}") from None
         except msgspec.DecodeError as exc:
             raise CodecError(f"undecodable message ({len(data)} bytes): {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - whatever a hostile payload triggers
+        except Exception as exc:
             raise CodecError(f"undecodable message: {type(exc).__name__}: {exc}") from None
 
 

@@ -20,7 +20,7 @@ from typing import Annotated, Any, Mapping, Optional
 
 import msgspec
 
-from lmshm.core.config import Count, CoreConfig, Ids, Positive
+from lmshm.core.config import CoreConfig, Count, Ids, Positive
 from lmshm.multiprocess import mq
 from lmshm.multiprocess.kv_publisher import TOPIC_MODES, check_endpoint
 from lmshm.platform import ipc_policy

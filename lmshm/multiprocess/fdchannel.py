@@ -455,7 +455,7 @@ class FdChannelServer:
                                  f"and {MAX_MESSAGE_BYTES} bytes per message", "INVALID_ARG")
         try:
             msg = _to_server.decode(data)
-        except Exception as exc:  # noqa: BLE001 - msgspec errors, RecursionError, anything: refuse
+        except Exception as exc:
             raise FdChannelError(f"malformed fd-channel message ({len(data)} bytes): {clip(str(exc), 200)}",
                                  "INVALID_ARG") from None
         if isinstance(msg, Auth):

@@ -431,7 +431,7 @@ class KvEventPublisher:
                 if self._replay is not None:
                     self._take_requests()
                     more = self._serve_replays() or more
-            except Exception:  # noqa: BLE001 - the stream goes on
+            except Exception:
                 _failure_log.exception("lmshm: the KV event publisher failed a round; it goes on")
                 self._stop.wait(0.1)
             if not more:

@@ -99,7 +99,7 @@ def _guarded(what: str, fn: Callable[..., Any], *args: Any) -> Any:
     a peer that found a way to make one fail must not flood the log), and the loop goes on."""
     try:
         return fn(*args)
-    except Exception:  # noqa: BLE001 - nothing a peer triggers may stop the loop
+    except Exception:
         throttle = _failure_logs.get(what)
         if throttle is None:
             throttle = _failure_logs.setdefault(what if len(_failure_logs) < 64 else "other", Throttle(logger))

@@ -54,9 +54,6 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     MAX_TEXT,
     MAX_WORLD,
     Advert,
-    advert_count,
-    pack_adverts,
-    unpack_adverts,
     BlockIds,
     ChunkBlocks,
     ErrorReply,
@@ -72,7 +69,6 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     Message,
     MsgType,
     PoolInfo,
-    TierInfo,
     Release,
     ReleaseReply,
     Retrieve,
@@ -81,7 +77,11 @@ from lmshm.core.messages import (  # noqa: F401 - re-exported: the wire carries 
     StoreReply,
     StoreResult,
     Text,
+    TierInfo,
     WireWrapper,
+    advert_count,
+    pack_adverts,
+    unpack_adverts,
 )
 
 #: ``(PROTOCOL_VERSION, PROTOCOL_MINOR)``. The major is bumped whenever a message changes

@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from valkey_servers import ValkeyCluster, ValkeyServer, server_binary
 
 

@@ -139,7 +139,7 @@ class Tier(abc.ABC):
         if self.held is not None:
             self.held(uid, key)
 
-    def announce(self, uid: int, keys: Sequence[bytes]) -> None:
+    def announce(self, uid: int, keys: Sequence[bytes]) -> None:  # noqa: B027 (optional: a default that does nothing)
         """Tell ``held`` of each of ``keys`` the tier holds, where it knows without a round trip
         (the disk's index; KV events: chunks stored before their advert). A remote says nothing:
         it learns again what it holds only when a chunk is written through."""
@@ -196,7 +196,7 @@ class Tier(abc.ABC):
     def usage(self) -> tuple[int, int, int]:
         """``(capacity, used bytes, objects)``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a tier may hold nothing open)
         """Release what the tier holds open (files, connections). Idempotent."""
 
     def info(self, queue_depth: int = 0, queue_limit: int = 0) -> TierInfo:

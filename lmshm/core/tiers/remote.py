@@ -597,7 +597,7 @@ class RemoteTier(Tier):
             result = fn(self._get_client(wait))
         except (_Skip, BadValue):           # BadValue: the call worked, the value is unsound
             raise
-        except Exception as exc:  # noqa: BLE001 - any client failure is a miss or a drop, counted
+        except Exception as exc:
             failed = True
             self._failed(group, op, exc)
             if isinstance(exc, self._glide.ClosingError):
@@ -619,7 +619,7 @@ class RemoteTier(Tier):
         if client is not None:
             try:
                 client.close()
-            except Exception:  # noqa: BLE001 - closing a broken client
+            except Exception:
                 pass
 
     # ---- the interface ------------------------------------------------------------------
@@ -1003,7 +1003,7 @@ class RemoteTier(Tier):
             limits = [int(f.get("maxmemory", 0)) for f in nodes]
             self._usage = (sum(limits) if all(limits) else 0, sum(int(f.get("used_memory", 0)) for f in nodes),
                            sum(int(k) for k in keys.values()) if isinstance(keys, dict) else int(keys))
-        except Exception as exc:  # noqa: BLE001 - usage is informative only: a denied or odd reply
+        except Exception as exc:
             logger.debug("lmshm: cannot read the remote's usage: %s", exc)
             return
         fields = nodes[0] if nodes else {}

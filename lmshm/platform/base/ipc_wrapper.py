@@ -100,7 +100,7 @@ def safe_loads(data: bytes) -> "DeviceIPCWrapper":
         obj = _WrapperUnpickler(io.BytesIO(bytes(data))).load()
     except WrapperDecodeError:
         raise
-    except Exception as exc:  # noqa: BLE001 - any malformed pickle is a decode error
+    except Exception as exc:
         raise WrapperDecodeError(f"malformed wrapper payload: {type(exc).__name__}: {exc}") from None
     if not isinstance(obj, DeviceIPCWrapper) or not getattr(obj, "_state_checked", False):
         raise WrapperDecodeError(f"wrapper payload decoded to {type(obj).__name__}, not an lmshm wrapper")
@@ -264,11 +264,11 @@ class DeviceIPCWrapper:
     #: what ``close()`` frees exactly once (the VMM kind's exported fd).
     leader_only_attrs: ClassVar[tuple[str, ...]] = ()
 
-    def Serialize(self) -> bytes:  # noqa: N802 - the name engines already call
+    def Serialize(self) -> bytes:
         return pickle.dumps(self, protocol=pickle.HIGHEST_PROTOCOL)
 
     @staticmethod
-    def Deserialize(data: bytes) -> "DeviceIPCWrapper":  # noqa: N802
+    def Deserialize(data: bytes) -> "DeviceIPCWrapper":
         return safe_loads(data)
 
     # ---- the contract --------------------------------------------------------------------

@@ -66,7 +66,7 @@ class Lease:
     def __del__(self) -> None:  # safety net: a lease garbage-collected unreleased
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
+        except Exception:
             pass
 
     def __repr__(self) -> str:
@@ -120,7 +120,7 @@ class MappingTable:
             del self._entries[key]
         try:
             entry.closer(entry.value)
-        except Exception:  # noqa: BLE001 - release must not raise
+        except Exception:
             logger.exception("lmshm: releasing mapping %r failed", key)
 
     def refcount(self, key: Hashable) -> int:

@@ -39,7 +39,7 @@ import torch
 
 # The name format and its parser live in a torch-free module (``lmshm gc`` uses them);
 # re-exported here, where segments are made.
-from lmshm.platform.shm_names import (  # noqa: F401
+from lmshm.platform.shm_names import (  # noqa: F401 (re-exported: segments is where callers look)
     SEGMENT_PREFIX,
     SHM_DIR_ENV,
     SegmentOwner,

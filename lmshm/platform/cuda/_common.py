@@ -296,5 +296,5 @@ def quietly(what: str, fn: Callable[..., Any], *args: Any) -> None:
     """Run a teardown step; log a failure instead of raising (teardown must go on)."""
     try:
         fn(*args)
-    except Exception:  # noqa: BLE001
+    except Exception:
         logger.exception("lmshm: %s failed", what)

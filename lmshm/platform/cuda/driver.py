@@ -108,7 +108,7 @@ def check(call: str, result: Any, subject: str = "",
         if describe is not None:
             try:
                 description = describe(code)
-            except Exception:  # noqa: BLE001 - the description is a nicety
+            except Exception:
                 description = ""
         raise CudaDriverError(call, error_name(code), subject, description)
     if not outputs:

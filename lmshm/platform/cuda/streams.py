@@ -102,14 +102,14 @@ def quiesce(ordinal: int, timeout_s: float = 10.0, scope: Hashable = None) -> bo
                 return False
             time.sleep(min(pause, left))
             pause = min(pause * 2, _POLL_MAX_S)
-    except Exception:  # noqa: BLE001 - an unreadable stream is not an idle one
+    except Exception:
         logger.exception("lmshm: cannot tell whether the copy streams on cuda:%d are idle", ordinal)
         return False
     finally:
         for ev in events:
             try:
                 drv.event_destroy(ev, ordinal)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("lmshm: destroying a quiesce event failed")
 
 

@@ -71,7 +71,7 @@ class VmmAllocation:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:  # noqa: BLE001 - never raise from a finaliser
+        except Exception:
             pass
 
 

@@ -11,8 +11,17 @@ import random
 import pytest
 import torch
 
-from lmshm.core.copier import (MAX_RUNS, BlockLayout, FileSide, LayoutError, check_movable, copy_chunks, gather, pieces,
-                               scatter)
+from lmshm.core.copier import (
+    MAX_RUNS,
+    BlockLayout,
+    FileSide,
+    LayoutError,
+    check_movable,
+    copy_chunks,
+    gather,
+    pieces,
+    scatter,
+)
 from lmshm.core.pool import Pool
 
 

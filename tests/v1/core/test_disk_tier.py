@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from lmshm.core.pool import KEY as OBJ_KEY, NBYTES, OFFSET, Pool, Reservation
+from lmshm.core.pool import KEY as OBJ_KEY
+from lmshm.core.pool import NBYTES, OFFSET, Pool, Reservation
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.disk import HEADER_BYTES, DiskTier, BadFile, file_bytes, read_file, write_file
+from lmshm.core.tiers.disk import HEADER_BYTES, BadFile, DiskTier, file_bytes, read_file, write_file
+from lmshm.core.tiers.stack import TierStack
 
 KEY = bytes(range(32))       # a MAC key for the file functions used without a tier
-from lmshm.core.tiers.stack import TierStack
 
 META = ChunkMeta(10_000, b"L" * 16, 2)
 

@@ -17,14 +17,13 @@ import zlib
 from pathlib import Path
 
 import pytest
+from test_disk_tier import META, disk_dir, payload, wait_for  # noqa: F401  (disk_dir: a fixture)
 
 import lmshm.core.tiers.disk as disk
 from lmshm.core.pool import NBYTES, OFFSET, Pool
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.disk import HEADER_BYTES, LOW_WATERMARK, DiskTier, file_bytes
 from lmshm.core.tiers.stack import TierStack
-
-from test_disk_tier import META, disk_dir, payload, wait_for  # noqa: F401  (disk_dir: a fixture)
 
 NOBODY = 65534
 
@@ -43,7 +42,7 @@ def as_nobody(fn, *args) -> tuple:
             os.setuid(NOBODY)
             try:
                 out = ("ok", fn(*args))
-            except BaseException as exc:         # noqa: BLE001 - reported to the parent
+            except BaseException as exc:
                 out = ("raised", f"{type(exc).__name__}: {exc}")
             os.write(w, pickle.dumps(out))
         finally:

@@ -261,7 +261,7 @@ def test_readers_and_writers_on_threads_leave_the_maps_consistent():
     kv.drain()
     assert kv.failed == 0 and kv.chunks <= 2000
     assert kv.bytes == sum(s.bytes for s in kv._shares.values()) == sum(c.cost for c in kv._by_id.values())
-    for h, cur in kv._by_hash.items():
+    for cur in kv._by_hash.values():
         for c in (cur.values() if isinstance(cur, dict) else (cur,)):
             assert kv._by_id.get(c.ident) is c and c.posted
 

@@ -10,11 +10,20 @@ import os
 import time
 
 import pytest
+from valkey_servers import command, flip_byte, free_port
 
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import (BREAKER_FAILURES, HEADER_BYTES, MACS, SECRET_HOWTO, RemoteTier, check_value,
-                                     parse_url, read_ca_file, read_secret_file)
-from valkey_servers import command, flip_byte, free_port
+from lmshm.core.tiers.remote import (
+    BREAKER_FAILURES,
+    HEADER_BYTES,
+    MACS,
+    SECRET_HOWTO,
+    RemoteTier,
+    check_value,
+    parse_url,
+    read_ca_file,
+    read_secret_file,
+)
 
 TIMEOUT_S = 0.3
 META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
@@ -421,7 +430,7 @@ def test_two_writers_of_one_key_never_give_a_reader_a_torn_value(valkey):
 
 def test_check_value_refuses_a_value_for_another_key_without_a_secret():
     tier_meta = ChunkMeta(16, b"x", 1)
-    from lmshm.core.tiers.remote import encode_header, BadValue
+    from lmshm.core.tiers.remote import BadValue, encode_header
     body = b"p" * 16
     value = encode_header(1, b"k1", tier_meta, 3, None, memoryview(body)) + body
     assert bytes(check_value(value, 1, b"k1", None)[1]) == body
@@ -501,6 +510,7 @@ def old_format_value(uid: int, k: bytes, data: bytes, secret: bytes | None) -> b
     import hashlib
     import hmac
     import struct
+
     from lmshm.core.tiers.disk import CHECKSUMS, checksum_algorithm
     head = struct.Struct("<8sHBBIIQBBxx64s64s32s")
     algo = checksum_algorithm("auto")
@@ -717,7 +727,7 @@ def test_a_large_value_reads_back_equal_and_damage_anywhere_or_another_length_is
 @pytest.mark.parametrize("how", ["xxh3", "blake2b", "crc32", "aes-gmac", "blake3"])
 def test_a_mac_or_checksum_taken_piece_by_piece_is_the_one_taken_whole_and_damage_still_fails(how):
     from lmshm.core.tiers.disk import checksum_algorithm
-    from lmshm.core.tiers.remote import BadValue, MACS, _Streamed, encode_header
+    from lmshm.core.tiers.remote import MACS, BadValue, _Streamed, encode_header
     secret = SECRET if how in MACS else None
     data = memoryview(os.urandom((3 << 20) + 17))
     meta = ChunkMeta(len(data), b"L" * 16, 1)

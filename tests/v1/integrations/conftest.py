@@ -8,8 +8,8 @@ import pytest
 # The multiprocess tests' process helpers (ServerProcess, scratch_dir, wait_for).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
 
-from harness import ServerProcess, scratch_dir  # noqa: E402
-from vllm_harness import build_model  # noqa: E402
+from harness import ServerProcess, scratch_dir
+from vllm_harness import build_model
 
 
 @pytest.fixture(scope="session")

@@ -84,7 +84,7 @@ def build(kind: str, layout: str, page_size: int, pages: int, url: str, model: s
 
 # ---- pages: deterministic bytes, written into and read out of SGLang's host pool ----------
 
-import ctypes  # noqa: E402
+import ctypes
 
 
 def page_bytes(host, page: int) -> bytes:
@@ -124,7 +124,7 @@ def backup(ctrl, host, tokens, keys, seed, timeout_s=20.0):
     while time.monotonic() < deadline:
         try:
             op = ctrl.ack_backup_queue.get(timeout=0.5)
-        except Exception:  # noqa: BLE001 - queue.Empty
+        except Exception:
             continue
         if op.id == op_id:
             host.free(idx)
@@ -186,7 +186,7 @@ def scenario_not_shared(a: dict) -> dict:
     """SGLang's default host allocator: the engine stops at start with the setting to use."""
     try:
         build("mha", "page_first", 4, 16, a["url"], allocator="default")
-    except Exception as exc:  # noqa: BLE001 - what SGLang would print
+    except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
     return {"error": None}
 
@@ -253,7 +253,6 @@ def scenario_tp(a: dict) -> dict:
     up by both ranks with different bytes; each loads P through the controller's page getter and
     must get its own bytes."""
     import torch.distributed as dist
-
     from sglang.srt.managers.cache_controller import PrefetchOperation
 
     rank, world = a["rank"], 2
@@ -305,7 +304,7 @@ def _kit(url: str, salt_cfg: dict):
         cfg = CacheConfig(page_size=4, num_layers=2, full_attention_layer_ids=(0, 1), kv_size=256, head_dim=32)
         _rid = 0
 
-        def runTest(self):  # noqa: N802 - unittest's name
+        def runTest(self):
             pass
 
         def _init_hicache(self, cache, **_ignored):

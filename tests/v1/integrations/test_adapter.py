@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-
 from harness import ServerProcess, scratch_dir, wait_for
+
 from lmshm.integrations.adapter import (
     Group,
     Link,

@@ -14,9 +14,9 @@ import msgspec
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-from kv_router import Router  # noqa: E402
+from kv_router import Router
 
-from lmshm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch  # noqa: E402
+from lmshm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
 BS = 4
 P = list(range(100, 124))          # 6 blocks

@@ -17,8 +17,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from harness import ServerProcess, lmshm_segments, wait_for
+
 from lmshm.multiprocess.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from harness import ServerProcess, lmshm_segments, wait_for
-from lmshm.multiprocess.client import query_status
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts, run
+
+from lmshm.multiprocess.client import query_status
 
 pytestmark = pytest.mark.vllm
 

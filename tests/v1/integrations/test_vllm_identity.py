@@ -12,10 +12,10 @@ import subprocess
 import time
 
 import pytest
-
 from harness import ServerProcess
-from lmshm.multiprocess.client import query_status
 from vllm_harness import CHUNK, VLLM_PYTHON, Engine, _env, prompts
+
+from lmshm.multiprocess.client import query_status
 
 pytestmark = pytest.mark.vllm
 

@@ -16,10 +16,10 @@ import threading
 import msgspec
 import pytest
 import zmq
-
 from harness import ServerProcess
-from lmshm.core.kv_events import decode_batch
 from vllm_harness import CHUNK, VLLM_PYTHON, Engine, prompts
+
+from lmshm.core.kv_events import decode_batch
 
 pytestmark = pytest.mark.vllm
 
@@ -88,7 +88,7 @@ def _decode_with_vllm(frames: list[list[bytes]], tmp) -> list[dict]:
 
 def _decode_with_lmshm(frames: list[list[bytes]]) -> list[dict]:
     events = []
-    for topic, seq, payload in frames:
+    for _topic, seq, payload in frames:
         assert len(seq) == 8
         events.extend(decode_batch(payload)[1])
     return events

@@ -19,7 +19,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from vllm_harness import VLLM_PYTHON, _env
 
 pytestmark = pytest.mark.vllm

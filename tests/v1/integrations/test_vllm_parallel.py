@@ -8,9 +8,9 @@ several batches, with a meaning for each (see ``vllm_harness.Engine``).
 from __future__ import annotations
 
 import pytest
+from vllm_harness import CHUNK, Engine, prompts
 
 from lmshm.multiprocess.client import query_status
-from vllm_harness import CHUNK, Engine, prompts
 
 pytestmark = pytest.mark.vllm
 

@@ -22,11 +22,11 @@ import os
 from pathlib import Path
 
 import pytest
-
 from harness import ServerProcess, lmshm_segments, wait_for
 from valkey_servers import secret_file
-from lmshm.multiprocess.client import query_status
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts
+
+from lmshm.multiprocess.client import query_status
 
 pytestmark = pytest.mark.vllm
 

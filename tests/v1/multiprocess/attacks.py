@@ -16,9 +16,6 @@ import time
 from typing import Any, Optional
 
 import pytest
-
-from lmshm.multiprocess import codec, protocol
-
 from harness import (
     OUR_PIDS,
     ServerProcess,
@@ -27,6 +24,8 @@ from harness import (
     server_counts,
     wait_for,
 )
+
+from lmshm.multiprocess import codec, protocol
 
 NOFILE_1024 = ["prlimit", "--nofile=1024:1024"]
 

@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from harness import SHM_DIR, ServerProcess, WorkerProcess, exit_all, lmshm_segments, scratch_dir, serving
 
 

@@ -63,7 +63,7 @@ class ServerProcess:
         except (TimeoutError, EOFError):
             self.proc.kill()
             self.proc.wait()
-            raise RuntimeError(f"lmshm-server did not start:\n{self.log()}")
+            raise RuntimeError(f"lmshm-server did not start:\n{self.log()}") from None
         m = READY.search(line)
         assert m, line
         self.url = m.group(1)
@@ -82,7 +82,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"lmshm-server ignored signal {sig}:\n{self.log()}")
+            raise AssertionError(f"lmshm-server ignored signal {sig}:\n{self.log()}") from None
         self.proc.stdout.close()
         self._log.close()
         return rc
@@ -462,7 +462,7 @@ def our_segments() -> set[str]:
 
 # Fixtures for modules that run beside other /dev/shm users: import them under the names
 # ``no_segment_outlives_a_test`` and ``start_worker`` to replace conftest's.
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(name="no_segment_outlives_a_test", autouse=True)

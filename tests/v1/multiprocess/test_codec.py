@@ -9,12 +9,11 @@ import sys
 import msgspec
 import pytest
 import torch
+from harness import Evals, RunsACommand
 
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.codec import CodecError
 from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
-
-from harness import Evals, RunsACommand
 
 
 def _shm_wrapper(name: str = "lmshm-1-abcdef") -> CpuShmIPCWrapper:

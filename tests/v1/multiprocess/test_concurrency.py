@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 
-from lmshm.multiprocess.client import query_status
-
 from harness import wait_for
+
+from lmshm.multiprocess.client import query_status
 
 WORKERS = 8
 

@@ -9,10 +9,10 @@ import sys
 import time
 
 import pytest
-
 from harness import wait_for
-from lmshm.multiprocess.client import query_status
+
 from lmshm.core.pool import OBJECT_COST
+from lmshm.multiprocess.client import query_status
 from lmshm.multiprocess.protocol import ErrorCode, StoreResult
 
 BLOCK_BYTES = 2 * 16 * 8 * 4           # one block of one layer: [2, 16, 8] float32

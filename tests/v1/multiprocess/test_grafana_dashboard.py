@@ -13,9 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import torch
-
 from attacks import free_port
 from harness import ServerProcess
+
 from lmshm.multiprocess.client import MPClient
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana" / "lmshm-dashboard.json"
@@ -47,7 +47,7 @@ def test_every_metric_the_dashboard_queries_is_exported(tmp_path):
     finally:
         assert server.stop() == 0, server.log()
     exported = set(re.findall(r"^(lmshm_[a-z0-9_]+)", text, re.M))
-    for name, kind in re.findall(r"^# TYPE (lmshm_[a-z0-9_]+) (\w+)", text, re.M):   # families with no series yet
+    for name, _kind in re.findall(r"^# TYPE (lmshm_[a-z0-9_]+) (\w+)", text, re.M):   # families with no series yet
         exported |= {name, f"{name}_bucket", f"{name}_sum", f"{name}_count"}
     missing = sorted(n for n in _names(dashboard) if n not in exported)
     assert not missing, f"the dashboard queries metrics lmshm-server does not export: {missing}"

@@ -14,8 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-from lmshm.multiprocess import protocol
-
 from attacks import (
     RawZmtp,
     ends_well,
@@ -26,8 +24,9 @@ from attacks import (
     zmtp_frame,
     zmtp_ping,
 )
-from harness import RSS_SLACK_KB, ServerProcess, raw_reply, server_rss_kb, wait_for
-from lmshm.multiprocess import codec
+from harness import RSS_SLACK_KB, ServerProcess, raw_reply, server_rss_kb
+
+from lmshm.multiprocess import codec, protocol
 
 LIMIT = 16 << 20     # the default --max-message-bytes
 

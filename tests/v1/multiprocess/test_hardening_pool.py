@@ -17,18 +17,16 @@ import threading
 import time
 
 import pytest
-
-from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
+from harness import (
     OwnSegments,
     RawSession,
     assert_back_to,
-    local_start_worker as start_worker,
-    narrow_segment_guard as no_segment_outlives_a_test,
     server_counts,
     server_rss_kb,
     shm_wrapper,
     wait_for,
 )
+
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import query_status
 

@@ -19,15 +19,12 @@ import statistics
 import time
 
 import pytest
-
-from lmshm.multiprocess import codec, protocol
-
 from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are fixtures
     FD_CHANNEL_FLOOD,
     HELLO_FLOOD,
-    HonestWorker,
     NOFILE_1024,
     STATUS_FLOOD,
+    HonestWorker,
     busy_host,
     ends_well,
     free_port,
@@ -39,15 +36,16 @@ from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are 
     tmp_dir,
     warm_up,
 )
-from harness import (  # noqa: F401 - the fixture replaces conftest's for this module
+from harness import (
     OwnSegments,
     PrefixedServerProcess,
     RawSession,
     ServerProcess,
-    narrow_segment_guard as no_segment_outlives_a_test,
     proc_fd_count,
     shm_wrapper,
 )
+
+from lmshm.multiprocess import codec, protocol
 
 # ---- finding 1: a gRPC connection flood, then a worker over ipc:// -------------------------------
 
@@ -317,7 +315,7 @@ def test_300_sessions_of_the_servers_uid_hold_a_worker_only_while_they_are_held(
             for _ in range(300):
                 try:
                     held.append(RawSession(server.url, timeout_s=10))
-                except Exception as exc:  # noqa: BLE001 - the fd channel's refusal
+                except Exception as exc:
                     assert "--max-sessions-per-uid" in str(exc), exc
                     refused += 1
             assert len(held) == 256 and refused == 44, (len(held), refused)

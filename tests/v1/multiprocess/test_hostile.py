@@ -19,26 +19,23 @@ import time
 
 import msgspec
 import pytest
-
-from lmshm.multiprocess import codec, fdchannel, protocol
-from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
-from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
-
-from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
+from harness import (
+    OwnSegments,
+    RawSession,
     assert_an_honest_worker_registers,
     assert_back_to,
     counters_come_back,
-    local_start_worker as start_worker,
-    narrow_segment_guard as no_segment_outlives_a_test,
-    OwnSegments,
     proc_fd_count,
-    RawSession,
     server_counts,
     serving,
     shm_wrapper,
     wait_for,
 )
+
+from lmshm.multiprocess import codec, fdchannel, protocol
+from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
+from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 NAMED = {"LMSHM_CPU_SEGMENTS": "shm"}   # workers that register named segments (the default is memfd)

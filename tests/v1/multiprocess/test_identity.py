@@ -15,12 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import ServerProcess, lmshm_segments, wait_for
 
 from lmshm.multiprocess.client import LmshmError, MPClient, query_status
 from lmshm.multiprocess.fdchannel import user_runtime_dir
 from lmshm.platform.cpu import empty_shared
-
-from harness import ServerProcess, lmshm_segments, wait_for
 
 
 def test_the_client_refuses_a_squatting_fd_socket_before_sending_its_token(shared_server, tmp):

@@ -8,10 +8,9 @@ import subprocess
 import time
 
 import pytest
+from harness import wait_for
 
 from lmshm.multiprocess.client import query_status
-
-from harness import wait_for
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 

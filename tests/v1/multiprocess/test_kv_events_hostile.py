@@ -16,11 +16,11 @@ from typing import Optional
 import msgspec
 import pytest
 import zmq
-
 from attacks import need_fds
 from harness import PrefixedServerProcess, assert_an_honest_worker_registers, proc_fd_count, wait_for
+from test_kv_events_stream import NODE, Sub, _advert, _events_server, _free_port, _metrics, _rss, _settled, engines  # noqa: F401 (engines: a fixture)
+
 from lmshm.multiprocess import protocol
-from test_kv_events_stream import NODE, Sub, _advert, _events_server, _free_port, _metrics, _rss, engines  # noqa: F401
 
 
 def _subscribe_flood(endpoint: str, count: int, size: int = 3990) -> zmq.Socket:
@@ -128,7 +128,7 @@ def test_replay_requesters_that_never_read_hold_no_copies_of_the_buffer(start_se
         engine.store([protocol.Advert(k.to_bytes(4, "big") + bytes([i]) * 28, 0, 16,
                                       list(range(first[i], first[i] + 1024))) for i in range(64)])
     wait_for(lambda: _metrics(http)["lmshm_kv_events_replay_buffered"] >= 48, 20, what="the replay buffer")
-    buffered = _published(http)["lmshm_kv_events_published_bytes"]   # the index applies adverts in steps
+    buffered = _settled(http)["lmshm_kv_events_published_bytes"]   # the index applies adverts in steps
     time.sleep(0.5)
     before = _rss(server.proc.pid)
     stuck = [_stuck_requester(replay) for _ in range(16)]
@@ -140,23 +140,8 @@ def test_replay_requesters_that_never_read_hold_no_copies_of_the_buffer(start_se
     finally:
         for s in stuck:
             s.close()
-    assert buffered > 24 << 20, buffered
+    assert buffered > 16 << 20, f"only {buffered / 2**20:.1f} MiB to replay: 16 copies would not show"
     assert grown < 48 << 20, f"16 requesters that never read grew the server by {grown / 2**20:.0f} MiB"
-
-
-def _published(http: int, timeout_s: float = 30.0) -> dict:
-    """The metrics once the index has applied every queued advert and the publisher has sent
-    what that made (the index applies a STORE's adverts in bounded steps, so a flood's events
-    go out over some time after its last reply)."""
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while True:
-        m = _metrics(http)
-        now = (m.get("lmshm_kv_events_queued", 0), m["lmshm_kv_events_published_bytes"])
-        if now[0] == 0 and now == last or time.monotonic() > deadline:
-            return m
-        last = now
-        time.sleep(0.1)
 
 
 def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_default_hwm(start_server, engines):
@@ -181,14 +166,14 @@ def test_a_subscriber_that_never_reads_holds_at_most_its_byte_budget_at_the_defa
         for k in range(20):
             store(k)
             if k % 4 == 3:
-                _published(http)
-        sent_before = _published(http)["lmshm_kv_events_published_bytes"]
+                _settled(http)
+        sent_before = _settled(http)["lmshm_kv_events_published_bytes"]
         before = _rss(server.proc.pid)
         for k in range(20, 200):        # ~55 MiB more, at --kv-events-hwm's default (10,000 batches)
             store(k)
             if k % 4 == 3:              # paced: the log (--kv-events-buffer 1024 records) keeps what the publisher has not read yet
-                _published(http)
-        m = _published(http)
+                _settled(http)
+        m = _settled(http)
         grown = _rss(server.proc.pid) - before
     finally:
         stuck.close()
@@ -395,7 +380,10 @@ import socket, sys, time
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect("\0" + sys.argv[1])
 ready = b"\x05READY\x0bSocket-Type\x00\x00\x00\x03SUB"
-s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" * 32 + bytes((4, len(ready))) + ready)
+try:        # the server may shut a foreign uid's connection before its greeting is all sent
+    s.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\0") + b"\0" * 32 + bytes((4, len(ready))) + ready)
+except OSError:
+    print("closed", 0); sys.exit()
 s.setblocking(False)
 sent, i, out, end = 0, 0, b"", time.monotonic() + 3
 quiet = len(sys.argv) > 2      # only wait to be refused
@@ -430,7 +418,6 @@ def test_an_abstract_ipc_endpoint_admits_no_peer_of_another_uid(start_server, en
     were never counted in bytes (``ipc://PATH`` is 0600: only the server's uid). A SUB of
     another uid could send subscriptions without end, libzmq keeping ~170 bytes each."""
     import subprocess
-    import sys
     name = f"lmshm-test-{os.getpid()}-{time.monotonic_ns()}"
     server = start_server("--capacity", "64MiB", "--kv-events", f"ipc://@{name}", "--kv-events-node", NODE)
     honest = Sub(f"ipc://@{name}")

@@ -23,9 +23,9 @@ import msgspec
 import pytest
 import torch
 import zmq
+from harness import wait_for
 from zmq.utils.monitor import recv_monitor_message
 
-from harness import ServerProcess, wait_for
 from lmshm.core.errors import Unavailable
 from lmshm.core.kv_events import BlockStored, KvIndex, decode_batch
 from lmshm.multiprocess import protocol
@@ -424,15 +424,19 @@ def test_replay_keeps_at_most_replay_batches_and_answers_an_older_start_from_its
 
 # ---- a slow subscriber, a restart, shutdown ---------------------------------------------
 
-def _settled(http: int, timeout_s: float = 30.0) -> None:
-    """Wait until the index has applied every queued advert and the publisher sent what that made."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
+def _settled(http: int, timeout_s: float = 30.0) -> dict[str, float]:
+    """The metrics once the index has applied every queued advert and the publisher has sent
+    what that made: the index applies a STORE's adverts in bounded steps, so a flood's events go
+    out for some time after its last reply. Settled means nothing queued and the bytes sent
+    unchanged over three reads 0.1 s apart."""
+    deadline, seen = time.monotonic() + timeout_s, []
+    while True:
         m = _metrics(http)
-        now = (m.get("lmshm_kv_events_queued", 0), m["lmshm_kv_events_published_bytes"])
-        if now[0] == 0 and now == last:
-            return
-        last = now
+        seen = (seen + [(m.get("lmshm_kv_events_queued", 0), m["lmshm_kv_events_published_bytes"])])[-3:]
+        if len(seen) == 3 and seen[0][0] == 0 and len(set(seen)) == 1:
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the KV event stream did not settle in {timeout_s:.0f} s: {seen}")
         time.sleep(0.1)
 
 

@@ -19,14 +19,14 @@ from typing import Any
 import msgspec
 import pytest
 import torch
-
 from attacks import free_port
 from harness import wait_for
+from test_kv_events_stream import _replay, _rss
+from test_kv_lookup_http import BLOCK, Http, advert, chain, chain_tokens, hashes_of, tokens_of
+
 from lmshm.core.kv_events import decode_batch
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.client import MPClient
-from test_kv_events_stream import _replay, _rss
-from test_kv_lookup_http import BLOCK, Http, advert, chain, chain_tokens, hashes_of, tokens_of
 
 NOBODY = 65534
 SPACE = b"namespace-S"
@@ -60,7 +60,7 @@ class Tenant:
                              1, b"", wait_s=1e-6, adverts=protocol.pack_adverts(adverts), space=SPACE, pod="pod-x")
         try:
             return self.client.submit(msg, 10).result()
-        except Exception as exc:  # noqa: BLE001 - the refusal is what we want
+        except Exception as exc:
             return repr(exc)
 
     def close(self) -> None:
@@ -97,7 +97,7 @@ def _child(url: str, work: str, width: int, args: list) -> dict:
             return {"result": globals()[work](b, *args)}
         finally:
             b.close()
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+    except BaseException as exc:
         return {"error": repr(exc)}
 
 
@@ -144,7 +144,6 @@ def test_a_store_of_another_uid_that_stores_nothing_hides_nothing(start_server, 
     assert a.store(0, [advert(c) for c in range(4)]) == [0] * 4
     assert a_prompt(http) == (8, 8)
     # B advertises A's first chunk (A's first hash and tokens, another second hash), stores nothing
-    hostile = advert(0, hashes=[hashes_of(0)[0], 12345], tokens=tokens_of(0))
     reply = as_nobody(server.url, "_b_store_nothing")
     assert "UNAVAILABLE" in reply or "waited past" in reply, reply
     assert a_prompt(http) == (8, 8)
@@ -315,7 +314,7 @@ def _b_flood(b: Tenant) -> int:
                              adverts=protocol.pack_adverts(adverts), space=SPACE, pod="pod-b")
         try:
             b.client.submit(msg, 30).result()
-        except Exception:  # noqa: BLE001 - answered UNAVAILABLE: nothing stored
+        except Exception:
             pass
     return n
 

@@ -12,29 +12,26 @@ import time
 
 import msgspec
 import pytest
+from harness import (
+    OwnSegments,
+    PrefixedServerProcess,
+    RawSession,
+    ServerProcess,
+    assert_an_honest_worker_registers,
+    assert_back_to,
+    counters_come_back,
+    proc_fd_count,
+    server_counts,
+    serving,
+    shm_wrapper,
+    wait_for,
+)
 
 from lmshm.multiprocess import codec, fdchannel, protocol
 from lmshm.multiprocess.client import MPClient, query_status
 from lmshm.multiprocess.fdchannel import FdChannelClient, FdChannelError
 from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform.cpu.segments import create_segment
-
-from harness import (  # noqa: F401 - the two fixtures replace conftest's for this module
-    assert_an_honest_worker_registers,
-    assert_back_to,
-    counters_come_back,
-    local_start_worker as start_worker,
-    narrow_segment_guard as no_segment_outlives_a_test,
-    OwnSegments,
-    PrefixedServerProcess,
-    proc_fd_count,
-    RawSession,
-    server_counts,
-    ServerProcess,
-    serving,
-    shm_wrapper,
-    wait_for,
-)
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 
@@ -277,7 +274,7 @@ def test_2000_sessions_under_ulimit_1024_never_kill_the_server_and_it_recovers(t
         other = []
         t0 = time.monotonic()
         try:
-            for batch in range(10):
+            for _ in range(10):
                 new = []
                 for _ in range(200):
                     sock = ctx.socket(zmq.DEALER)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 
 import pytest
+from harness import lmshm_segments, raw_exchange, serving, wait_for
 
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import query_status
-
-from harness import lmshm_segments, raw_exchange, serving, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,6 @@ import threading
 import pytest
 import torch
 
-from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.core.registry import (
     InstanceExists,
     InstanceNotFound,
@@ -21,12 +20,13 @@ from lmshm.core.registry import (
     NotPermitted,
     Registry,
 )
+from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import local_peer
-from lmshm.platform.shm_names import segment_name
 from lmshm.platform.cpu import CpuShmIPCWrapper, empty_shared
 from lmshm.platform.kv_wrap import wrap_kv_caches
+from lmshm.platform.shm_names import segment_name
 
 
 @pytest.fixture

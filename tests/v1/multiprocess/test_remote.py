@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from harness import wait_for
 from valkey_servers import command, secret_file
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from lmshm.multiprocess.client import query_status
-
 from harness import wait_for
+
+from lmshm.multiprocess.client import query_status
 
 
 def test_server_restart_is_followed_by_automatic_reregistration(start_server, start_worker):

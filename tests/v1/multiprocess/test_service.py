@@ -13,6 +13,7 @@ import sys
 import msgspec
 import pytest
 import torch
+from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import (
@@ -27,8 +28,6 @@ from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform import ipc_policy
 from lmshm.platform.cpu import empty_shared
 from lmshm.server import Server
-
-from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
 
 def _hello(**kw) -> bytes:

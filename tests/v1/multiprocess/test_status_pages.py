@@ -11,12 +11,11 @@ import threading
 
 import msgspec
 import pytest
+from harness import raw_exchange, raw_reply
 
 from lmshm.multiprocess import codec, protocol
 from lmshm.multiprocess.client import InvalidArgument, query_status
 from lmshm.multiprocess.protocol import ErrorCode
-
-from harness import raw_exchange, raw_reply
 
 MANY = 1010           # more than one page (protocol.STATUS_PAGE)
 

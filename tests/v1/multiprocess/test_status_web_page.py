@@ -22,9 +22,9 @@ from typing import Any, Iterator
 
 import pytest
 import torch
-
 from attacks import free_port
 from harness import ServerProcess
+
 from lmshm.endpoints.status_page import PAGE_POLICY, plotly_js_path
 from lmshm.multiprocess.client import MPClient
 

@@ -32,7 +32,6 @@ import threading
 import time
 
 import pytest
-
 from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are fixtures
     FD_CHANNEL_FLOOD,
     HELLO_FLOOD,
@@ -48,7 +47,7 @@ from attacks import (  # noqa: F401 - no_worker_outlives_a_test and tmp_dir are 
     tmp_dir,
     warm_up,
 )
-from harness import OUR_PIDS, PrefixedServerProcess, narrow_segment_guard as no_segment_outlives_a_test  # noqa: F401
+from harness import OUR_PIDS, PrefixedServerProcess
 
 NOBODY = 65534
 ATTACK_S = 20.0

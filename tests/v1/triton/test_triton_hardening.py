@@ -206,7 +206,7 @@ def _try(fn: Callable[[], object]) -> bool:
     try:
         fn()
         return True
-    except Exception:  # noqa: BLE001 - refused while the flood lasts
+    except Exception:
         return False
 
 

@@ -35,7 +35,7 @@ def test_100k_register_unregister_cycles_per_protocol_leave_rss_and_fds_flat(app
             for _ in range(WARMUP):
                 register(name, key, 4096, offset=4096)
                 unregister(name)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+        except BaseException as exc:
             errors.append(exc)
         try:
             warm.wait(600)
@@ -48,7 +48,7 @@ def test_100k_register_unregister_cycles_per_protocol_leave_rss_and_fds_flat(app
                 for _ in range(CYCLES):
                     register(name, key, 4096, offset=4096)
                     unregister(name)
-        except BaseException as exc:  # noqa: BLE001
+        except BaseException as exc:
             errors.append(exc)
         elapsed[protocol] = time.monotonic() - started
 

@@ -15,10 +15,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from fake_driver import FakeCudaDriver  # noqa: E402
+from fake_driver import FakeCudaDriver
 
-from lmshm.platform.base.mappings import MAPPINGS  # noqa: E402
-from lmshm.platform.cuda import _common, driver  # noqa: E402
+from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.cuda import _common, driver
 
 
 def cuda_mapping_keys() -> list:

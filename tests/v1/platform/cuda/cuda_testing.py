@@ -218,7 +218,7 @@ class _ProducerState:
                 w = self._wrap(name, kind, view, options)
                 out["ctx_after"] = get_driver().current_context()
                 out.update(payload=w.Serialize(), fds=w.export_fds())
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            except BaseException as exc:
                 out["error"] = exc
 
         th = threading.Thread(target=run, name="lmshm-fresh-thread")
@@ -260,7 +260,7 @@ class _ProducerState:
     def op_try_wrap(self, name: str, kind: str, view: tuple = (), **options: Any) -> dict:
         try:
             self._wrap(name, kind, view, options)
-        except Exception as exc:  # noqa: BLE001 - the parent inspects it
+        except Exception as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"error": None, "message": ""}
 
@@ -317,7 +317,7 @@ def _producer_main(conn: Any) -> None:
             if isinstance(result, dict) and "fds" in result:
                 fds = result.pop("fds")
             reply = ("ok", result, list(fds))
-        except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        except BaseException:
             reply = ("err", traceback.format_exc(), [])
             fds = {}
         conn.send(reply)

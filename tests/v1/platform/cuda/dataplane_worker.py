@@ -38,12 +38,11 @@ def _digests(t) -> list:
 class Worker:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
+        from cuda_testing import cycles_per_ms
 
         from lmshm.core.cuda_sync import WorkerCudaSync
         from lmshm.multiprocess.client import MPClient
         from lmshm.platform import ipc_policy
-
-        from cuda_testing import cycles_per_ms
 
         self.torch = torch
         ipc_policy.set_isolated_ipc(args.isolated)
@@ -111,7 +110,6 @@ class Worker:
         first is waited for after all the others were sent)."""
         from cuda_testing import gpu_delay
 
-        torch = self.torch
         pool = self.pools[instance_id]
         src, digests = self._source(instance_id, blocks, seed)
         gpu_delay(delay_ms)
@@ -218,7 +216,6 @@ class Worker:
         SIGKILL this process with everything in flight: the signals never complete."""
         from cuda_testing import gpu_delay
 
-        torch = self.torch
         pool = self.pools[instance_id]
         src, _ = self._source(instance_id, blocks, seed)
         gpu_delay(delay_ms)
@@ -259,7 +256,7 @@ def main() -> int:
     args = ap.parse_args()
     try:
         w = Worker(args)
-    except BaseException:  # noqa: BLE001 - a worker that cannot start says why
+    except BaseException:
         print(json.dumps({"ok": False, "error": traceback.format_exc()}), flush=True)
         return 1
     print(json.dumps({"ok": True, "pid": os.getpid(), "cycles_per_ms": w.cycles_per_ms}), flush=True)
@@ -272,7 +269,7 @@ def main() -> int:
             return 0
         try:
             out = {"ok": True, **(getattr(w, f"op_{op}")(**cmd) or {})}
-        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+        except BaseException:
             out = {"ok": False, "error": traceback.format_exc()}
         print(json.dumps(out), flush=True)
     w.client.close()

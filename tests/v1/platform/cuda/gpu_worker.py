@@ -23,11 +23,11 @@ def main() -> int:
     args = ap.parse_args()
 
     import torch
+    from cuda_testing import fill_pattern
 
     from lmshm.multiprocess.client import MPClient
     from lmshm.platform import ipc_policy
     from lmshm.platform.cuda import empty_vmm
-    from cuda_testing import fill_pattern
 
     ipc_policy.set_isolated_ipc(args.kind == "cuda-raw")
     ipc_policy.set_use_vmm_api(args.kind == "cuda-vmm")

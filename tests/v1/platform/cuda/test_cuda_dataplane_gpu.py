@@ -35,10 +35,8 @@ _MULTIPROCESS = str(HERE.parents[1] / "multiprocess")
 if _MULTIPROCESS not in sys.path:
     sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
 
-from harness import ServerProcess, scratch_dir, server_rss_kb, wait_for  # noqa: E402
-
-
-from cuda_testing import server_gpu_missing  # noqa: E402
+from cuda_testing import server_gpu_missing
+from harness import ServerProcess, scratch_dir, server_rss_kb, wait_for
 
 _REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]

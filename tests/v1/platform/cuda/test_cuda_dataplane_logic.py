@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from fake_sync import FakeCudaSync
+
 from lmshm.core.dataplane import DataPlane
+from lmshm.core.registry import Registry
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
-from lmshm.core.registry import Registry
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cuda import RawCudaIPCWrapper
@@ -194,12 +194,12 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
 
 
 # ---- isolated mode's flag words, deadlines, quarantine, event lifetimes (issue 26: 2, 4, 5, 7) ----
-import ctypes  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+import ctypes
+import threading
+import time
 
-from lmshm.core import cuda_sync  # noqa: E402
-from lmshm.core.cuda_sync import FLAG_LAYER, SLOTS, EventKeeper, flag_token, parse_flag_token  # noqa: E402
+from lmshm.core import cuda_sync
+from lmshm.core.cuda_sync import FLAG_LAYER, SLOTS, EventKeeper, flag_token, parse_flag_token
 
 
 def _word(ptr: int) -> int:
@@ -455,13 +455,13 @@ class FakeCudart:
         self.registered: list[tuple[int, int]] = []
         self.fail = fail
 
-    def cudaHostRegister(self, ptr, size, flags):  # noqa: N802
+    def cudaHostRegister(self, ptr, size, flags):
         if self.fail:
             return 2                               # cudaErrorMemoryAllocation
         self.registered.append((ptr, size))
         return 0
 
-    def cudaHostUnregister(self, ptr):  # noqa: N802
+    def cudaHostUnregister(self, ptr):
         self.registered = [r for r in self.registered if r[0] != ptr]
         return 0
 

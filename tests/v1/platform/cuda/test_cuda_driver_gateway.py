@@ -350,26 +350,26 @@ def test_event_methods_pass_typed_handles_and_read_not_ready_as_false():
 class StreamBindings(EventBindings):
     """EventBindings plus streams and stream memory operations, recording each call's arguments."""
 
-    class CUdevice_attribute:  # noqa: N801 - cuda-python's name
+    class CUdevice_attribute:
         CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS = 93
 
-    def cuStreamCreate(self, flags):  # noqa: N802
+    def cuStreamCreate(self, flags):
         self.log.append(("stream-create", flags))
         return (self.ok, 0x5100)
 
-    def cuStreamDestroy(self, stream):  # noqa: N802
+    def cuStreamDestroy(self, stream):
         self.log.append(("stream-destroy", stream))
         return (self.ok,)
 
-    def cuStreamWriteValue64(self, stream, addr, value, flags):  # noqa: N802
+    def cuStreamWriteValue64(self, stream, addr, value, flags):
         self.log.append(("write", stream, addr, value, flags))
         return (self.ok,)
 
-    def cuCtxSynchronize(self):  # noqa: N802
+    def cuCtxSynchronize(self):
         self.log.append(("ctx-sync",))
         return (self.ok,)
 
-    def cuDeviceGetAttribute(self, attr, dev):  # noqa: N802
+    def cuDeviceGetAttribute(self, attr, dev):
         self.log.append(("attribute", attr))
         return (self.ok, 1)
 
@@ -393,9 +393,9 @@ def test_stream_memory_operations_pass_typed_streams_and_the_default_flags():
 
 
 # ---- issue 42: a request's copies in one cuMemcpyBatchAsync -----------------------------------
-import ctypes  # noqa: E402
+import ctypes
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 
 class BatchBindings(ContextBindings):
@@ -417,14 +417,14 @@ class BatchBindings(ContextBindings):
             self._raw = (ctypes.c_uint32 * 6)()
 
         @property
-        def srcAccessOrder(self):  # noqa: N802
+        def srcAccessOrder(self):
             return self._raw[0]
 
         @srcAccessOrder.setter
-        def srcAccessOrder(self, v):  # noqa: N802
+        def srcAccessOrder(self, v):
             self._raw[0] = int(v)
 
-        def getPtr(self):  # noqa: N802
+        def getPtr(self):
             return ctypes.addressof(self._raw)
 
     def __init__(self, entry=True, fail_at=None):
@@ -434,7 +434,7 @@ class BatchBindings(ContextBindings):
         self._fn = ctypes.CFUNCTYPE(ctypes.c_int, vp, vp, vp, sz, vp, vp, sz, vp, vp)(self._batch)
 
     def _batch(self, dsts, srcs, sizes, count, attrs, idxs, nattrs, fail, stream):
-        read = lambda p, n: list((ctypes.c_uint64 * n).from_address(p))   # noqa: E731
+        read = lambda p, n: list((ctypes.c_uint64 * n).from_address(p))
         self.batches.append(dict(dsts=read(dsts, count), srcs=read(srcs, count), sizes=read(sizes, count),
                                  count=count, order=ctypes.c_uint32.from_address(attrs).value,
                                  idxs=read(idxs, nattrs), nattrs=nattrs, stream=stream, ctx=self._cur()))
@@ -443,20 +443,20 @@ class BatchBindings(ContextBindings):
             return 1
         return 0
 
-    def CUstream(self, s):  # noqa: N802
+    def CUstream(self, s):
         return ("stream", s)
 
-    def cuGetProcAddress(self, symbol, version, flags):  # noqa: N802
+    def cuGetProcAddress(self, symbol, version, flags):
         self.log.append(("proc", symbol, version))
         if not self.entry:                              # a driver older than 12.8
             return (self.CUresult.CUDA_ERROR_INVALID_VALUE, None, None)
         return (self.ok, ctypes.cast(self._fn, ctypes.c_void_p).value, 0)
 
-    def cuMemcpyAsync(self, dst, src, n, stream):  # noqa: N802
+    def cuMemcpyAsync(self, dst, src, n, stream):
         self.copies.append((dst, src, n, stream, self._cur()))
         return (self.ok,)
 
-    def cuGetErrorString(self, code):  # noqa: N802
+    def cuGetErrorString(self, code):
         return (self.ok, b"invalid argument")
 
 
@@ -531,18 +531,18 @@ class GranularityBindings(ContextBindings):
     cuda-python's struct, attributes only) and cuMemGetAllocationGranularity, which records the
     property's requestedHandleTypes."""
 
-    class CUmemAllocationType:  # noqa: N801
+    class CUmemAllocationType:
         CU_MEM_ALLOCATION_TYPE_PINNED = 1
 
-    class CUmemLocationType:  # noqa: N801
+    class CUmemLocationType:
         CU_MEM_LOCATION_TYPE_DEVICE = 1
 
-    class CUmemAllocationHandleType:  # noqa: N801
+    class CUmemAllocationHandleType:
         CU_MEM_HANDLE_TYPE_NONE = 0
         CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
         CU_MEM_HANDLE_TYPE_FABRIC = 8
 
-    class CUmemAllocationGranularity_flags:  # noqa: N801
+    class CUmemAllocationGranularity_flags:
         CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0
 
     class CUmemAllocationProp:
@@ -553,7 +553,7 @@ class GranularityBindings(ContextBindings):
             self.location = types.SimpleNamespace(type=0, id=0)
             self.requestedHandleTypes = 0            # CU_MEM_HANDLE_TYPE_NONE
 
-    def cuMemGetAllocationGranularity(self, prop, flag):  # noqa: N802
+    def cuMemGetAllocationGranularity(self, prop, flag):
         self.log.append(("granularity", prop.location.id, prop.requestedHandleTypes, flag))
         return (self.ok, 2 << 20)
 

@@ -34,11 +34,12 @@ _REASON = _missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
 
 if not _REASON:
+    from cuda_testing import Producer, digest, measure_reclaim, open_count, receive
+
     from lmshm.platform.base.fds import FD_INBOX
     from lmshm.platform.base.mappings import MAPPINGS
     from lmshm.platform.cuda import NotCudaMallocMemoryError
     from lmshm.platform.cuda.driver import get_driver
-    from cuda_testing import Producer, digest, measure_reclaim, open_count, receive
 
 DTYPES = ["float16", "bfloat16", "float8_e4m3fn"]
 KIND_MEMORY = {"cuda-torch": "torch", "cuda-raw": "torch", "cuda-vmm": "vmm"}
@@ -197,7 +198,7 @@ def test_a_cumemcreate_pool_is_exported_both_ways(producer, handle_type):
         producer.call("alloc", name, (4, chunk // 2), "float16", memory="vmm", handle_type=handle_type,
                       chunk_bytes=chunk, seed=9)             # 4 chunks, one row each
         w, t = map_one(producer, name, "cuda-vmm", inside, handle_type=handle_type)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         if handle_type == "fabric":
             producer.call("free", name)
             pytest.skip(f"fabric handles are refused on this system: {str(exc).splitlines()[-1]}")
@@ -254,7 +255,7 @@ def test_a_producer_thread_with_no_current_context_still_exports(producer, kind)
             result["ctx_before"] = get_driver().current_context()
             t = w.to_tensor()
             result["digest"] = digest(t)
-        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+        except BaseException as exc:
             result["error"] = repr(exc)
 
     th = threading.Thread(target=consume)

@@ -41,11 +41,10 @@ _MULTIPROCESS = str(Path(__file__).resolve().parents[2] / "multiprocess")
 if _MULTIPROCESS not in sys.path:
     sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
 
-from cuda_testing import cycles_per_ms, gpu_delay, server_gpu_missing  # noqa: E402
-from harness import ServerProcess, scratch_dir, wait_for  # noqa: E402
-from test_kv_layouts import LAYOUTS  # noqa: E402
-from worker import vllm_layout_strides  # noqa: E402
-
+from cuda_testing import cycles_per_ms, gpu_delay, server_gpu_missing
+from harness import ServerProcess, scratch_dir, wait_for
+from test_kv_layouts import LAYOUTS
+from worker import vllm_layout_strides
 
 _REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
@@ -237,10 +236,10 @@ def _worker_main(conn: Any, url: str, fd_socket: str, isolated: bool, name: str)
                 return
             try:
                 reply = ("ok", getattr(state, f"op_{op}")(**kwargs))
-            except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            except BaseException:
                 reply = ("err", traceback.format_exc())
             conn.send(reply)
-    except BaseException:  # noqa: BLE001 - a worker that cannot start says why
+    except BaseException:
         try:
             conn.send(("err", traceback.format_exc()))
         except (OSError, EOFError):

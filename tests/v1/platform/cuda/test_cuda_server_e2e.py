@@ -24,7 +24,7 @@ HERE = Path(__file__).parent
 READY = re.compile(r"listening on (\S+) \(fd socket (\S+),")
 
 
-from cuda_testing import server_gpu_missing  # noqa: E402
+from cuda_testing import server_gpu_missing
 
 _REASON = server_gpu_missing()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(_REASON), reason=_REASON or "n/a")]
@@ -102,7 +102,7 @@ def test_gpu_worker_registers_through_the_server_and_a_kill_gives_the_memory_bac
         try:
             with MPClient(url, fd_socket=fd_socket, heartbeat=False) as reader:
                 seen = reader.peek(hello["instance_id"], "model.layers.1.attn", 0, 32).hex()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             seen = f"peek failed: {type(exc).__name__}: {exc}"
         finally:
             ipc_policy.set_isolated_ipc(None)
@@ -179,11 +179,11 @@ def _delayed_round_trip(scratch: Path, kind: str, signal_store: bool) -> dict:
     then the destination blocks 10..11 written ``DELAY_MS`` late (the worker's last use of them)
     and a RETRIEVE into them at once. Returns what the blocks hold afterwards (host-side reads only
     at the end, queued after the worker waited for the server's signal)."""
+    from cuda_testing import cycles_per_ms, gpu_delay
+
     from lmshm.core.cuda_sync import WorkerCudaSync
     from lmshm.multiprocess.client import MPClient, query_status
     from lmshm.platform import ipc_policy
-
-    from cuda_testing import cycles_per_ms, gpu_delay
 
     isolated = kind == "cuda-raw"
     server, url, fd_socket, log = start_server(scratch, isolated)

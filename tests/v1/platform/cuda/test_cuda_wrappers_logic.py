@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from fake_driver import GRANULARITY, UUIDS
 
 from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
@@ -27,8 +28,6 @@ from lmshm.platform.cuda import (
     fd_channel_required,
 )
 from lmshm.platform.device_registry import resolve_kv_wrapper_factory
-
-from fake_driver import GRANULARITY, UUIDS
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
 """STAND-IN for ``torchvision.transforms`` (see the package's docstring)."""
 
-from torchvision import _Placeholder, __getattr__  # noqa: F401
-from torchvision.transforms.functional import InterpolationMode  # noqa: F401
+from torchvision import __getattr__, _Placeholder  # noqa: F401 (the names SGLang imports from here)
+from torchvision.transforms.functional import InterpolationMode  # noqa: F401 (the names SGLang imports from here)
