@@ -73,11 +73,11 @@ def pool_rss(addr: int) -> int:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from lmshm.core import pool as pool_module
     from lmshm.core.pool import Pool, Reservation
+    from lmshm.core.pool import memory as pool_memory
 
     if args.step_mib:
-        pool_module.POPULATE_STEP = args.step_mib << 20
+        pool_memory.POPULATE_STEP = args.step_mib << 20
 
     request, chunk = args.request_mib << 20, args.chunk_mib << 20
     src = torch.ones(request, dtype=torch.uint8)
@@ -118,7 +118,7 @@ def child(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t0)
         stored.append(objs)
         time.sleep(args.idle_ms / 1e3)
-    rss = pool_rss(pool._addr)
+    rss = pool_rss(pool.memory.addr)
     warm = []
     for objs in stored:
         t0 = time.perf_counter()
@@ -126,15 +126,15 @@ def child(args: argparse.Namespace) -> None:
         warm.append(time.perf_counter() - t0)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:          # settled: the background thread done or idle
-        if pool._prefaulter is not None and pool._prefaulter.is_alive():
+        if pool.memory.prefaulter is not None and pool.memory.prefaulter.is_alive():
             pass
-        elif pool._ahead is not None and pool._ahead.thread.is_alive() and pool._ahead.done < pool._ahead.want:
+        elif (ahead := pool.memory.ahead) is not None and ahead.thread.is_alive() and ahead.done < ahead.want:
             pass
         else:
             break
         time.sleep(0.05)
     print(json.dumps(dict(memcpy=statistics.median(memcpy), ready=ready, times=times, warm=statistics.median(warm),
-                          rss=rss, rss_settled=pool_rss(pool._addr), prefault_done=pool.prefaulted)))
+                          rss=rss, rss_settled=pool_rss(pool.memory.addr), prefault_done=pool.memory.prefaulted)))
     pool.release()
     copier.shutdown()
 

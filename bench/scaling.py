@@ -173,18 +173,20 @@ def section_lookup(args: argparse.Namespace) -> None:
 def section_pool(args: argparse.Namespace) -> None:
     """``Pool.lookup`` of 64 stored keys, its lease's release, and a miss, in this process (CPU
     time of this thread, so other processes' load counts less), for this checkout's pool and,
-    with ``--against``, another's (its ``lmshm/core/pool.py`` loaded by path), interleaved; and
+    with ``--against``, another's (an older checkout's ``lmshm/core/pool.py`` loaded by path), interleaved; and
     64 ``move_to_end`` calls on the LRU (the refresh a pin does) on their own."""
     import collections
     import importlib.util
 
-    import lmshm
+    import lmshm.core.pool
 
-    paths = {"this": os.path.join(os.path.dirname(lmshm.__file__), "core", "pool.py")}
-    if args.against:
+    paths = {"this": os.path.dirname(lmshm.core.pool.__file__)}
+    modules = {"this": lmshm.core.pool}
+    if args.against:    # a checkout from before lmshm/core/pool/ was a package (one file, no lmshm imports)
         paths["against"] = os.path.join(os.path.abspath(args.against), "lmshm", "core", "pool.py")
-    modules = {}
     for name, path in paths.items():
+        if name in modules:
+            continue
         spec = importlib.util.spec_from_file_location(f"_pool_{name}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

@@ -11,7 +11,8 @@ import gc
 import time
 import tracemalloc
 
-from lmshm.core.pool import ALIGN, OBJECT_COST, Pool, Reservation, _Extents, cost_of
+from lmshm.core.pool import ALIGN, OBJECT_COST, Pool, Reservation, cost_of
+from lmshm.core.pool.extents import Extents
 
 LAYOUT = b"L" * 16
 ONE = cost_of(ALIGN)          # a 64-byte object: its extent and its bookkeeping
@@ -100,7 +101,7 @@ def test_the_bookkeeping_charged_per_object_covers_what_it_takes():
             store(pool, 1000, key(i), n=1)
         per_object = (tracemalloc.get_traced_memory()[0] - before) / n
         before = tracemalloc.get_traced_memory()[0]
-        holes = _Extents(0)
+        holes = Extents(0)
         for i in range(n):
             holes.give(i * 4096 + ALIGN, ALIGN * (1 + i % 7))     # disjoint: none merges
         per_hole = (tracemalloc.get_traced_memory()[0] - before) / n
