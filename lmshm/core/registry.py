@@ -1,37 +1,17 @@
-"""The server's registry: which KV caches are mapped, under which instance id, owned by whom.
+"""The server's registry: which KV caches and regions are mapped, under which name, owned by
+which session. It is the single owner of "what is registered"; it does not count mappings
+(each wrapper's ``to_tensor()`` takes its share of ``platform.base.mappings.MAPPINGS``).
 
-The registry is the single owner of "what is registered". It does not count mappings:
-each wrapper's ``to_tensor()`` takes its share from the process-wide ``MAPPINGS`` table
-(lmshm.platform.base.mappings), which is the one refcount for every wrapper kind -- named
-shm, memfd, CUDA IPC, VMM. Layers arrive in groups (``messages.LayerGroup``: one wrapper
-for a run of layers that differ only in storage offset). A registration holds, per group,
-the decoded wrapper and the tensor it mapped; a layer's own tensor is a view of that,
-bounds-checked at register time and built on first use. Releasing a registration drops the
-tensors and closes the wrappers, and ``MAPPINGS`` unmaps a segment when its last user is
-gone.
+Guarantees: ``register`` maps every layer or none; it ``admit``s every wrapper for the
+kernel-verified peer first, and closes every wrapper and fd it does not keep. One namespace:
+a live name with other content is ALREADY_EXISTS, the same content from the same owner a
+refresh. Every registration is released exactly once, by unregister, owner reclaim or
+shutdown; one taken out while a ``hold`` is open is released when the last holder leaves.
+Who may unregister or read a registration is the caller's decision (``Registration.owner``).
 
-Rules (design.md section 4):
-- register maps every layer at once, all or nothing: if layer k fails, layers < k are
-  released before the error (which names layer k and why) is raised;
-- a live id with different content is ALREADY_EXISTS; identical content from the same owner
-  is an idempotent refresh (the new wrappers are closed, nothing is mapped twice);
-- every wrapper is ``admit``-ted for the kernel-verified peer before it is mapped: it may name
-  only memory that peer owns (the server decides who may unregister or read a registration);
-- unregister of an unknown id is NOT_FOUND;
-- ``hold(instance_id)`` brackets a data operation: an unregister (or reclaim) that arrives
-  while a hold is open takes the id out of the namespace at once but defers the release
-  until the last holder leaves;
-- every registration is released exactly once (``_release`` is guarded by a flag under the
-  lock), whether by unregister, owner reclaim or shutdown. Reclaim after the owner died also
-  calls ``release_orphaned()`` so a dead worker leaves nothing in /dev/shm.
-
-Thread safety: one lock guards the tables; mapping and unmapping run outside it, so a slow
-open never blocks status or other owners.
-
-Cost: the tables are indexed by instance id and by owner (with each owner's counts of
-registrations, layers and bytes kept as they change), so no request walks the registrations:
-REGISTER's per-session limits, a session's reclaim and the region limit look at one owner's
-entries, and STATUS lists a page (``page``) plus one line per owner (``owners``).
+One lock guards the tables, indexed by name and by owner, so no request walks them; mapping
+and unmapping run outside it. The one trap: a release drops the tensors before closing the
+wrappers, since a tensor keeps its mapping alive. docs/design/service.md has the rules.
 """
 
 from __future__ import annotations

@@ -251,3 +251,25 @@ def test_a_tenant_that_pins_all_it_may_cannot_fill_the_rest_with_one_batch():
         pool.commit(batch)
     finally:
         pool.release()
+
+
+def test_the_callbacks_given_to_the_pool_hear_every_object_that_comes_and_goes():
+    told: list = []
+    batches: list = []
+    pool = Pool(2 * ONE, on_resident=lambda uid, k, present: told.append((uid, k, present)))
+    batched = Pool(2 * ONE, on_resident=lambda uid, k, present: told.append((uid, k, present)),
+                   on_committed=lambda pairs: batches.append(list(pairs)))
+    try:
+        stored(pool, 7, b"a")
+        stored(pool, 7, b"b")
+        stored(pool, 7, b"c")                                          # its reservation evicts a
+        assert told == [(7, b"a", True), (7, b"b", True), (7, b"a", False), (7, b"c", True)]
+        told.clear()
+        objs = [batched.reserve(3, k, ALIGN, b"L", 1)[1] for k in (b"x", b"y")]
+        batched.commit(objs)
+        assert batches == [[(3, b"x"), (3, b"y")]] and told == []    # one call for the commit
+        stored(batched, 3, b"z")                                       # evicts x: told one by one
+        assert told == [(3, b"x", False)] and batches[-1] == [(3, b"z")]
+    finally:
+        pool.release()
+        batched.release()

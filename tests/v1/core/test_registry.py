@@ -1,11 +1,15 @@
-"""Registry rules (design.md section 4) on real shared-memory segments.
+"""The registry (lmshm/core/registry.py) in one process: real shared-memory segments and
+memfds made by lmshm's CPU wrappers, decoded as the server decodes them, real threads, no
+server. The rules are docs/design/service.md's "Registry rules".
 
 The producer and the consumer are one process here, which the CPU wrappers allow; the same
-rules across processes and sockets are covered by test_service.py and test_reclaim.py.
+rules across processes and sockets are covered by tests/v1/multiprocess/test_service.py and
+test_reclaim.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -13,14 +17,19 @@ import threading
 import pytest
 import torch
 
+from lmshm.core import regions
+from lmshm.core.errors import ErrorCode
+from lmshm.core.messages import LayerGroup
 from lmshm.core.registry import (
+    REGION_OWNER,
     InstanceExists,
     InstanceNotFound,
     InvalidRegistration,
     NotPermitted,
+    RegionLimit,
     Registry,
 )
-from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
+from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import local_peer
@@ -253,4 +262,209 @@ def test_block_dim_is_part_of_a_registration_and_must_name_a_dimension(pool):
     assert register_with(2)[1] is True                       # the same content: a refresh
     with pytest.raises(InstanceExists):                       # another block dim: other content
         register_with(1)
+    reg.release_all()
+
+
+# ---- memfds: what a session sent is its own -------------------------------------------------
+def test_a_memfd_is_mapped_only_from_the_fds_its_own_session_sent():
+    kv = empty_shared((4, 16), torch.float32, kind="memfd")
+    (producer,) = wrap_kv_caches({"l0": kv})
+    (token, fd), = producer.export_fds().items()
+    reg = Registry()
+    try:
+        def consumer() -> LayerGroup:
+            w = DeviceIPCWrapper.Deserialize(producer.Serialize())
+            return LayerGroup(w, ["l0"], [w.storage_offset])
+
+        FD_INBOX.put(token, os.dup(fd), session="B")              # sent on B's fd channel
+        group = consumer()
+        with pytest.raises(InvalidRegistration, match=r"layer 0 \('l0', cpu-memfd\) could not be mapped"):
+            reg.register(peer=local_peer("A"), instance_id="m", model_name="m", world_size=1, worker_rank=0,
+                         groups=[group])
+        assert len(reg) == 0 and group.wrapper.closed
+        assert FD_INBOX.count("B") == 1                           # A's refusal left B's fd alone
+
+        FD_INBOX.put(token, os.dup(fd), session="A")
+        r, _ = reg.register(peer=local_peer("A"), instance_id="m", model_name="m", world_size=1, worker_rank=0,
+                            groups=[consumer()])
+        assert FD_INBOX.count("A") == 0                           # taken by the mapping
+        kv.fill_(2.5)
+        assert torch.all(r.tensor("l0") == 2.5)                   # the producer's bytes
+        r.tensor("l0")[1].fill_(-1.0)
+        assert torch.all(kv[1] == -1.0)                           # and back
+    finally:
+        FD_INBOX.close_session("B")
+        FD_INBOX.close_session("A")
+        reg.release_all()
+        producer.close()
+
+
+# ---- two owners ---------------------------------------------------------------------------
+def test_a_second_owner_can_neither_take_over_nor_reclaim_the_first_owners_registration(pool):
+    layers, producers = pool
+    reg = Registry()
+    mine, _ = register(reg, consumer_layers(producers), owner="A", iid="inst")
+    register(reg, consumer_layers(producers)[:1], owner="B", iid="other")
+    with pytest.raises(InstanceExists, match=f"owner pid {os.getpid()}"):     # identical, but not B's to refresh
+        register(reg, consumer_layers(producers), owner="B", iid="inst")
+    assert reg.get("inst") is mine and mine.owner == "A"
+    assert (mine.owner_pid, mine.owner_uid) == (os.getpid(), os.geteuid())     # what the endpoint checks
+    assert reg.count_owned("B", "inst") == (1, 1, False)
+    assert reg.release_owner("B", orphaned=True) == ["other"]                  # B's end reclaims B's only
+    assert reg.count_owned("B") == (0, 0, False) and reg.count_owned("A", "inst") == (1, 4, True)
+    layers["layer3"].fill_(6.0)
+    assert not mine.released and torch.all(mine.tensor("layer3") == 6.0)      # still mapped for A
+    assert reg.release_owner(REGION_OWNER, orphaned=True) == []                # nobody reclaims the regions
+    reg.release_all()
+
+
+def test_a_name_being_mapped_for_one_owner_is_refused_to_another_meanwhile(pool):
+    _, producers = pool
+    mapping, go = threading.Event(), threading.Event()
+
+    class Slow(CpuShmIPCWrapper):
+        def to_tensor(self) -> torch.Tensor:
+            mapping.set()
+            go.wait(10)
+            return super().to_tensor()
+
+    reg = Registry()
+    baseline = len(MAPPINGS)
+    first = [(n, Slow(**w.__getstate__())) for n, w in consumer_layers(producers)]
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(r=register(reg, first, owner="A", iid="same")[0]))
+    thread.start()
+    try:
+        assert mapping.wait(10)                                   # A's layers are being mapped
+        second = consumer_layers(producers)
+        with pytest.raises(InstanceExists, match="being registered right now"):
+            register(reg, second, owner="B", iid="same")
+        assert all(w.closed for _, w in second) and len(reg) == 0
+    finally:
+        go.set()
+        thread.join()
+    r = out["r"]
+    assert r.owner == "A" and reg.get("same") is r and not any(w.closed for _, w in first)
+    reg.release_all()
+    assert r.released and len(MAPPINGS) == baseline
+
+
+# ---- what the per-session caps read ---------------------------------------------------------
+def test_an_owners_counts_follow_its_registrations_at_once_even_while_one_drains(pool):
+    layers, producers = pool
+    reg = Registry()
+    assert reg.count_owned("A", "one") == (0, 0, False)
+    one, _ = register(reg, consumer_layers(producers), iid="one")
+    two, _ = register(reg, consumer_layers(producers)[:2], iid="two")
+    assert reg.count_owned("A", "one") == (2, 6, True)
+    nbytes = sum(t.numel() * t.element_size() for t in layers.values())
+    assert reg.owners() == [(one, 2, 6, nbytes + two.nbytes)]
+    assert reg.page(0, 10) == ([one, two], 2) and reg.page(1, 10) == ([two], 2)
+    with reg.hold("one"):
+        assert reg.unregister("one") is True                      # deferred: still mapped
+        assert reg.count_owned("A", "one") == (1, 2, False)       # but counted out at once
+        assert reg.owners() == [(two, 1, 2, two.nbytes)] and reg.draining == 1
+        assert not one.released
+    assert one.released and reg.draining == 0
+    reg.release_owner("A", orphaned=False)
+    assert reg.count_owned("A") == (0, 0, False) and reg.owners() == [] and len(reg) == 0
+
+
+# ---- releasing exactly once ------------------------------------------------------------------
+def test_unregister_reclaim_and_shutdown_racing_close_every_wrapper_once(pool):
+    _, producers = pool
+    closes: list[int] = []
+
+    class Counting(CpuShmIPCWrapper):
+        def close(self) -> None:
+            closes.append(id(self))                                # every call: a release closes once
+            super().close()
+
+    reg = Registry()
+    baseline = len(MAPPINGS)
+    regs = [register(reg, [(n, Counting(**w.__getstate__())) for n, w in consumer_layers(producers)],
+                     iid=f"r{i}")[0] for i in range(8)]
+    held = reg.acquire("r0")                                       # one of them in a data operation
+    start = threading.Barrier(10)
+
+    def unregister(iid: str) -> None:
+        start.wait()
+        with contextlib.suppress(InstanceNotFound):
+            reg.unregister(iid)
+
+    def reclaim() -> None:
+        start.wait()
+        reg.release_owner("A", orphaned=False)
+
+    def shutdown() -> None:
+        start.wait()
+        reg.release_all()
+
+    threads = [threading.Thread(target=unregister, args=(f"r{i}",)) for i in range(8)]
+    threads += [threading.Thread(target=reclaim), threading.Thread(target=shutdown)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    reg.let_go(held)
+    reg.release_all()
+    assert all(r.released for r in regs) and len(reg) == 0 and reg.draining == 0
+    assert sorted(closes) == sorted(id(w) for r in regs for w in r.wrappers)    # each once, none twice
+    assert len(MAPPINGS) == baseline
+
+
+# ---- regions: the same namespace, their own limit ---------------------------------------------
+@pytest.fixture
+def shm_object():
+    """A client's POSIX shared-memory object of 8 KiB (not an lmshm segment)."""
+    name = f"test-region-{os.getpid()}"
+    path = f"/dev/shm/{name}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.ftruncate(fd, 8192)
+    os.close(fd)
+    yield "/" + name
+    os.unlink(path)
+
+
+def test_the_region_limit_counts_a_region_still_being_opened_and_a_failed_open_frees_its_name(pool, shm_object):
+    _, producers = pool
+    reg = Registry()
+    register(reg, consumer_layers(producers)[:1], iid="kv")
+    opening, go = threading.Event(), threading.Event()
+    out: dict = {}
+
+    def open_slowly():
+        opening.set()
+        go.wait(10)
+        return regions.open_system(shm_object, shm_object[1:], 0, 4096, ())
+
+    def add() -> None:
+        out["reg"] = reg.add_region("r1", "system", open_slowly, max_regions=1)
+
+    thread = threading.Thread(target=add)
+    thread.start()
+    assert opening.wait(10)
+    with pytest.raises(RegionLimit, match="holds 1 regions"):                  # r1 is not live yet
+        reg.add_region("r2", "system", lambda: pytest.fail("opened past the limit"), max_regions=1)
+    with pytest.raises(InstanceExists, match="being registered right now"):
+        reg.add_region("r1", "system", lambda: pytest.fail("opened twice"), max_regions=2)
+    with pytest.raises(InstanceExists, match="KV-cache registration"):         # one namespace
+        reg.add_region("kv", "system", lambda: pytest.fail("shadowed a KV registration"))
+    go.set()
+    thread.join()
+    region = out["reg"]
+    assert region.owner == REGION_OWNER and reg.region("r1", "system") is region
+    with pytest.raises(InstanceNotFound, match="is a KV-cache registration, not a system"):
+        reg.region("kv", "system")
+
+    def refuse():
+        raise OSError("cannot open")
+
+    with pytest.raises(OSError):
+        reg.add_region("r3", "system", refuse, max_regions=2)
+    assert reg.add_region("r3", "system", lambda: regions.open_system(shm_object, shm_object[1:], 0, 8192, ()),
+                          max_regions=2).nbytes == 8192                        # the name is free again
+    assert reg.unregister_region("kv", "system") is False                      # not a region: left alone
+    assert reg.unregister_regions("system") == 2 and len(reg) == 1
+    assert region.released and region.region.tensor is None
     reg.release_all()
