@@ -39,7 +39,7 @@ from lmshm.platform.shm_names import segment_name
 
 
 @pytest.fixture
-def pool():
+def kv():
     """Producer side: 4 layers in one named segment (no fd channel here), plus their producer
     wrappers."""
     big = empty_shared((4, 2, 8, 16), torch.float16, kind="shm")
@@ -69,8 +69,8 @@ def register(reg: Registry, layers, owner="A", iid="inst"):
                         world_size=1, worker_rank=0, groups=as_groups(layers))
 
 
-def test_registration_maps_every_layer_onto_the_producers_bytes(pool):
-    layers, producers = pool
+def test_registration_maps_every_layer_onto_the_producers_bytes(kv):
+    layers, producers = kv
     reg = Registry()
     r, refreshed = register(reg, consumer_layers(producers))
     assert not refreshed and len(reg) == 1
@@ -80,8 +80,8 @@ def test_registration_maps_every_layer_onto_the_producers_bytes(pool):
     reg.release_all()
 
 
-def test_a_layer_that_cannot_be_mapped_releases_the_earlier_layers_and_is_named(pool):
-    _, producers = pool
+def test_a_layer_that_cannot_be_mapped_releases_the_earlier_layers_and_is_named(kv):
+    _, producers = kv
     reg = Registry()
     good = consumer_layers(producers)[:2]
     missing = CpuShmIPCWrapper(dtype="float16", shape=(4,), stride=(1,), storage_offset=0, device="cpu",
@@ -94,8 +94,8 @@ def test_a_layer_that_cannot_be_mapped_releases_the_earlier_layers_and_is_named(
     assert all(w.closed for _, w in good)
 
 
-def test_a_different_registration_under_a_live_id_already_exists(pool):
-    _, producers = pool
+def test_a_different_registration_under_a_live_id_already_exists(kv):
+    _, producers = kv
     reg = Registry()
     register(reg, consumer_layers(producers))
     with pytest.raises(InstanceExists, match="'inst' is already registered") as exc:
@@ -106,8 +106,8 @@ def test_a_different_registration_under_a_live_id_already_exists(pool):
     reg.release_all()
 
 
-def test_identical_registration_from_the_same_owner_is_an_idempotent_refresh(pool):
-    _, producers = pool
+def test_identical_registration_from_the_same_owner_is_an_idempotent_refresh(kv):
+    _, producers = kv
     reg = Registry()
     first, _ = register(reg, consumer_layers(producers))
     opens = MAPPINGS.opens_total
@@ -119,15 +119,15 @@ def test_identical_registration_from_the_same_owner_is_an_idempotent_refresh(poo
     reg.release_all()
 
 
-def test_unknown_id_is_not_found(pool):
+def test_unknown_id_is_not_found(kv):
     reg = Registry()
     with pytest.raises(InstanceNotFound) as exc:
         reg.unregister("nope")
     assert exc.value.code == ErrorCode.NOT_FOUND
 
 
-def test_a_segment_that_does_not_carry_the_peers_pid_is_refused_before_mapping(pool):
-    _, producers = pool
+def test_a_segment_that_does_not_carry_the_peers_pid_is_refused_before_mapping(kv):
+    _, producers = kv
     reg = Registry()
     stranger = local_peer("A")
     stranger = type(stranger)(session="A", pid=stranger.pid, uid=stranger.uid, gid=stranger.gid,
@@ -140,8 +140,8 @@ def test_a_segment_that_does_not_carry_the_peers_pid_is_refused_before_mapping(p
     assert MAPPINGS.opens_total == opens and len(reg) == 0
 
 
-def test_unregister_while_held_is_deferred_until_the_holder_leaves(pool):
-    layers, producers = pool
+def test_unregister_while_held_is_deferred_until_the_holder_leaves(kv):
+    layers, producers = kv
     reg = Registry()
     r, _ = register(reg, consumer_layers(producers))
     with reg.hold("inst") as held:
@@ -156,8 +156,8 @@ def test_unregister_while_held_is_deferred_until_the_holder_leaves(pool):
     assert all(w.closed for w in r.wrappers) and not r.bases and not r.views
 
 
-def test_every_registration_is_released_exactly_once(pool):
-    _, producers = pool
+def test_every_registration_is_released_exactly_once(kv):
+    _, producers = kv
     closes: list[str] = []
 
     class Counting(CpuShmIPCWrapper):
@@ -181,8 +181,8 @@ def test_every_registration_is_released_exactly_once(pool):
 
 
 def test_reclaiming_a_dead_owner_releases_orphaned_segment_names():
-    pool = empty_shared((2, 64), torch.float16, kind="shm")
-    producers = wrap_kv_caches({"a": pool[0], "b": pool[1]})
+    cache = empty_shared((2, 64), torch.float16, kind="shm")
+    producers = wrap_kv_caches({"a": cache[0], "b": cache[1]})
     path = f"/dev/shm/{producers[0].segment}"
     reg = Registry()
     register(reg, [(n, DeviceIPCWrapper.Deserialize(w.Serialize())) for n, w in zip("ab", producers)])
@@ -192,8 +192,8 @@ def test_reclaiming_a_dead_owner_releases_orphaned_segment_names():
         w.close()
 
 
-def test_bad_requests_are_refused_before_anything_is_mapped(pool):
-    _, producers = pool
+def test_bad_requests_are_refused_before_anything_is_mapped(kv):
+    _, producers = kv
     reg = Registry()
     opens = MAPPINGS.opens_total
     for kwargs, match in [
@@ -212,8 +212,8 @@ def test_bad_requests_are_refused_before_anything_is_mapped(pool):
     assert MAPPINGS.opens_total == opens
 
 
-def test_a_group_maps_its_segment_once_and_serves_every_layer(pool):
-    layers, producers = pool
+def test_a_group_maps_its_segment_once_and_serves_every_layer(kv):
+    layers, producers = kv
     # What the client sends for the 4 views of one pool: one wrapper, four names and offsets.
     group = LayerGroup(DeviceIPCWrapper.Deserialize(producers[0].Serialize()), list(layers),
                        [w.storage_offset for w in producers])
@@ -233,8 +233,8 @@ def test_a_group_maps_its_segment_once_and_serves_every_layer(pool):
     assert r.tensor("layer0") is None and not r.views
 
 
-def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(pool):
-    layers, producers = pool
+def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(kv):
+    layers, producers = kv
     wrapper = DeviceIPCWrapper.Deserialize(producers[0].Serialize())
     too_far = producers[-1].storage_offset + producers[1].storage_offset  # one layer past the end
     group = LayerGroup(wrapper, ["l0", "l1", "l2"], [0, producers[1].storage_offset, too_far])
@@ -245,8 +245,8 @@ def test_a_group_offset_outside_the_segment_is_refused_naming_the_layer(pool):
     assert wrapper.closed and len(reg) == 0
 
 
-def test_block_dim_is_part_of_a_registration_and_must_name_a_dimension(pool):
-    _, producers = pool
+def test_block_dim_is_part_of_a_registration_and_must_name_a_dimension(kv):
+    _, producers = kv
     reg = Registry()
 
     def register_with(block_dim, iid="inst"):
@@ -267,8 +267,8 @@ def test_block_dim_is_part_of_a_registration_and_must_name_a_dimension(pool):
 
 # ---- memfds: what a session sent is its own -------------------------------------------------
 def test_a_memfd_is_mapped_only_from_the_fds_its_own_session_sent():
-    kv = empty_shared((4, 16), torch.float32, kind="memfd")
-    (producer,) = wrap_kv_caches({"l0": kv})
+    cache = empty_shared((4, 16), torch.float32, kind="memfd")
+    (producer,) = wrap_kv_caches({"l0": cache})
     (token, fd), = producer.export_fds().items()
     reg = Registry()
     try:
@@ -288,10 +288,10 @@ def test_a_memfd_is_mapped_only_from_the_fds_its_own_session_sent():
         r, _ = reg.register(peer=local_peer("A"), instance_id="m", model_name="m", world_size=1, worker_rank=0,
                             groups=[consumer()])
         assert FD_INBOX.count("A") == 0                           # taken by the mapping
-        kv.fill_(2.5)
+        cache.fill_(2.5)
         assert torch.all(r.tensor("l0") == 2.5)                   # the producer's bytes
         r.tensor("l0")[1].fill_(-1.0)
-        assert torch.all(kv[1] == -1.0)                           # and back
+        assert torch.all(cache[1] == -1.0)                           # and back
     finally:
         FD_INBOX.close_session("B")
         FD_INBOX.close_session("A")
@@ -300,8 +300,8 @@ def test_a_memfd_is_mapped_only_from_the_fds_its_own_session_sent():
 
 
 # ---- two owners ---------------------------------------------------------------------------
-def test_a_second_owner_can_neither_take_over_nor_reclaim_the_first_owners_registration(pool):
-    layers, producers = pool
+def test_a_second_owner_can_neither_take_over_nor_reclaim_the_first_owners_registration(kv):
+    layers, producers = kv
     reg = Registry()
     mine, _ = register(reg, consumer_layers(producers), owner="A", iid="inst")
     register(reg, consumer_layers(producers)[:1], owner="B", iid="other")
@@ -318,8 +318,8 @@ def test_a_second_owner_can_neither_take_over_nor_reclaim_the_first_owners_regis
     reg.release_all()
 
 
-def test_a_name_being_mapped_for_one_owner_is_refused_to_another_meanwhile(pool):
-    _, producers = pool
+def test_a_name_being_mapped_for_one_owner_is_refused_to_another_meanwhile(kv):
+    _, producers = kv
     mapping, go = threading.Event(), threading.Event()
 
     class Slow(CpuShmIPCWrapper):
@@ -350,8 +350,8 @@ def test_a_name_being_mapped_for_one_owner_is_refused_to_another_meanwhile(pool)
 
 
 # ---- what the per-session caps read ---------------------------------------------------------
-def test_an_owners_counts_follow_its_registrations_at_once_even_while_one_drains(pool):
-    layers, producers = pool
+def test_an_owners_counts_follow_its_registrations_at_once_even_while_one_drains(kv):
+    layers, producers = kv
     reg = Registry()
     assert reg.count_owned("A", "one") == (0, 0, False)
     one, _ = register(reg, consumer_layers(producers), iid="one")
@@ -371,8 +371,8 @@ def test_an_owners_counts_follow_its_registrations_at_once_even_while_one_drains
 
 
 # ---- releasing exactly once ------------------------------------------------------------------
-def test_unregister_reclaim_and_shutdown_racing_close_every_wrapper_once(pool):
-    _, producers = pool
+def test_unregister_reclaim_and_shutdown_racing_close_every_wrapper_once(kv):
+    _, producers = kv
     closes: list[int] = []
 
     class Counting(CpuShmIPCWrapper):
@@ -426,8 +426,8 @@ def shm_object():
     os.unlink(path)
 
 
-def test_the_region_limit_counts_a_region_still_being_opened_and_a_failed_open_frees_its_name(pool, shm_object):
-    _, producers = pool
+def test_the_region_limit_counts_a_region_still_being_opened_and_a_failed_open_frees_its_name(kv, shm_object):
+    _, producers = kv
     reg = Registry()
     register(reg, consumer_layers(producers)[:1], iid="kv")
     opening, go = threading.Event(), threading.Event()
