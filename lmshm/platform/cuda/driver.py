@@ -489,7 +489,7 @@ class CudaDriver:
         (``driver.pyx``) the wrapper is ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs,
         attrsIdxs, numAttrs, hStream)``, with ``dsts``/``srcs`` lists of ``CUdeviceptr``
         objects and no ``failIdx`` (CUDA 13 dropped it; the 12.x bindings return it), so a
-        request's 512 pieces cost ~150 us of Python object building (docs/benchmarks.md)
+        request's 512 pieces cost ~150 us of Python object building (docs/benchmarks-history.md, "CUDA copy submission")
         before the driver sees them. The same wrapper frees its copies of the arrays as soon as
         the call returns: the driver has read the descriptors by then, so ours need not outlive
         the call either. The stream must not be the legacy NULL stream (the driver refuses it)."""
