@@ -1,7 +1,12 @@
 """lmshm: zero-copy KV-cache registration between inference workers and a cache server.
 
-Public names are resolved lazily so that ``import lmshm`` stays cheap and never
-imports CUDA libraries, ZeroMQ or the server.
+The names a user imports from ``lmshm`` (``MPClient``, ``Server``, ``wrap_kv_caches``,
+``empty_shared``, the IPC switches, the errors) are listed in ``_EXPORTS`` with the module that
+defines each, and resolved lazily on first use, so that ``import lmshm`` stays cheap and never
+imports torch, CUDA libraries, ZeroMQ or the server. These names are the public API: a module
+may move, and its entry here moves with it. The trap: code inside lmshm imports a name from the
+module that defines it, never through ``lmshm`` (``from lmshm import MPClient``): that is an
+import of the top level, an upward edge that ``tests/v1/test_layering.py`` refuses.
 """
 
 from __future__ import annotations

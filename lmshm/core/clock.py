@@ -2,18 +2,15 @@
 
 ``Clock.every(interval_s, job)`` runs ``job`` every ``interval_s`` seconds and ``after(delay_s,
 job)`` once; both return a ``Timer`` whose ``cancel()`` stops it. The core schedules lease
-expiry and the orphan sweep here (``service.py``), so they run with or without a ZeroMQ
-endpoint; the tiers of issue 17 schedule their own work the same way.
+expiry and the orphan sweep here (``service.py``), and the tiers their background work.
 
-Guarantees: jobs run one at a time, on the clock's thread (``lmshm-clock``), never on an
-endpoint's loop; an interval is measured from the end of one run to the start of the next, so a
-slow job delays its own next run and never piles up; a job that raises is logged and keeps its
+Guarantees: jobs run one at a time on the clock's thread (``lmshm-clock``), never on an
+endpoint's loop; an interval runs from the end of one run to the start of the next, so a slow
+job delays its own next run and never piles up; a job that raises is logged and keeps its
 schedule; ``stop()`` waits for the running job, and nothing runs once it has returned.
-
-What is easy to get wrong: a job runs on another thread than the requests that touch the same
-state, so it must take that state's own lock (the pool's, the registry's), and it must be short
--- every other job waits behind it. Long work (a copy, a transfer to a tier) belongs on a thread
-or executor of its own, which a job may wake.
+The trap: a job runs on another thread than the requests that touch the same state, so it
+must take that state's own lock, and it must be short: every other job waits behind it. Long
+work (a copy, a transfer to a tier) belongs on a thread of its own, which a job may wake.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Regions: Triton's shared-memory extension, as registrations of the server's registry.
 
-A *system* region is ``byte_size`` bytes at ``offset`` of a POSIX shared-memory object that a
-client created (``key``, as ``shm_open`` takes it); a *CUDA* region is ``byte_size`` bytes of a
-``cudaMalloc`` allocation that a client exported as a 64-byte ``cudaIpcMemHandle_t``. Both live
-in the registry's one namespace with lmshm's own KV-cache registrations
-(``Registry.add_region``), so a name is taken whatever its kind.
+A *system* region is ``byte_size`` bytes at ``offset`` of a POSIX shared-memory object a client
+created (``key``); a *CUDA* region is ``byte_size`` bytes of a ``cudaMalloc`` allocation the
+client exported as a ``cudaIpcMemHandle_t``. Both share the registry's one namespace with KV
+caches (``Registry.add_region``). Validation follows Triton's order: name, key, offset and size
+(``validate_*``), then the duplicate check, then the open and the bounds (``open_*``).
 
-Who owns what:
-- the client creates, sizes and unlinks the object; the server opens it without ``O_CREAT``,
-  maps the range, closes its fd on every path (success or not) and never unlinks it;
-- the server's mapping lives until the region is unregistered (or the server stops) *and* the
-  last tensor built on it is freed: a view handed out (``lmshm.Server.region_view``) keeps the
-  bytes mapped, and an unregister while views are open is deferred until they close.
-
-The HTTP and gRPC endpoints cannot see who is calling, so ownership is decided by the object:
-a system region is mapped only if the object belongs to the server's uid or to a uid allowed
-explicitly (``--allow-uid``). lmshm's own segments (``lmshm-*``) are never accepted as keys.
-
-Validation happens in Triton's order: the name, key, offset and size first (``validate_*``),
-then the duplicate check (the registry), then the open and the bounds against the real object
-(``open_*``).
+Who owns what: the client creates, sizes and unlinks the object; the server opens it without
+``O_CREAT``, closes its fd on every path and never unlinks it. The mapping lives until the
+region is unregistered *and* the last view handed out (``lmshm.Server.region_view``) is freed.
+The trap: the HTTP and gRPC endpoints cannot see who calls, so ownership is decided by the
+object: a system region is mapped only if it belongs to the server's uid or an ``--allow-uid``,
+and lmshm's own segments (``lmshm-*``) are never accepted as keys.
 """
 
 from __future__ import annotations

@@ -1,34 +1,18 @@
 """What a web page may make the HTTP endpoint do: nothing but read this server's own status page.
 
-The endpoint serves programs (tritonclient, routers, Prometheus) and one page, ``/status``. A
-browser that shows some other site still sends requests to a loopback or private port when that
-site's page asks, so every request passes these checks (``problem``) before its body is read:
+A browser showing another site still sends requests to a loopback or private port when that
+site asks, so every request passes ``BrowserGuard.problem`` before its body is read:
+1. **Host** (DNS rebinding) must be an IP address, ``localhost``, the ``--http-host`` name or an
+   ``--http-allow-host`` name (421 otherwise); a request without one comes from no browser.
+2. **Origin** (CSRF): a request that carries one must come from this server's own pages (403
+   otherwise, preflights included: the endpoint never grants a CORS allowance).
+3. **Content-Type**: a POST of a type a page may send without a preflight is 415.
+4. Every answer carries ``SECURITY_HEADERS`` (no framing, no sniffing, no cross-origin embedding).
 
-1. **Host** (DNS rebinding): a page served as ``http://evil.test:P``, with the name resolving to
-   this server, is same-origin with it, so the browser lets it read every answer. The ``Host``
-   header names what the browser thinks it reached; it must be an IP address (an address cannot
-   be rebound: a page of that origin would be served by that address itself), ``localhost``, the
-   name ``--http-host`` binds, or a name of ``--http-allow-host`` (``*``: any). Else 421. A
-   request without ``Host`` (HTTP/1.0) comes from no browser and passes. The port is not checked,
-   so port forwards and proxies keep working.
-2. **Origin** (CSRF): browsers send ``Origin`` with every POST (forms, ``fetch`` in any mode,
-   ``sendBeacon``; ``null`` from sandboxed frames and ``data:`` pages) and every CORS request;
-   programs send none. A request that carries one must come from this server's own pages
-   (``http://`` or ``https://`` and exactly its ``Host``). Else 403, preflights (``OPTIONS``)
-   included: the endpoint never grants a CORS allowance.
-3. **Content-Type**: a POST whose type is one of the three a page may send without a preflight
-   (``text/plain``, ``application/x-www-form-urlencoded``, ``multipart/form-data``) is 415.
-   ``application/json`` passes, and so do tritonclient's own: none (its gevent client) and
-   ``application/octet-stream`` (its asyncio client).
-4. Every answer carries ``SECURITY_HEADERS``: nothing may frame it, sniff it into a script, or
-   embed it from another origin; the status page sets a script and style policy of its own.
-   aiohttp's own answers (a 400 for a request it cannot parse) too (``http._SecuredHandler``):
-   one without the policy let any page tell the endpoint's port from a closed one.
-
-The easy thing to get wrong: a POST with *no* Content-Type is a "simple" request too (``fetch``
-of a Blob or an ArrayBuffer, ``sendBeacon``), so rule 3 lets it pass for tritonclient's sake and
-only rule 2 stops it: never trust a request for lacking a Content-Type, nor exempt a route from
-the Origin rule.
+The trap: a POST with *no* Content-Type is a "simple" request too (``fetch`` of a Blob,
+``sendBeacon``); rule 3 lets it pass for tritonclient's sake, and only rule 2 stops it. Never
+trust a request for lacking a Content-Type, nor exempt a route from the Origin rule.
+docs/triton.md ("Web pages") and docs/design/security.md have the details.
 """
 
 from __future__ import annotations

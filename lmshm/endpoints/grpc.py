@@ -1,29 +1,17 @@
 """Triton's gRPC health, metadata and shared-memory RPCs (``inference.GRPCInferenceService``).
 
-``grpcio`` serves; the messages are ``triton_proto``'s (Triton's field numbers). Each RPC is one
-call into ``lmshm.Server``; a ``ServerError`` becomes a gRPC status (``triton.GRPC_STATUS``)
-with its message as the details. Any other RPC of the service (inference, model control, ...)
-answers ``UNIMPLEMENTED``, as grpcio does for a method no handler serves. Requests larger than
-``--grpc-max-message-bytes`` are refused by grpcio (``RESOURCE_EXHAUSTED``) before decoding.
+``grpcio`` serves; the messages are ``triton_proto``'s. Each RPC is one call into
+``lmshm.Server``; a ``ServerError`` becomes a gRPC status (``triton.GRPC_STATUS``) with its
+message as the details, and every other RPC of the service answers ``UNIMPLEMENTED``.
 ``raw_handle`` is the raw 64 bytes of the ``cudaIpcMemHandle_t``, not base64.
 
-Connections and calls are bounded, because any local user can reach the port:
-- at most ``--grpc-max-connections`` connections (grpcio closes more as soon as they are
-  accepted): the endpoint's fd budget. A connection must send the HTTP/2 preface and SETTINGS
-  within ``--grpc-request-timeout``, closes after ``--grpc-idle-timeout`` without a call, and
-  after ``MAX_CONNECTION_AGE_S`` in any case (GOAWAY, then ``--grpc-request-timeout`` of grace);
-- each connection carries at most ``STREAMS_PER_CONNECTION`` calls at once.
-grpcio closes the newcomer at the cap; it cannot make an old connection give way (the HTTP
-endpoint does). So connections held open lock new gRPC clients out until one of those deadlines
-closes them, and a client that reopens them as fast as they close does so for as long as it
-goes on (docs/design/security.md measures both).
-
-The easy thing to get wrong: grpcio's thread-per-call server gives a unary call its thread
-*before* the request message arrives, so a client that opens calls and never sends their
-message used to hold every thread, for ever. Here every RPC is served as a stream-unary
-method: the handler waits for the one message itself, a watchdog cancels the call if it does
-not arrive within ``--grpc-request-timeout``, and the pool has a thread for every call the
-connection cap allows. Only ``--endpoint-threads`` calls run their handler at once.
+Bounds, because any local user can reach the port: ``--grpc-max-message-bytes`` per request,
+``--grpc-max-connections`` connections (grpcio closes newcomers at the cap; it cannot make an
+old one give way), deadlines for the preface, idle connections and a connection's age, and
+``STREAMS_PER_CONNECTION`` calls per connection (docs/design/security.md has the residuals).
+The trap: grpcio gives a unary call its thread *before* its message arrives, so calls that
+never send one held every thread. Every RPC here is served stream-unary: the handler waits
+for its message and ``_Watchdog`` cancels the call after ``--grpc-request-timeout``.
 """
 
 from __future__ import annotations

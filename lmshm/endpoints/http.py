@@ -1,45 +1,17 @@
 """Triton's HTTP/REST routes for health, metadata and shared memory, plus ``/metrics``.
 
-``aiohttp`` parses HTTP and routes; an event loop on a thread of its own serves the endpoint.
-Every route is one call into ``lmshm.Server`` (made on that loop: registry operations are
-short). Errors are Triton's ``{"error": "..."}`` bodies with Triton's status codes
-(``triton.HTTP_STATUS``): an unknown route 404, a wrong method 405, a body over
-``--http-max-body-bytes`` or malformed JSON 400, a missing restricted-API header 403. Before a
-body is read, what a web page could send is refused (``browser_guard``: a foreign Host 421, a
-foreign Origin 403, a POST of a form or text type 415), and a KV lookup takes its body's bytes
-from ``kv_lookup.BYTES_HELD`` (503 with Retry-After past it; a body still arriving gives way to
-another lookup there, ``kv_lookup.GIVE_WAY_S``); every answer carries
-``browser_guard.SECURITY_HEADERS``, aiohttp's own 400s included (``_SecuredHandler``).
+Every route is one call into ``lmshm.Server``, made on the endpoint's own event loop and thread
+(``aiohttp`` parses and routes); the status page and KV lookups add their routes
+(``status_page``, ``kv_lookup``). Errors are Triton's ``{"error": ...}`` bodies with Triton's
+status codes (``triton.HTTP_STATUS``); docs/triton.md lists the routes and their answers.
 
-Routes (``{kind}`` is ``systemsharedmemory`` or ``cudasharedmemory``):
-- ``GET /v2/health/live``, ``GET /v2/health/ready``: 200, or 400 when not live/ready;
-- ``GET /v2``: ``{"name", "version", "extensions"}``;
-- ``POST /v2/{kind}/region/{name}/register``: system ``{"key", "offset", "byte_size"}``, CUDA
-  ``{"raw_handle": {"b64": ...}, "device_id", "byte_size"}``;
-- ``GET /v2/{kind}[/region/{name}]/status``: a JSON array of regions;
-- ``POST /v2/{kind}[/region/{name}]/unregister``;
-- ``GET /metrics``: Prometheus text.
-- ``GET /status``, ``GET /status.json``, ``GET /status/plotly.min.js``: the status page
-  (``lmshm.endpoints.status_page``; open to all, as ``/metrics``).
-- ``POST /v1/kv/lookup``, ``GET /v1/kv/lookup``: how many leading blocks of a prompt (engine
-  block hashes, or token ids) each tier can serve, for KV-aware routers
-  (``lmshm.endpoints.kv_lookup``; open to all, as ``/metrics``).
-
-Connections (``_Connections``) are the endpoint's fd budget and have deadlines:
-- at most ``--http-max-connections`` are open. A new one past that makes the oldest connection
-  *without a request in progress* close (idle, or still sending its request), so connections
-  that send nothing, or half a request, cannot lock honest clients out. A connection gives way
-  only once it has waited ``GIVE_WAY_AFTER_S`` in that state: until one has, new connections
-  wait in the kernel's backlog, first come first served, rather than displace one another (a
-  flood that keeps reopening connections would otherwise displace an honest client before its
-  request is even read). The wait is about the flood's connections / cap * ``GIVE_WAY_AFTER_S``;
-- a connection with no request (new, or kept alive after a response) closes after
-  ``--http-idle-timeout``; a request's headers and body must all arrive within
-  ``--http-request-timeout`` of its first byte (the connection closes; a late body gets 408).
-
-The easy thing to get wrong: aiohttp writes the response *after* the middleware returns, so a
-connection counts as "in progress" only while its handler runs; a client that does not read its
-answer is idle, and gives way like any other.
+Guarantees, in the middleware, before a body is read: what a web page could send is refused
+(``browser_guard``), a body is bounded (``--http-max-body-bytes`` for a KV lookup, which takes
+its bytes from ``kv_lookup.BYTES_HELD``; ``OTHER_MAX_BODY`` for every other route) and must
+arrive within its deadline; every answer, aiohttp's own 400s included (``_SecuredHandler``),
+carries ``browser_guard.SECURITY_HEADERS``. Connections, their cap and deadlines are
+``http_connections``'. The trap: a restricted-API check belongs only on the shared-memory
+routes; ``/metrics``, ``/status`` and the KV lookup are open to whoever reaches the port.
 """
 
 from __future__ import annotations
@@ -47,13 +19,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import errno
 import json
 import logging
-import socket
 import threading
 import time
-from collections import OrderedDict
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
@@ -62,6 +31,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.endpoints.browser_guard import SECURITY_HEADERS, BrowserGuard
+from lmshm.endpoints.http_connections import Conn, Connections
 from lmshm.endpoints.kv_lookup import BYTES_HELD as LOOKUP_BYTES_HELD
 from lmshm.endpoints.kv_lookup import OPERATIONS as KV_LOOKUP_OPERATIONS
 from lmshm.endpoints.kv_lookup import PATH as KV_LOOKUP_PATH
@@ -81,18 +51,6 @@ MAX_ERROR = 1024
 #: every other route read that much per connection with no budget (``kv_lookup.BYTES_HELD`` bounds
 #: lookups'): 48 connections sending 8 MiB bodies to ``/v2/health/live`` held 390 MiB.
 OTHER_MAX_BODY = 64 << 10
-#: How often deadlines are checked (seconds): a deadline may be overrun by this much.
-SWEEP_S = 0.25
-#: The kernel's queue of connections not accepted yet (they hold no fd of ours); as deep as
-#: net.core.somaxconn allows, so that under a flood a client waits its turn there instead of
-#: losing its SYN (TCP tries again only after 1, 3, 7 ... s).
-BACKLOG = 4096
-#: Connections accepted per turn of the loop, and connections closed by the endpoint that may
-#: still hold their fd (they close on the loop's next turn): the fd budget is the cap plus this.
-ACCEPT_BURST = CLOSING_MAX = 32
-#: A connection without a request in progress gives way to a new one only after waiting this
-#: long (see the module docstring).
-GIVE_WAY_AFTER_S = 0.25
 
 
 def _json_error(status: int, message: str) -> web.Response:
@@ -124,7 +82,7 @@ class HttpEndpoint:
         self.max_connections = connection_budget(config.http_max_connections, "--http-max-connections")
         self.idle_timeout_s = config.http_idle_timeout_s
         self.request_timeout_s = config.http_request_timeout_s
-        self.connections: Optional[_Connections] = None
+        self.connections: Optional[Connections] = None
         self.restriction = Restriction(config.http_restricted_api)
         self.kv_lookup = KvLookup(server)
         self.guard = BrowserGuard(config.http_host, config.http_allow_hosts)
@@ -159,11 +117,11 @@ class HttpEndpoint:
             loop = asyncio.new_event_loop()
             self._loop = loop
             try:
-                # aiohttp's own keep-alive timer is only a backstop: _Connections keeps the deadlines.
+                # aiohttp's own keep-alive timer is only a backstop: Connections keeps the deadlines.
                 runner = web.AppRunner(self._app(), access_log=None, handle_signals=False,
                                        keepalive_timeout=self.idle_timeout_s + self.request_timeout_s + 1)
                 loop.run_until_complete(runner.setup())
-                connections = _Connections(_secured_handlers(runner.server), self.max_connections, self.idle_timeout_s,
+                connections = Connections(_secured_handlers(runner.server), self.max_connections, self.idle_timeout_s,
                                            self.request_timeout_s, loop)
                 try:
                     self.port = connections.listen(self.host, self.port)
@@ -300,7 +258,7 @@ class HttpEndpoint:
         response.force_close()
         return response
 
-    async def _read_body(self, request: web.Request, conn: Optional["_Conn"],
+    async def _read_body(self, request: web.Request, conn: Optional["Conn"],
                          give_way: "Optional[asyncio.Future[None]]" = None) -> bool:
         """Read the whole body (aiohttp keeps it for the handler's ``read()``) before the
         request's deadline; False if it did not arrive in time, or ``give_way`` was done first
@@ -388,291 +346,6 @@ class HttpEndpoint:
         await request.read()  # the body, if any, counts against the limit; it carries nothing
         self.server.unregister_region(_kind_of(request), request.match_info.get("name", ""))
         return web.Response(status=200)
-
-
-class _Connections:
-    """The endpoint's listening socket and connections: the cap, the deadlines, who gives way.
-
-    Each connection is *idle* (new, or kept alive after an answer), *reading* (a request's
-    bytes are arriving), or *in progress* (its handler runs). Idle and reading connections wait
-    in ``_waiting``, oldest first (by when they entered that state); those in progress are in
-    ``_busy``. At the cap, a new connection makes the first waiting one close; if none waits, the
-    new one is closed. ``sweep_forever`` closes waiting connections past their deadline. Each
-    connection's protocol wraps aiohttp's (``factory``). All of it runs on the endpoint's event
-    loop only, so it needs no lock."""
-
-    def __init__(self, factory: Callable[[], Any], limit: int, idle_s: float, request_s: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self._factory, self.limit = factory, limit
-        self.idle_s, self.request_s = idle_s, request_s
-        self._loop = loop
-        self._waiting: "OrderedDict[_Conn, None]" = OrderedDict()
-        self._busy: set[_Conn] = set()
-        self._by_handler: dict[Any, _Conn] = {}
-        self.closed = {"evicted": 0, "idle": 0, "slow": 0, "refused": 0}
-        self._listeners: list[socket.socket] = []
-        self._paused = True                 # not accepting (until listen())
-        self._closing = 0   # connections closed by this side whose fd is not released yet
-
-    def __len__(self) -> int:
-        return len(self._waiting) + len(self._busy)
-
-    # ---- accepting: our own loop, so that the fds stay within the budget ----------------------
-    def listen(self, host: str, port: int) -> int:
-        """Bind and listen on ``host:port`` (every address ``host`` resolves to, as asyncio's
-        ``create_server`` does); returns the port."""
-        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        try:
-            for family, kind, proto, _, address in dict.fromkeys(infos):
-                sock = socket.socket(family, kind, proto)
-                self._listeners.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(address)
-                sock.listen(BACKLOG)
-                sock.setblocking(False)
-        except BaseException:
-            self.close_listener()
-            raise
-        self._resume_all()
-        return self._listeners[0].getsockname()[1]
-
-    def close_listener(self) -> None:
-        if not self._paused:
-            for sock in self._listeners:
-                if sock.fileno() >= 0:
-                    self._loop.remove_reader(sock.fileno())
-        self._paused = True
-        for sock in self._listeners:
-            sock.close()
-        self._listeners = []
-
-    def _accept(self, listener: socket.socket) -> None:
-        """Accept what is pending, a burst at a time. Connections made to give way close on the
-        loop's next turn; while ``CLOSING_MAX`` of them have not, accepting waits, so the fds
-        never exceed the cap by more than that."""
-        for _ in range(ACCEPT_BURST):
-            if self._closing >= CLOSING_MAX:
-                self._pause()
-                return
-            wait_s = self.room_in()
-            if wait_s > 0:   # the cap is full and nobody may give way yet: the backlog waits
-                self._pause(wait_s)
-                return
-            try:
-                sock, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    logger.warning("lmshm: the HTTP endpoint cannot accept (%s); trying again in a second",
-                                   exc.strerror)
-                    self._pause(1.0)
-                return
-            conn = self.admit()
-            if conn is None:
-                sock.close()
-                continue
-            self._loop.create_task(self._adopt(sock, conn))
-
-    async def _adopt(self, sock: socket.socket, conn: "_Conn") -> None:
-        try:
-            await self._loop.connect_accepted_socket(lambda: conn, sock)
-        except Exception:
-            sock.close()
-            conn.connection_lost(None)
-
-    def _pause(self, retry_s: Optional[float] = None) -> None:
-        if not self._paused:
-            self._paused = True
-            for sock in self._listeners:
-                self._loop.remove_reader(sock.fileno())
-        if retry_s is not None:
-            self._loop.call_later(retry_s, self._resume)
-
-    def _resume(self) -> None:
-        if self._paused and self._listeners:
-            self._resume_all()
-
-    def _resume_all(self) -> None:
-        self._paused = False
-        for sock in self._listeners:
-            self._loop.add_reader(sock.fileno(), self._accept, sock)
-
-    def room_in(self) -> float:
-        """Seconds until a new connection can have a place: 0 below the cap or when the first
-        waiting connection has waited ``GIVE_WAY_AFTER_S``; a short wait when every connection has
-        a request in progress."""
-        if len(self) < self.limit:
-            return 0.0
-        if not self._waiting:
-            return 0.05
-        first = next(iter(self._waiting))
-        return max(0.0, first.since + GIVE_WAY_AFTER_S - self.now())
-
-    def admit(self) -> Optional["_Conn"]:
-        """A new connection's place: the oldest waiting connection gives way at the cap; None if
-        every connection has a request in progress."""
-        if len(self) >= self.limit:
-            if not self._waiting:
-                self.closed["refused"] += 1
-                return None
-            next(iter(self._waiting)).close("evicted")
-        conn = _Conn(self._factory(), self)
-        self._waiting[conn] = None
-        return conn
-
-    def closing(self, conn: "_Conn", why: str) -> None:
-        """This side closes ``conn`` (``why``: a key of ``closed``); its fd goes on the loop's next turn."""
-        self._closing += 1
-        self.closed[why] += 1
-        self.forget(conn)
-
-    def released(self) -> None:
-        """A connection this side closed has let its fd go."""
-        self._closing -= 1
-        if self._closing < CLOSING_MAX // 2:
-            self._resume()
-
-    def of(self, request: web.Request) -> Optional["_Conn"]:
-        return self._by_handler.get(request.protocol)
-
-    def now(self) -> float:
-        return self._loop.time()
-
-    # ---- bookkeeping, called by _Conn -----------------------------------------------------
-    def moved(self, conn: "_Conn") -> None:
-        """``conn`` entered a waiting state now: it goes to the back of the line."""
-        self._busy.discard(conn)
-        self._waiting[conn] = None
-        self._waiting.move_to_end(conn)
-
-    def busy(self, conn: "_Conn") -> None:
-        self._waiting.pop(conn, None)
-        self._busy.add(conn)
-
-    def attach(self, conn: "_Conn") -> None:
-        self._by_handler[conn.inner] = conn
-
-    def forget(self, conn: "_Conn") -> None:
-        self._waiting.pop(conn, None)
-        self._busy.discard(conn)
-        self._by_handler.pop(conn.inner, None)
-
-    # ---- deadlines ------------------------------------------------------------------------
-    def sweep(self) -> None:
-        now = self.now()
-        for conn in list(self._waiting):
-            if now >= conn.deadline():
-                conn.close("idle" if conn.state == _IDLE else "slow")
-
-    async def sweep_forever(self) -> None:
-        reported = dict(self.closed)
-        next_report = self.now() + 10
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            try:
-                self.sweep()
-                if self.now() >= next_report and self.closed != reported:
-                    logger.info("lmshm: the HTTP endpoint closed connections (%s so far; %d open, at most %d): "
-                                "see --http-max-connections, --http-idle-timeout, --http-request-timeout",
-                                ", ".join(f"{n} {why}" for why, n in self.closed.items()), len(self), self.limit)
-                    reported, next_report = dict(self.closed), self.now() + 10
-            except Exception:
-                logger.exception("lmshm: the HTTP connection sweep failed")
-
-
-_IDLE, _READING, _BODY, _BUSY = "idle", "reading", "body", "busy"
-
-
-class _Conn(asyncio.Protocol):
-    """One connection: passes every event to aiohttp's protocol (``inner``) and keeps the
-    connection's state and deadline in its ``_Connections``."""
-
-    def __init__(self, inner: asyncio.Protocol, table: _Connections) -> None:
-        self.inner, self._table = inner, table
-        self.transport: Optional[asyncio.BaseTransport] = None
-        self.state, self.since = _IDLE, table.now()
-        self.gone = False
-        self._made = False               # aiohttp's protocol saw connection_made
-        self._closed_here = False        # closed by close(): its fd is counted as closing
-
-    def deadline(self) -> float:
-        if self.state == _IDLE:
-            return self.since + self._table.idle_s
-        if self.state == _READING:
-            return self.since + self._table.request_s
-        return self.since + self._table.request_s + 1.0  # _BODY: the middleware answers 408 first
-
-    def time_left(self) -> float:
-        return self.since + self._table.request_s - self._table.now()
-
-    def _enter(self, state: str) -> None:
-        if self.gone:
-            return
-        self.state, self.since = state, self._table.now()
-        self._table.moved(self)
-
-    # ---- the middleware's marks -------------------------------------------------------------
-    def reading_body(self) -> None:
-        """The request's headers were parsed (its deadline runs from its first byte)."""
-        if self.state == _IDLE:          # a pipelined request: its bytes came while the last one ran
-            self._enter(_READING)
-        if not self.gone:
-            self.state = _BODY
-
-    def in_progress(self) -> None:
-        if not self.gone:
-            self.state = _BUSY
-            self._table.busy(self)
-
-    def answered(self) -> None:
-        self._enter(_IDLE)
-
-    # ---- asyncio.Protocol -------------------------------------------------------------------
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport
-        if self.gone:                    # it gave way before the loop got to it
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        self._table.attach(self)
-        self._made = True
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        if self.state == _IDLE:
-            self._enter(_READING)
-        self.inner.data_received(data)
-
-    def eof_received(self) -> Optional[bool]:
-        return self.inner.eof_received()
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-    def connection_lost(self, exc: Optional[BaseException]) -> None:
-        if self._closed_here:
-            self._closed_here = False
-            self._table.released()
-        self.gone = True
-        self._table.forget(self)
-        if self._made:
-            self._made = False
-            self.inner.connection_lost(exc)
-
-    def close(self, why: str) -> None:
-        """Close now (reset: nothing more is read or written) and stop counting it."""
-        if self.gone:
-            return
-        self.gone = True
-        self._closed_here = True
-        self._table.closing(self, why)
-        if self.transport is not None:
-            self.transport.abort()  # type: ignore[attr-defined]
 
 
 async def _drain(request: web.Request, limit: int) -> None:

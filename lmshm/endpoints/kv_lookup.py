@@ -1,40 +1,18 @@
 """KV lookups for routers on the HTTP endpoint: ``POST /v1/kv/lookup``, ``GET /v1/kv/lookup``.
 
-A KV-aware router that would rather ask than subscribe to ``--kv-events`` sends a prompt's
-engine block hashes (``{"block_hashes": [...]}``), or its token ids and the engine's block size
-(``{"token_ids": [...], "block_size": N}``), and learns how many *leading* blocks of it this
-server can serve: per tier (``pool``, ``disk``, ``remote``, with vLLM's medium and locality) and
-from lmshm as a whole. Whole advertised chunks only, as ``KvIndex.leading`` counts them: a chunk
-of which the request has only some blocks does not count. ``GET`` answers the node's identity,
-its tiers and the limits below. The answer comes from the KV event index (``core.kv_index``),
-so only chunks STOREd with adverts are known; ``--kv-events-index 0`` turns it off (404).
+A router sends a prompt's engine block hashes, or its token ids and block size, and learns how
+many *leading* blocks each tier (``pool``, ``disk``, ``remote``) and lmshm as a whole can serve:
+whole advertised chunks only, from the KV event index (``--kv-events-index 0`` turns it off:
+404). "As a whole" counts a block when *any* tier can serve its chunk, since a lower tier's
+chunk is served by promotion. ``GET`` answers the node, its tiers and the limits.
 
-Block hashes come as JSON integers (signed or unsigned 64-bit, as vLLM's int hashes and
-routers' u64/i64 hold them) or hex strings of bytes (vLLM's sha256 bytes hashes, with
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). The index keeps each hash as its engine sent it, so
-a request is tried as given, with its integers as unsigned and as signed 64-bit, and with its
-bytes as vLLM turns them into integers (the low 64 bits, big-endian); the form that matches
-furthest is answered.
-
-"From lmshm as a whole" is not the best tier's count: a lower tier's chunk is served by
-promotion, so a block counts when *any* tier can serve its chunk. The walk goes chunk by chunk
-from the start and stops at the first chunk no tier can serve (``_walk``).
-
-Bounds (the trust boundary): the body is at most ``--http-max-body-bytes`` (the endpoint's
-limit); at most ``MAX_BLOCKS`` hashes or whole blocks and ``MAX_TOKENS`` tokens; every value is
-checked before the index is touched, and every refusal is a 400 naming the field. The work runs
-off the endpoint's event loop (``LOOKUPS_AT_ONCE`` at a time), and a walk takes the index's lock
-per ``WINDOW`` blocks, so it never holds it for long. (A lookup by tokens packs them block by
-block, then walks each uid's chain under the lock, in ``KvIndex.chains_of_tokens``, as far as
-the index knows it: ``MAX_TOKENS`` bounds it, and the best chain is answered. Such a lookup
-names a LoRA adapter and a cache salt with
-``lora_name`` and ``cache_salt``, and matches only blocks stored with exactly those; a block with
-multimodal inputs is matched by its hash only, ``kv_events.block_salt``.) The index applies its
-queued entries first (``KvIndex.drain``).
-
-Access is that of ``/metrics``: anyone who reaches the endpoint. The easy thing to get wrong:
-an answer says which prefixes are cached, so whoever can ask can probe for a prompt; bind
-``--http-host`` to an address only routers reach. The reference for routers: docs/kv-lookup.md.
+The trust boundary: the body is bounded (``--http-max-body-bytes``; ``BYTES_HELD`` over all
+lookups), and so are the blocks and tokens (``MAX_BLOCKS``, ``MAX_TOKENS``); every value is
+checked before the index is touched, and a refusal is a 400 naming the field. Lookups run off
+the endpoint's loop (``LOOKUPS_AT_ONCE``) and take the index's lock per ``WINDOW`` blocks.
+The trap: an answer says which prefixes are cached, and anyone who reaches the endpoint may
+ask, so anyone can probe for a prompt; bind ``--http-host`` to an address only routers reach.
+The reference for routers, hash forms included: docs/kv-lookup.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,15 @@
 """A read-only status page on the HTTP endpoint: ``GET /status``, its data ``GET /status.json``.
 
-The page is one HTML document with a small script; its charts are drawn by plotly.js, which
-arrives as the ``plotly`` Python package (a pinned dependency) and is served from that
-package's own files (``plotly/package_data/plotly.min.js``) at ``GET /status/plotly.min.js``:
-the page loads nothing from anywhere but this server, and nothing is built or copied into the
-repository. The script polls ``/status.json`` every ``POLL_MS`` and appends one point per poll
-to its charts (hit rate, chunks and bytes in and out per second); the history lives in the
-browser only, so the server keeps nothing per viewer.
+The page is one HTML document whose script polls ``/status.json`` every ``POLL_MS`` and draws
+its charts with plotly.js, served from the pinned ``plotly`` package's own files at
+``GET /status/plotly.min.js``: the page loads nothing from anywhere else, and the history lives
+in the browser, so the server keeps nothing per viewer. ``/status.json``'s ``status`` is exactly
+what ``lmshm status --json`` prints for the same ``offset`` and ``limit``.
 
-``/status.json`` is ``{"status", "tenants", "errors", "time"}``. ``status`` is exactly what
-``lmshm status --json`` prints for the same ``offset`` and ``limit`` (default 50, as there):
-the same ``status_reply`` of the ZeroMQ endpoint, turned into JSON by the same
-``status_as_dict``. ``tenants`` is the pool's bytes and objects per uid (the 32 that hold the
-most, as ``/metrics`` exports them); ``errors`` the answered requests whose code was not OK, by
-endpoint, request and code (the ``lmshm_requests`` counter).
-
-Access is that of ``/metrics``: anyone who reaches the endpoint (the restricted-API header
-guards the shared-memory routes only), but no page of another origin (``browser_guard``); the
-page's own ``PAGE_POLICY`` lets it run only its own script and style. Nothing here changes state.
-
-The easy thing to get wrong: the pool's hits are chunks and its misses LOOKUPs (``PoolInfo``),
-so its "hit rate" is hits / (hits + misses), an approximation; the tiers count both in chunks.
+Access is that of ``/metrics`` (anyone who reaches the endpoint), but no page of another origin
+(``browser_guard``); ``PAGE_POLICY`` lets the page run only its own script and style, and
+nothing here changes state. The trap: the pool counts hits in chunks and misses in LOOKUPs, so
+its "hit rate" is an approximation; the tiers count both in chunks. docs/status-page.md.
 """
 
 from __future__ import annotations

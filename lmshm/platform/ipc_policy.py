@@ -1,27 +1,17 @@
-"""Process-wide IPC switches and the choice of wrapper class.
+"""Process-wide IPC switches: what CPU segments are, whether worker and server are isolated, VMM.
 
-Three switches, each settable in code or through the environment:
+- ``cpu_segments`` (``LMSHM_CPU_SEGMENTS``: ``memfd``, the default, or ``shm``): what a new
+  lmshm CPU segment is. A memfd is sealed and travels over the fd channel, so lmshm-server
+  copies through its mapping; named shm is for consumers that take a name but no fd, and the
+  server copies it through its file, safely but slower (docs/design/dataplane.md).
+- ``isolated_ipc`` (``LMSHM_ISOLATED_IPC``): worker and server share neither ``/dev/shm`` nor an
+  IPC namespace: CPU memory travels as memfds, CUDA memory as raw driver IPC handles.
+- ``use_vmm_api`` (``LMSHM_USE_VMM_API``): CUDA memory is exportable VMM memory (cuMemCreate with
+  a shareable handle type) and is exported as VMM handles.
 
-- ``cpu_segments`` (``LMSHM_CPU_SEGMENTS``, ``memfd`` or ``shm``; default ``memfd``): what a
-  new lmshm CPU segment is (``empty_shared``, ``move_to_shared``, a private tensor migrated at
-  wrap). A memfd is sealed against shrinking and growing, travels as a file descriptor over the
-  server's fd channel (every ``MPClient`` has one), and lmshm-server copies it straight through
-  its mapping. ``shm`` makes named POSIX segments in ``/dev/shm`` instead: for consumers that can
-  take a name but no fd (the wrapper layer on its own, ``Serialize`` to a file); lmshm-server
-  then copies through the segment's file, safely but 1.3-2.2x slower (docs/design/dataplane.md).
-- ``isolated_ipc`` (``LMSHM_ISOLATED_IPC``): worker and server share neither ``/dev/shm`` nor
-  an IPC namespace (separate containers). CPU memory then always travels as memfd file
-  descriptors, whatever ``cpu_segments`` says; CUDA memory as raw driver IPC handles instead
-  of PyTorch storage sharing (no /dev/shm needed; across containers they need a shared PID
-  namespace at least, and that case is unverified on hardware: see ``cuda/raw_ipc.py``).
-- ``use_vmm_api`` (``LMSHM_USE_VMM_API``): CUDA memory was allocated through the VMM API with a
-  shareable handle type (cuMemCreate with POSIX_FILE_DESCRIPTOR or FABRIC: PyTorch expandable
-  segments, ``lmshm.platform.cuda.empty_vmm``) and must be exported as VMM handles. vLLM sleep
-  mode's memory is VMM memory created with no shareable handle type: nothing can export it.
-
-The choice is evaluated at every call and never cached: a process that flips a switch
-gets the other wrapper on its next wrap. A value set in code wins over the environment;
-``set_...(None)`` returns to the environment.
+A value set in code wins over the environment; ``set_...(None)`` returns to the environment.
+The trap: the choice is read at every call and never cached, so a process that flips a switch
+gets the other wrapper on its next wrap, and wrappers made before keep their kind.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
-"""``openat2(2)`` (Linux 5.6+) through ctypes: a path below a directory fd opened in one system
-call that follows no link on the way (``RESOLVE_NO_SYMLINKS``) and cannot leave the directory
-(``RESOLVE_BENEATH``) or its mount (``RESOLVE_NO_XDEV``).
+"""``openat2(2)`` (Linux 5.6+) through ctypes: open a path below a directory fd in one system call.
 
-The disk tier reads a chunk file ``<yy>/<name>`` below its cached ``DIR/<uid>/<xx>`` fd this
-way: one call where opening and checking ``<yy>`` first took three (``openat``, ``fstat``,
-``close``), each of them a turn at the GIL given up and taken back by a reader thread among the
-promotion's others. Python's ``os`` has no ``openat2``; ``opener`` is None where the kernel,
-the C library or a seccomp filter refuses it (``ENOSYS``, ``EPERM``), and the tier keeps its
-step-by-step path.
+The path follows no link on the way (``RESOLVE_NO_SYMLINKS``) and cannot leave the directory
+(``RESOLVE_BENEATH``) or its mount (``RESOLVE_NO_XDEV``). The disk tier opens each chunk file
+this way below its held directory fd, in one call where checking each step took three (why:
+docs/design/tiers.md). Python's ``os`` has no ``openat2``. The trap: ``opener`` is None where
+the kernel, the C library or a seccomp filter refuses the call (``ENOSYS``, ``EPERM``); callers
+must keep a step-by-step path for that case.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """Names of lmshm shared-memory segments: the format, the parser, where they live. No torch.
 
-Every segment this package creates -- a named POSIX shm object in ``shm_dir()`` or a memfd
-token -- is named ::
+Every segment this package creates (a named POSIX shm object in ``shm_dir()`` or a memfd token)
+is named ``lmshm-<pid>-<pid-ns>-<random>``: the creator's pid as seen in its own PID namespace,
+the inode of that namespace (``0`` when /proc could not be read), both lowercase hex without
+leading zeros, and 16 lowercase hex digits of randomness. ``parse_segment_name`` is the one
+exact reader of it; anything else is not a name of ours.
 
-    lmshm-<pid>-<pid-ns>-<random>
-
-- ``<pid>``: the creating process's pid (``os.getpid()``, as seen in its own PID namespace),
-  lowercase hex, no leading zeros;
-- ``<pid-ns>``: the inode of that PID namespace (``os.stat("/proc/self/ns/pid").st_ino``),
-  lowercase hex, no leading zeros; ``0`` when the creator could not read it (no /proc);
-- ``<random>``: 16 lowercase hex digits (64 random bits).
-
-The pid alone means nothing outside its namespace: a worker in a container that shares
-``/dev/shm`` has pids that collide with ours. The pair (pid, pid-ns) says who made a name;
-``parse_segment_name`` is the one exact reader of it. This module imports nothing heavy, so
-tools (``lmshm gc``) and the orphan sweep can use it without torch.
+The trap: a pid alone means nothing outside its namespace (a worker in a container that shares
+``/dev/shm`` has pids that collide with ours); only the pair says who made a name. This module
+imports nothing heavy, so ``lmshm gc`` and the orphan sweep use it without torch.
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """Orphan sweep: remove ``lmshm-*`` names in /dev/shm whose creator is dead. No torch, no sockets.
 
 A worker SIGKILLed between creating a segment and registering it leaves a name no server knows.
-``sweep_orphans()`` unlinks a name only if it is exactly ``lmshm-<pid>-<pid-ns>-<random>``
-(``shm_names.parse_segment_name``), is a regular file (lstat: symlinks are never followed),
-is owned by the sweeping uid, was made in *this* process's PID namespace, and its pid is dead
-(no ``/proc/<pid>`` and ``kill(pid, 0)`` gives ESRCH); right before the unlink it must still be
-the same inode. Never touched: any other name (``lmshm-foo``, older formats), symlinks and
-other non-files, other users' files, names from other or unknown PID namespaces. Unlinking
-never invalidates a mapping: whoever still maps the memory (the server, a forked child) keeps it.
-The easy mistake: a pid means nothing outside its PID namespace -- a live worker in a container
-sharing /dev/shm has a pid that is dead (or someone else) here; such names are left to a sweeper
-in that namespace. And a reused pid counts as alive: its name waits until that one dies too.
+``sweep_orphans()`` unlinks a name only if it parses exactly (``shm_names``), is a regular file
+(lstat: symlinks are never followed) owned by the sweeping uid, was made in *this* process's PID
+namespace, its pid is dead, and it is still the same inode right before the unlink. Anything
+else is never touched. Unlinking never invalidates a mapping: whoever maps the memory keeps it.
+
+The trap: a pid means nothing outside its PID namespace (a live worker in a container sharing
+/dev/shm has a pid that is dead, or someone else's, here), so such names are left to a sweeper
+in that namespace; and a reused pid counts as alive, so its name waits until that one dies too.
 """
 
 from __future__ import annotations

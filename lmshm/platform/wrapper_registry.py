@@ -1,17 +1,14 @@
 """The explicit allow-list of wrapper classes a peer's payload may name: names, and nothing else.
 
-``DeviceIPCWrapper.Deserialize`` (``safe_loads`` in ``base/ipc_wrapper.py``) decodes wrapper
-bytes from another process with an unpickler whose ``find_class`` admits exactly the
-``(module, qualname)`` pairs below, and nothing else (nothing from ``builtins``, ``os``, ...). The
-list is written out by hand on purpose: subclassing ``DeviceIPCWrapper`` does not put a class on
-it, so no import anywhere can widen what a peer may make this process instantiate. A new
-wrapper kind joins by being added here.
+``DeviceIPCWrapper.Deserialize`` decodes wrapper bytes from another process with an unpickler
+whose ``find_class`` admits exactly the ``(module, qualname)`` pairs listed here (nothing from
+``builtins``, ``os``, ...); a name that is not listed is refused before anything is imported.
+The list is data and imports nothing, so ``base`` reads it without importing ``cpu`` or ``cuda``.
 
-The list is data: this module imports nothing, so ``base`` can read it without importing
-``cpu`` or ``cuda`` (which import ``base``). Unpickling a listed name imports that module, as
-pickle does for any class; a name that is not listed is refused before anything is imported.
-``tests/v1/platform/test_wrapper_contract.py`` checks that the list names exactly the concrete
-wrappers lmshm ships.
+The trap: the list is written out by hand on purpose. Subclassing ``DeviceIPCWrapper`` does not
+put a class on it, so no import anywhere can widen what a peer may make this process
+instantiate; a new wrapper kind joins by being added here, and
+``tests/v1/platform/test_wrapper_contract.py`` checks the list names exactly lmshm's wrappers.
 """
 
 #: Every concrete wrapper class a peer may send, as ``(module, qualname)``.

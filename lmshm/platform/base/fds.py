@@ -1,19 +1,16 @@
 """Process-wide inbox of file descriptors received out of band, scoped by the session that sent them.
 
 For fd-based wrappers (memfd, the default CPU kind; CUDA VMM) the wire carries a *token* where a
-name would be, and the file descriptor
-itself travels over a Unix socket with SCM_RIGHTS (the server's fd side channel, or any
-socket in a test). Whoever receives an fd files it here with ``FD_INBOX.put(token, fd,
-session)``; a wrapper's consumer side takes it with ``FD_INBOX.take(token, session)`` when it maps
-the object, and closes it as soon as the mapping exists (mmap and the CUDA driver keep their
-own reference), so no fd outlives the step that needed it.
+name would be, and the fd travels over a Unix socket with SCM_RIGHTS. Whoever receives one files
+it with ``FD_INBOX.put(token, fd, session)``; the wrapper's consumer side takes it with
+``FD_INBOX.take(token, session)`` when it maps the object and closes it once the mapping exists
+(mmap and the CUDA driver keep their own reference), so no fd outlives the step that needed it.
 
-Scoping: a token filed by one session (a server session) is invisible to every other session:
-``take`` answers "not received" for it, exactly as for a token nobody sent. So a peer that
-learns another session's token (say, from /proc/<server>/fd) cannot map that session's memory.
-
-The inbox owns every fd in it until it is taken; ``discard`` and ``close_session`` close them,
-so every fd is closed exactly once. ``session=None`` is the unscoped scope used in-process.
+The inbox owns every fd in it until it is taken; ``discard`` and ``close_session`` close the
+rest, so every fd is closed exactly once. ``session=None`` is the unscoped, in-process scope.
+The trap: a token filed by one session is invisible to every other one (``take`` answers "not
+received", as for a token nobody sent), so a peer that learns another session's token (from
+/proc/<server>/fd) cannot map that session's memory. Never look a token up without its session.
 """
 
 from __future__ import annotations

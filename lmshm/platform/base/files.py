@@ -1,7 +1,10 @@
 """File identity: which object a path or fd names, and removing a path only while it names ours.
 
 Identity is ``(st_dev, st_ino)``: unique among live files (sockets included), so a path or fd
-number that came to name another object since we looked is told apart. Torch-free.
+number that came to name another object since we looked is told apart. ``unlink_if_same``
+removes a path only if it still names the object we made, and never follows a symlink. The
+trap: compare identities right before acting; a name checked earlier may name another file by
+now. Torch-free: the fd channel, the ZeroMQ listener and the event publisher use it.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
-"""The contract every IPC wrapper follows.
+"""The contract every IPC wrapper follows: ``DeviceIPCWrapper``, and the safe way to decode one.
 
-A wrapper is a small, picklable description of one tensor -- dtype, shape, stride,
-storage offset, device identity -- plus whatever the kind needs to reach the same bytes from
-another process (a segment name, a file-descriptor token, a CUDA IPC handle).
+A wrapper is a small, picklable description of one tensor (dtype, shape, stride, storage offset,
+device identity) plus what its kind needs to reach the same bytes from another process (a
+segment name, an fd token, a CUDA handle). Producer: ``Wrapper.wrap(tensor)`` never copies GPU
+memory. Consumer: ``to_tensor()`` maps through the process-wide ``MAPPINGS`` and returns a
+tensor aliasing the producer's bytes; ``close()`` is idempotent, and tensors already built keep
+the mapping alive, so closing never unmaps memory under a live tensor.
 
-Producer side: ``Wrapper.wrap(tensor)``; it never copies GPU memory, and may move a private
-CPU tensor into shared memory once (see the CPU wrappers). Consumer side: ``to_tensor()``
-maps the memory (through the process-wide ``MAPPINGS`` table) and returns a tensor aliasing
-the producer's bytes. ``close()`` is idempotent and releases this wrapper's share; tensors
-already built keep the mapping alive until they are gone, so closing never unmaps memory
-under a live tensor.
-
-Wrappers pickle with their concrete class and nothing else: their state is plain data
-(strings, ints, tuples, bytes). ``Deserialize`` uses a restricted unpickler that can only
-name the wrapper classes listed in ``lmshm.platform.wrapper_registry`` (an explicit list of
-names: subclassing this class does not add to it), so a peer cannot make this process run code.
-
-GPU identity travels as a UUID ("GPU-..."); the consumer resolves it to its own ordinal,
-because CUDA_VISIBLE_DEVICES may number the same GPU differently in each process.
+``Deserialize`` decodes with a restricted unpickler that can only name the classes listed in
+``wrapper_registry``, so a peer cannot make this process run code; every field a peer sent is
+checked in ``_validate_extra``. The trap: GPU identity travels as a UUID, never an ordinal:
+``CUDA_VISIBLE_DEVICES`` may number the same GPU differently in each process.
+docs/design/wrapper-contract.md has the whole contract.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
-"""Process-wide, reference-counted table of mapped memory.
+"""Process-wide, reference-counted table of mapped memory: ``MAPPINGS``, lmshm's one refcount.
 
-Every consumer-side mapping in lmshm -- a named POSIX segment, a memfd, a CUDA IPC
-allocation, a VMM import -- is opened through ``MAPPINGS.acquire(key, opener, closer)``.
-The first acquire of a key runs ``opener`` once; later acquires of the same key share that
-mapping and only bump a count. Each acquire returns a ``Lease``; releasing the last lease
-runs ``closer`` exactly once. ``closer`` errors are logged, never raised, because release
-runs on teardown paths (unregister, reclaim, interpreter exit).
+Every consumer-side mapping (a named POSIX segment, a memfd, a CUDA IPC allocation, a VMM
+import) is opened through ``MAPPINGS.acquire(key, opener, closer)``. The first acquire of a key
+runs ``opener``; later ones share the mapping and bump a count. Each returns a ``Lease``;
+releasing the last lease runs ``closer`` exactly once, and its errors are logged, never raised
+(release runs on teardown paths). Tensors built on a mapping hold a lease of their own
+(``Lease.child``), so the unmap happens when the last tensor goes, not when a wrapper closes.
 
-The thing that is easy to get wrong: the CUDA driver hands out one mapping per
-(process, allocation) and a single ``cudaIpcCloseMemHandle`` unmaps it for every user in
-the process. So two wrappers of one allocation must never open and close independently;
-they must share one entry here, keyed by the handle bytes.
-
-Tensors built on a mapping hold a lease of their own (see ``Lease.child``), so closing a
-wrapper while one of its tensors is still alive never unmaps memory under that tensor: the
-unmap happens when the last tensor goes.
+The trap: the CUDA driver hands out one mapping per (process, allocation), and one
+``cudaIpcCloseMemHandle`` unmaps it for every user in the process. So two wrappers of one
+allocation must never open and close on their own; they share one entry here, keyed by the
+handle bytes. Registry and wrappers keep no counts of their own.
 """
 
 from __future__ import annotations

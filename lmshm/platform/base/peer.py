@@ -1,18 +1,16 @@
-"""Who is on the other end: a peer's identity as the kernel reports it.
+"""Who is on the other end: a peer's identity as the kernel reports it (``Peer``).
 
 lmshm-server learns a worker's pid, uid and gid from ``SO_PEERCRED`` (and a pidfd from
 ``SO_PEERPIDFD``) on the worker's fd-channel connection, once, when the worker authenticates
 its session there. From then on the identity travels inward as this value; nothing a peer
 *says* about itself (a pid in a HELLO, a pid in a segment name) is believed unless it matches.
+Consumer-side wrappers check it in ``DeviceIPCWrapper.admit(peer)``: a named segment must be
+owned by ``uid`` and carry ``ns_pid`` and ``pid_ns`` in its name; fd tokens and mapping keys
+are scoped to ``session``, so no session can reach another's mapping by naming it.
 
-Consumer-side wrappers use it in ``DeviceIPCWrapper.admit(peer)``:
-- a named segment must be owned by ``uid`` and carry ``ns_pid`` (and ``pid_ns``) in its name;
-- fd tokens are looked up only among the fds ``session`` delivered, and every mapping key is
-  scoped to ``session``, so no session can reach another session's mapping by naming it.
-
-The easy thing to get wrong: ``pid`` is the worker's pid *in the server's PID namespace*
-(0 if the worker is invisible there), while names are made with the pid the worker sees
-itself as (``ns_pid``, the last entry of NSpid in /proc/PID/status). They differ in containers.
+The trap: ``pid`` is the worker's pid *in the server's PID namespace* (0 if invisible there),
+while names carry the pid the worker sees itself as (``ns_pid``, the last NSpid entry in
+/proc/PID/status). They differ in containers.
 """
 
 from __future__ import annotations

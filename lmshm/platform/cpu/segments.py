@@ -1,25 +1,16 @@
-"""Producer-side shared-memory segments: named POSIX shm and memfd.
+"""Producer-side shared-memory segments: named POSIX shm and memfd, each backing one torch storage.
 
-A *segment* is one shared-memory object created by this process and mapped once. Its whole
-extent backs one torch storage (``torch.frombuffer`` over the mapping), so every tensor
-built on that storage -- the pool and all its views -- lives in the segment.
+Guarantees: named segments are created exclusively (O_EXCL), mode 0600, under a name that says
+who made it (``shm_names``); memfds are sealed against shrinking and growing, so a consumer's
+mapping never loses pages under it (no SIGBUS); space is reserved up front with
+``posix_fallocate``, so a ``/dev/shm`` too small fails here with the sizes, not later.
 
-Guarantees:
-- Named segments are created exclusively (O_EXCL), mode 0600, under a name that says who
-  made it, ``lmshm-<pid>-<pid-ns>-<random>`` (``lmshm.platform.shm_names``; memfd tokens
-  too); memfd segments are sealed against shrinking and growing, so a consumer's mapping
-  can never lose pages under it (no SIGBUS).
-- Space is reserved up front with ``posix_fallocate``: a ``/dev/shm`` too small for the pool
-  fails here, with the sizes in the message, instead of a SIGBUS on first touch later.
-- Who unlinks a named segment: this process, once, when the last tensor on the segment is
-  freed, when ``unlink()`` is called (batch rollback), or at normal interpreter exit. A
-  forked child inherits the mapping but never unlinks its parent's names (the owner pid is
-  checked). If the owner is SIGKILLed, the consumer (lmshm-server) unlinks the name when it
-  reclaims the dead worker's registrations; a name never registered is removed by the
-  orphan sweep (``lmshm gc``, ``lmshm.platform.shm_orphans``), which reads the name.
-
-The easy mistake: never ``close()`` the mmap while tensors may still use it. Nothing here
-does; the mapping goes away when its last Python reference (the storage) goes.
+Who unlinks a named segment: this process, once (when the last tensor on it is freed, on
+``unlink()``, or at interpreter exit), never a forked child. If the owner is SIGKILLed,
+lmshm-server unlinks it when it reclaims the worker's registrations, and the orphan sweep
+(``lmshm gc``) removes a name no server knew. The trap: never ``close()`` the mmap while tensors
+may use it; the mapping goes when its last Python reference (the storage) goes.
+docs/design/cpu-wrappers.md has the rest.
 """
 
 from __future__ import annotations

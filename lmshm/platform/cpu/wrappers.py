@@ -1,23 +1,16 @@
-"""CPU IPC wrappers: sealed memfds (the default), and named POSIX shared memory.
+"""CPU IPC wrappers: sealed memfds (``CpuFdIPCWrapper``, the default) and named POSIX shm.
 
-What is shared: the whole segment that backs the tensor's storage. The wire carries the
-segment's name (``CpuShmIPCWrapper``) or a token standing for its file descriptor
-(``CpuFdIPCWrapper``: the fd itself travels over a Unix socket with SCM_RIGHTS), the byte
-offset of the storage in the segment, and the caller's exact view (dtype, shape, stride,
-storage offset). The consumer maps the object once per process (``MAPPINGS``, keyed by name
-or token), checks that the view fits inside it, and rebuilds the same view over the mapping.
+The wire carries the segment's name, or a token for its fd (which travels over a Unix socket),
+the storage's byte offset in the segment, and the caller's exact view. The consumer maps the
+object once per process (``MAPPINGS``), checks that the view fits inside it, and rebuilds the
+view over the mapping; the mapping lives until the last tensor built on it is gone.
 
-Producer side, ``wrap(tensor)``:
-- a tensor already in an lmshm segment of the right kind wraps without copying;
-- a private tensor is *migrated*: its storage is copied once into a new segment and the
-  caller's tensor object is re-pointed there (``tensor.set_``), so later writes through it
-  are shared. Tensors wrapped in one ``wrap_kv_caches`` call that view one storage move
-  together into one segment with one copy. Other views of the old storage that were not
-  passed in keep pointing at the private memory -- allocate pools with ``empty_shared()``
-  to avoid the migration (and its copy) altogether.
-
-Consumer side, the mapping lives as long as any tensor built from it: ``close()`` drops the
-wrapper's share, and the memory is unmapped only when the last tensor is gone.
+Producer side: a tensor already in an lmshm segment of the right kind wraps without a copy; a
+private tensor is *migrated*: its storage is copied once into a new segment and the caller's
+tensor is re-pointed there (``tensor.set_``). The trap: other views of the old storage that
+were not passed in keep pointing at the private memory, so writes through them are not shared.
+Allocate pools with ``empty_shared()`` to avoid the migration and its copy.
+docs/design/cpu-wrappers.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
-"""CUDA IPC wrappers.
+"""CUDA IPC wrappers: torch storage sharing, raw driver IPC handles, and VMM handles.
 
-- ``CudaIPCWrapper`` ("cuda-torch"): PyTorch storage sharing; any stride; needs a shared /dev/shm
-  (and, for expandable-segments memory, pidfd_getfd rights on the worker: see torch_ipc.py).
-- ``RawCudaIPCWrapper`` ("cuda-raw"): legacy driver IPC handles of cudaMalloc memory; needs no
-  shared /dev/shm (``isolated_ipc``); separate containers need a shared PID namespace at least,
-  and that is unverified on hardware; also built from a raw pointer (``from_pointer``) for TRT-LLM.
-- ``VmmCudaIPCWrapper`` ("cuda-vmm"): cuMemCreate memory created exportable (POSIX fd or fabric:
-  PyTorch expandable segments, ``empty_vmm``) as a POSIX fd (over the server's fd channel) or a
-  fabric handle (``use_vmm_api``). vLLM sleep mode's memory has no shareable handle type.
-- ``streams``: the copy streams a consumer waits for before it unmaps (``quiesce``).
+- ``CudaIPCWrapper`` ("cuda-torch", the default): any stride; needs a shared /dev/shm.
+- ``RawCudaIPCWrapper`` ("cuda-raw", ``isolated_ipc``): cudaMalloc memory without /dev/shm or
+  the fd channel; also built from a raw pointer (``from_pointer``) for TRT-LLM.
+- ``VmmCudaIPCWrapper`` ("cuda-vmm", ``use_vmm_api``): exportable cuMemCreate memory, as a
+  POSIX fd over the fd channel or a fabric handle (``empty_vmm`` allocates such memory).
+- ``streams``: the copy streams a consumer waits for before it unmaps.
 
-Selection (``device_registry.resolve_kv_wrapper_factory("cuda")``): use_vmm_api -> VMM, else
-isolated_ipc -> raw, else torch. Importing this package imports neither cupy nor cuda-python and
-does not initialise CUDA: ``driver.py`` is the only module that touches cuda-python, on first call.
-See docs/design/cuda-wrappers.md.
+Selection (``device_registry``): use_vmm_api -> VMM, else isolated_ipc -> raw, else torch.
+The trap: importing this package must not initialise CUDA or import cupy or cuda-python;
+``driver.py`` is the only module that touches cuda-python, on first call.
+docs/design/cuda-wrappers.md has the rest.
 """
 
 from __future__ import annotations

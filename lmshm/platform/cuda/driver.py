@@ -1,29 +1,18 @@
 """The one gateway to the CUDA driver: the only module that imports cuda-python.
 
-Every driver call lmshm makes goes through ``CudaDriver._call``, which checks the result and
-raises ``CudaDriverError`` carrying the call's name, the CUDA error name (and its text) and
-the pointer, handle or device involved. Wrappers call the small methods below and never see
-a raw ``(CUresult, ...)`` tuple.
+Every driver call goes through ``CudaDriver._call``, which raises ``CudaDriverError`` carrying
+the call's name, the CUDA error name and text, and the pointer, handle or device involved;
+wrappers call the small methods here and never see a raw ``(CUresult, ...)`` tuple. cuda-python
+is imported on the first call, never at module import (``cuda.bindings``, else ``cuda.cuda``).
+A thread with no current context gets the device's primary context (the one torch and CuPy use)
+bound first; a thread in any other context gets it pushed for the call and popped after. The
+trap that makes this necessary: a call without the right context fails as if the pointer were
+bad, or maps into a context that may be destroyed under the mapping.
 
-- cuda-python is imported on the first driver call, never at module import: ``cuda.bindings``
-  (cuda-python 12.6+ and 13.x), falling back to the old ``cuda.cuda`` module (12.0-12.5).
-- Handle structs are read and written through their pointer (``getPtr()``), since
-  cuda-bindings 13 removed the ``.reserved`` byte field of ``CUipcMemHandle``.
-- A thread that has no current CUDA context (a fresh Python thread that never ran a CUDA
-  call) gets the device's primary context bound before the call -- the same context torch and
-  CuPy use -- and keeps it; a thread whose current context is any other one (another device's,
-  or a non-primary context of the same device, which would own the imports made in it) gets the
-  primary context pushed for the call and popped after. Without this, driver calls fail with
-  CUDA_ERROR_INVALID_CONTEXT, which looks like a bad pointer, or map into a context that torch
-  and CuPy never use and that may be destroyed under the mapping.
-- Handles come back as cuda-python objects and are kept as ints, through
-  ``cuda.bindings.utils.get_cuda_native_handle`` where present (``int(obj)`` is deprecated in
-  cuda-bindings 13).
-
-The driver object is process-wide and swappable (``install_driver``) so that CPU-only tests
-can run the refcount and error logic against a fake; the fake lives in the tests and is
-named ``fake_driver``. ``calls`` counts successful calls by name (tests and the benchmark
-read the number of IPC opens from it).
+The object is process-wide and swappable (``install_driver``): CPU tests install the fake in
+``tests/v1/platform/cuda/fake_driver.py``. It is one file over 600 lines on purpose: the single
+gateway is the point (every call and its check in one place), and its parts share the bindings.
+docs/design/cuda-wrappers.md ("The driver gateway") has the rest.
 """
 
 from __future__ import annotations
@@ -500,7 +489,7 @@ class CudaDriver:
         (``driver.pyx``) the wrapper is ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs,
         attrsIdxs, numAttrs, hStream)``, with ``dsts``/``srcs`` lists of ``CUdeviceptr``
         objects and no ``failIdx`` (CUDA 13 dropped it; the 12.x bindings return it), so a
-        request's 512 pieces cost ~150 us of Python object building (docs/benchmarks.md)
+        request's 512 pieces cost ~150 us of Python object building (docs/benchmarks-history.md, "CUDA copy submission")
         before the driver sees them. The same wrapper frees its copies of the arrays as soon as
         the call returns: the driver has read the descriptors by then, so ours need not outlive
         the call either. The stream must not be the legacy NULL stream (the driver refuses it)."""

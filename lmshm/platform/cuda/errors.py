@@ -2,6 +2,9 @@
 
 Every refusal on the producer side is a ``CudaExportError`` subclass whose message names the
 tensor (layer), the pointer and device, what went wrong and -- in ``.hint`` -- what to do.
+The hints are written once here (``*_HINT``) and shared by every wrapper that refuses for that
+reason. The trap: a hint that sends a user to another wrapper must say what that wrapper needs
+(``VMM_ALLOCATION_NEEDED``), or it sends them to a second refusal.
 """
 
 from __future__ import annotations

@@ -1,32 +1,17 @@
 """RawCudaIPCWrapper: legacy CUDA IPC handles, with no /dev/shm and no fd channel needed.
 
-Producer: find the allocation holding the tensor (``cuMemGetAddressRange``), take an IPC
-handle of its *base* (``cuIpcGetMemHandle``), and send the 64 handle bytes with the tensor's
-byte offset inside the allocation -- tensors are usually interior pointers of a
-caching-allocator block. TRT-LLM-style pools that no torch tensor describes use
-``RawCudaIPCWrapper.from_pointer(ptr, nbytes, dtype, shape, device)``.
+Producer: find the allocation holding the tensor (``cuMemGetAddressRange``), take an IPC handle
+of its *base* (``cuIpcGetMemHandle``), and send the 64 handle bytes with the tensor's byte
+offset inside the allocation. Pools no torch tensor describes use ``from_pointer``. Only
+cudaMalloc-style memory has such handles: VMM and cudaMallocAsync memory is refused, with a
+hint that names what it is and where it can go.
 
-Where it can work: the handle is resolved by the kernel driver, not through /dev/shm, so it
-needs neither a shared /dev/shm nor the fd channel. It does need both processes to reach the
-same GPU through the same driver, and legacy handles are reported to fail across PID
-namespaces (UCX PR #11514, vLLM PR #55906): worker and server in separate containers need at
-least a shared PID namespace. That two-container case is unverified: no GPU run has proved it.
-
-Consumer: ``cuIpcOpenMemHandle`` maps the whole allocation and returns its base; the tensor is
-rebuilt at ``base + alloc_offset``. The driver keeps one mapping per (process, allocation) (older
-drivers tore it down at the first ``cuIpcCloseMemHandle``; current ones count opens), so the
-open goes through the process-wide ``MAPPINGS`` table keyed by the session and the handle
-bytes: one open per session and allocation (each closed after its own session's copy
-streams; two sessions naming one allocation open it twice, which the driver counts), the last
-release closes -- after ``streams.quiesce`` says no registered copy stream
-still works on the device (else the mapping is leaked and counted, never closed under DMA) --
-close is idempotent and a failing close is logged.
-
-Only cudaMalloc-style memory has legacy IPC handles: memory from the VMM API (PyTorch expandable
-segments, vLLM sleep mode) or from cudaMallocAsync pools is refused; for cuMemCreate memory the
-hint names the handle types the allocation was created with and says where it can go
-(``use_vmm_api`` only when it is exportable). A handle cannot be opened in the process that
-exported it, and the exporter must still be alive when the consumer opens it.
+Consumer: ``cuIpcOpenMemHandle`` maps the whole allocation, once per session and allocation
+(``MAPPINGS``, keyed by session and handle bytes); the last release closes it, after
+``streams.quiesce`` says no registered copy stream still works on the device (else the mapping
+is leaked and counted, never closed under DMA). The trap: a handle cannot be opened in the
+process that exported it, and separate containers need a shared PID namespace at least,
+which no GPU run has proved yet. docs/design/cuda-wrappers.md has the rest.
 """
 
 from __future__ import annotations

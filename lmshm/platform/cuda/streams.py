@@ -1,23 +1,17 @@
 """The streams that copy to or from mapped device memory, and waiting for them before an unmap.
 
-``cuMemUnmap`` and ``cuIpcCloseMemHandle`` do not wait for copies still queued on a stream
-(PyTorch's expandable segments synchronise before unmapping for that reason). A device-wide
-``cuCtxSynchronize`` in the server would make one hung worker's stream stall every tenant's
-unmap, so the consumer's close waits only for the streams that can touch mapped memory:
+``cuMemUnmap`` and ``cuIpcCloseMemHandle`` do not wait for copies still queued on a stream, and
+a device-wide ``cuCtxSynchronize`` would let one hung worker's stream stall every tenant's
+unmap. So whoever queues copies on mapped memory (the data plane, per session) calls
+``register(stream, ordinal)`` once it made the stream and ``unregister`` before destroying it;
+a wrapper's last release calls ``quiesce(ordinal)``, which records an event on every stream
+registered for that device and polls them until all completed or ``timeout_s`` passed.
 
-- whoever queues copies on mapped memory (the data plane, per session) calls
-  ``register(stream, ordinal)`` once it made the stream and ``unregister`` before destroying it;
-- a wrapper's last release calls ``quiesce(ordinal)``: it records a fresh event on every stream
-  registered for that device (under the registry's lock, so none is destroyed meanwhile) and
-  polls them with short sleeps until all completed or ``timeout_s`` passed;
-- when ``quiesce`` returns False the caller does not unmap: it calls ``leak_mapping``, which
-  logs an error and counts it in ``LEAKED_MAPPINGS``. A leaked mapping pins the producer's memory
-  until this process exits; freeing memory under DMA would corrupt whatever reuses it.
-
-The registry is process-wide and thread-safe; handles are plain ints (the driver gateway's).
-A stream registered twice must be unregistered twice. An error while recording counts as "not
-idle" (the mapping is leaked, the error logged): a stream that was destroyed without
-``unregister`` cannot be proven idle.
+When ``quiesce`` returns False the caller does not unmap: ``leak_mapping`` logs an error and
+counts it in ``LEAKED_MAPPINGS`` (the memory stays pinned until this process exits; freeing it
+under DMA would corrupt whatever reuses it). The registry is process-wide and thread-safe. The
+trap: a stream registered twice must be unregistered twice, and a stream destroyed without
+``unregister`` can never be proven idle, so every later unmap on its device is leaked instead.
 """
 
 from __future__ import annotations

@@ -1,42 +1,17 @@
 """CudaIPCWrapper: PyTorch's own CUDA storage sharing (the default CUDA wrapper).
 
-Producer: ``storage._share_cuda_()`` -- the same call ``torch.multiprocessing`` makes -- yields
-the storage's IPC handle (of its caching-allocator block), the storage's size and offset in that
-block, a reference-counter slot in a ``/dev/shm`` file, and an event handle. lmshm carries those
-as plain bytes and ints (no torch object is pickled) together with the caller's exact view, so
-any stride works: the consumer rebuilds with ``tensor.set_(storage, offset, shape, stride)``.
+Producer: ``storage._share_cuda_()``, the call ``torch.multiprocessing`` makes, yields the
+block's IPC handle, the storage's size and offset, a reference-counter slot in a ``/dev/shm``
+file and an event handle; lmshm carries them as plain bytes and ints with the caller's exact
+view, so any stride works. Consumer: ``UntypedStorage._new_shared_cuda(...)`` opens it, shared
+through ``MAPPINGS`` and torch's cache of received storages (64 views of one storage map it once).
 
-Consumer: ``UntypedStorage._new_shared_cuda(...)`` opens the handle (torch keeps one driver
-mapping per block per process and closes it when the last storage on it dies) and waits on the
-producer's event. Storages are shared through ``MAPPINGS`` (one entry per wrapper identity) and
-through torch's own cache of received storages, so 64 views of one storage map it once; when a
-storage is already open, the duplicate's reference counter is released at once, as torch does.
-
-Explicit release -- nothing is left to the garbage collector: ``close()`` releases the wrapper's
-lease; the last lease drops the table's reference to the storage; when no tensor built from it
-remains, torch's IPC deleter runs right then (reference counting, no cycle involved): it
-decrements the producer's counter in ``/dev/shm`` and, if this was the last storage on that
-block in the process, calls ``cudaIpcCloseMemHandle``. On the producer side, a block freed while
-a consumer still maps it waits in torch's "limbo" list; the next allocation or
-``torch.cuda.ipc_collect()`` returns it once the counter reaches zero.
-
-Requires what torch sharing requires: both processes see the same ``/dev/shm`` (and IPC
-namespace). Workers without one use the raw wrapper (``isolated_ipc``; what separate containers
-need is in raw_ipc.py, and unverified). Each wrapper's bytes are meant to be mapped by one
-consumer process (torch's counter counts one consumer per share).
-
-Expandable segments (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): torch shares such a
-block not as a legacy IPC handle but as the POSIX fds of its segment's chunks, numbered in the
-worker, with the worker's pid (the handle's second byte is ``'e'``, ``'c'`` for cudaMalloc). The
-consumer copies those fds out of the worker with ``pidfd_open(pid)`` + ``pidfd_getfd`` (torch's
-``ExpandableSegment::fromShared``). So the server needs pidfd_getfd rights on the worker: the
-same PID namespace (the pid must name the worker), the same uid, and ptrace access
-(``kernel.yama.ptrace_scope`` 0, or CAP_SYS_PTRACE for the server -- Docker: ``--cap-add=SYS_PTRACE``
--- or the worker naming the server with ``prctl(PR_SET_PTRACER)``). Without them the open fails
-and the error says so, with the alternative: the VMM wrapper (``use_vmm_api``), which sends the
-fd over the server's fd channel instead. lmshm does not switch to it by itself: a VMM wrapper
-maps one chunk per tensor (20 MiB in expandable segments), so a KV cache that spans chunks --
-which torch sharing handles -- would then be refused.
+Release is explicit: the last lease drops the table's reference, and once no tensor built from
+it remains torch's IPC deleter decrements the producer's counter and closes the handle. Needs a
+shared ``/dev/shm``; each wrapper's bytes are meant for one consumer process. The trap:
+expandable-segments memory is shared as the worker's fds, which the server copies out with
+``pidfd_getfd``: it needs the same PID namespace, the same uid and ptrace rights, and says so,
+naming ``use_vmm_api`` as the way around. docs/design/cuda-wrappers.md has the rest.
 """
 
 from __future__ import annotations

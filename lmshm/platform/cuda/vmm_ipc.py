@@ -1,33 +1,17 @@
-"""VmmCudaIPCWrapper: CUDA VMM memory (cuMemCreate + cuMemMap) shared as a POSIX fd or a
-fabric handle.
+"""VmmCudaIPCWrapper: CUDA VMM memory (cuMemCreate + cuMemMap) shared as a POSIX fd or a fabric handle.
 
-Memory from the VMM API -- PyTorch expandable segments, vLLM sleep mode, hand-made pools --
-has no legacy IPC handle. It is shared per *physical allocation*:
+Producer: ``cuMemGetAddressRange`` gives the physical chunk holding the tensor (a tensor running
+past it is refused), which is exported with the requested handle type: ``posix-fd`` (default;
+the wire carries a token, the fd goes over the server's fd channel) or ``fabric`` (64 bytes in
+the wrapper). The wrapper owns its fd until ``close()``; its ``sibling()``s (the other layers of
+one chunk) share it but never close it.
 
-Producer: ``cuMemGetAddressRange`` gives the chunk holding the tensor (for VMM memory, the
-mapped physical allocation, not the whole reserved range); a tensor running past its chunk is
-refused, since the importer maps exactly one allocation. ``cuMemRetainAllocationHandle`` and
-``cuMemExportToShareableHandle`` then export the chunk:
-- ``posix-fd`` (default): a file descriptor. It cannot travel as bytes: the wire carries a
-  token, ``export_fds()`` returns ``{token: fd}``, and the client sends it over the server's fd
-  side channel (SCM_RIGHTS) before registering. The wrapper owns the fd until ``close()``; its
-  ``sibling()``s (the other layers of one chunk) share it but never close it: only the leader
-  does, and a sibling exports the leader's fd while the leader is open.
-- ``fabric``: 64 bytes that travel in the wrapper itself (needs IMEX / NVSwitch fabric support).
-Choose with ``wrap(tensor, handle_type=...)`` or ``LMSHM_VMM_HANDLE_TYPE``.
-
-Consumer: import the handle, reserve an address range, map the allocation, grant the device
-read/write access -- undoing whatever succeeded if a later step fails -- and rebuild the tensor
-at ``va + alloc_offset``. The mapping is shared through ``MAPPINGS``, keyed by the producer's
-identity and its allocation handle, so 64 layer views of one chunk import it once; the last
-release unmaps, frees the range and releases the imported handle (failures logged) -- after
-``streams.quiesce`` says no registered copy stream still works on the device; if one does not
-drain, the mapping is leaked (counted in ``streams.LEAKED_MAPPINGS``), never unmapped under DMA.
-
-The easy thing to get wrong: the allocation handle value is the producer's and the driver hands
-the same value out again once the allocation is released, so a worker that frees a pool and
-makes another can send a new chunk under an old (producer, handle) pair. Every export carries a
-random 64-bit ``export_nonce`` (siblings share their leader's), and the mapping key includes it.
+Consumer: import, reserve, map and grant access, undoing what succeeded if a step fails; the
+mapping is shared through ``MAPPINGS`` and its last release unmaps only after
+``streams.quiesce`` (else it is leaked and counted, never unmapped under DMA). The trap: the
+driver hands a released allocation's handle value out again, so a worker that frees a pool and
+makes another can send a new chunk under an old (producer, handle) pair; every export carries a
+random ``export_nonce``, part of the mapping key. docs/design/cuda-wrappers.md has the rest.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import tritonclient.utils.shared_memory as shared_memory
 from triton_harness import STATUS, EmbeddedApp, Triton
 
 import lmshm
-from lmshm.endpoints.http import CLOSING_MAX
+from lmshm.endpoints.http_connections import CLOSING_MAX
 
 #: Slack on top of a configured deadline: the sweep period (0.25 s) and a busy host.
 SLACK_S = 3.0
