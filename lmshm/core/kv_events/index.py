@@ -46,7 +46,7 @@ MAX_QUEUED_ADVERTS = 1 << 16
 #: (``queue_refused``), so the queue holds at most that much per uid, however fast it floods.
 MAX_QUEUED_ADVERT_BYTES = 64 << 20
 #: Units of work (``_units``: a residency report 1, an advert 1 and one more per 16 blocks or
-#: 4 KiB encoded) applied under one hold of the index's lock (a few hundred µs at most).
+#: 4 KiB encoded) applied under one hold of the index's lock: what bounds how long it is held.
 DRAIN_BATCH = 32
 
 _raw_items = msgspec.msgpack.Decoder(list[msgspec.Raw])
@@ -241,8 +241,8 @@ class KvIndex:
         so a producer as fast cannot keep it here), or about ``limit`` units of work (``_units``:
         a residency report is one, a STORE's advert one and one more per 16 blocks; a STORE of
         many adverts is applied over several calls), ``DRAIN_BATCH`` under one hold of the lock
-        (no yield of the CPU between batches: ``sched_yield`` on a busy machine gave it to
-        another process, 340 µs a call measured). Returns the units done."""
+        (no yield of the CPU between batches: on a busy machine ``sched_yield`` gives the CPU to
+        another process, docs/design/kv-events.md). Returns the units done."""
         queue = self._queue
         if not queue and self._current is None:
             return 0

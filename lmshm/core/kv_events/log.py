@@ -380,7 +380,6 @@ RUN_SHARE = 4
 #: record forgotten so.
 MAX_GONE = 1 << 16
 #: The log's byte bound (``EventLog.max_bytes``): 1 KiB per record it may hold, at least 64 MiB
-#: (64 MiB for the default 65,536 records; 150 of the largest adverts' events at least): a full
-#: ring of the largest adverts' events would be 28 GiB.
+#: (a count alone would let a ring of the largest adverts' events hold gigabytes).
 LOG_BYTES_PER_RECORD = 1024
 LOG_BYTES = 64 << 20

@@ -9,9 +9,10 @@ the most, and adverts not resident yet are bounded per uid (``MAX_UNRESIDENT``).
 becomes servable from a tier (every rank holds it there) or stops being so adds a record to
 ``pending``, which ``KvIndex`` appends to the log.
 
-Not locked: every method runs under ``KvIndex``'s lock (the one trap: the pool and the tiers
-report residency from any thread, so nothing here may be called but through ``KvIndex``). It
-never calls back into the pool or a tier.
+No lock of its own: every method runs under ``KvIndex``'s lock, and never calls back into the
+pool or a tier. The one trap: ``by_key`` is read without that lock, by the residency reports'
+fast path (``KvIndex.note``: is anything indexed at all?), so it is emptied in place
+(``clear``), never replaced by another dict.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from lmshm.core.kv_events.format import BlockRemoved, media_of
 from lmshm.core.kv_events.log import BOTH, NODE, OWNER, PackedStored
 
 #: The index's byte bound (``KvIndex.max_bytes``, ``chunk_cost``): 2 KiB per chunk it may hold,
-#: at least 64 MiB (512 MiB for the default 262,144 chunks): one chunk of the wire's largest
-#: adverts is charged about 0.57 MiB, one of 16 tokens about 1.6 KiB.
+#: at least 64 MiB (what one chunk is charged: docs/design/kv-events.md, "Bounds").
 INDEX_BYTES_PER_CHUNK = 2048
 INDEX_BYTES = 64 << 20
 #: Adverts whose chunk is not resident yet (a STORE's, before its copy commits; forever, for a
