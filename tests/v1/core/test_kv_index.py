@@ -70,16 +70,21 @@ def found(kv: KvIndex, n: int = 4) -> tuple[int, int]:
     return by_hash, best
 
 
+def summary(records: list) -> list[tuple]:
+    """``(type, first hash)`` of each record's event that names blocks."""
+    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records if hasattr(r.event, "block_hashes")]
+
+
 def node_view(kv: KvIndex) -> list[tuple]:
-    """What the node stream sends: ``(type, first hash)`` of every record not owner-only."""
+    """What the node stream sends: every record not owner-only."""
     records, _, _ = kv.log.read(-1, 1 << 20)
-    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records
-            if r.event is not None and r.scope != OWNER and hasattr(r.event, "block_hashes")]
+    return summary([r for r in records if r.scope != OWNER])
 
 
 def own_feed(kv: KvIndex, uid: int) -> list[tuple]:
+    """What ``uid``'s own feed (``KV_EVENTS``) reads."""
     records, _, _ = kv.log.read(-1, 1 << 20, uid=uid, spaces=[SPACE])
-    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records if r.event is not None]
+    return summary(records)
 
 
 def removals(feed: list[tuple]) -> list[tuple]:
