@@ -3,7 +3,7 @@
     .venv/bin/python bench/kv_index_cost.py [--stores 1000] [--runs 7]
                                             [--compare-with OLD_kv_events.py]
 
-A ``KvIndex`` (lmshm/core/kv_events.py) is fed what a server feeds it for STOREs of 16 chunks,
+A ``KvIndex`` (lmshm/core/kv_events/) is fed what a server feeds it for STOREs of 16 chunks,
 one 32-token block each, chained (bench/kv_events_overhead.py's workload), phase by phase, each
 phase queued and then applied (``drain``), and timed in µs per chunk:
 
@@ -12,9 +12,9 @@ phase queued and then applied (``drain``), and timed in µs per chunk:
 - ``evict``: each chunk reported gone from the pool (a ``BlockRemoved`` each, the chunk forgotten);
 - ``read``: the log read back and its events encoded (what a KV_EVENTS reply or the publisher does).
 
-``--compare-with FILE`` loads another ``kv_events.py`` (e.g. ``git show HEAD~1:lmshm/core/kv_events.py
-> /tmp/old.py``) and runs it alternately with this tree's, so a before/after shares the machine's
-moments. Prints the median over ``--runs`` of each phase. The server pays more per chunk than
+``--compare-with FILE`` loads a one-file ``kv_events.py`` from before it became a package (e.g.
+``git show aabf88e:lmshm/core/kv_events.py > /tmp/old.py``) and runs it alternately with this
+tree's, so a before/after shares the machine's moments. Prints the median over ``--runs`` of each phase. The server pays more per chunk than
 this (its caches are cold after each copy, and it shares the cores): bench/kv_events_overhead.py
 measures that.
 """
@@ -33,7 +33,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import msgspec
 
-from lmshm.integrations.adapter import packed_tokens
+from lmshm.core import kv_events
+from lmshm.core.kv_events import packed_tokens
 from lmshm.multiprocess import protocol
 
 CHUNKS, TOKENS = 16, 32
@@ -104,8 +105,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--compare-with", default="", metavar="FILE", help="another kv_events.py, run alternately")
     args = ap.parse_args()
-    here = os.path.join(os.path.dirname(__file__), "..", "lmshm", "core", "kv_events.py")
-    modules = {"this tree": load(here, "kv_events_this")}
+    modules = {"this tree": kv_events}
     if args.compare_with:
         modules[os.path.basename(args.compare_with)] = load(args.compare_with, "kv_events_other")
     stores = workload(args.stores)

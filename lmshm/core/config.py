@@ -51,7 +51,7 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     max_pins_per_uid: Count = 1 << 20
     max_leases_per_uid: Count = 16384
-    # KV events for routers (lmshm/core/kv_events.py; docs/design/kv-events.md): advertised chunks
+    # KV events for routers (lmshm/core/kv_events/; docs/design/kv-events.md): advertised chunks
     # the index keeps (0 = no KV events), and records the event log keeps for its readers
     kv_events_index: Annotated[int, msgspec.Meta(ge=0, le=1 << 26)] = 1 << 18
     kv_events_buffer: Annotated[int, msgspec.Meta(ge=16, le=1 << 24)] = 1 << 16

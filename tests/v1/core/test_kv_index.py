@@ -1,17 +1,21 @@
 """The KV event index's own semantics, in process (real threads, no server): what one uid's
-adverts may do to another's entries, and what the index and the log cost (issue 41, round 4).
-End to end, through a real server and two uids: ``tests/v1/multiprocess/test_kv_events_tenants.py``."""
+adverts may do to another's entries, and what the index costs (issue 41, round 4). The log it
+feeds: ``test_kv_log.py``; the format: ``test_kv_format.py``. End to end, through a real server
+and two uids: ``tests/v1/multiprocess/test_kv_events_tenants.py``."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import tracemalloc
 from typing import Any, Optional
 
 import msgspec
 import pytest
 
-from lmshm.core import kv_events
-from lmshm.core.kv_events import BOTH, NODE, OWNER, EventLog, KvIndex, chunk_cost
+from lmshm.core.kv_events import NODE, OWNER, BlockRemoved, KvIndex, chunk_cost
+from lmshm.core.kv_events import index as index_module
+from lmshm.core.kv_events import maps as maps_module
 from lmshm.core.messages import Advert, pack_adverts, unpack_adverts
 
 A, B = 1000, 1001
@@ -66,16 +70,31 @@ def found(kv: KvIndex, n: int = 4) -> tuple[int, int]:
     return by_hash, best
 
 
+def summary(records: list) -> list[tuple]:
+    """``(type, first hash)`` of each record's event that names blocks."""
+    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records if hasattr(r.event, "block_hashes")]
+
+
 def node_view(kv: KvIndex) -> list[tuple]:
-    """What the node stream sends: ``(type, first hash)`` of every record not owner-only."""
+    """What the node stream sends: every record not owner-only."""
     records, _, _ = kv.log.read(-1, 1 << 20)
-    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records
-            if r.event is not None and r.scope != OWNER and hasattr(r.event, "block_hashes")]
+    return summary([r for r in records if r.scope != OWNER])
 
 
 def own_feed(kv: KvIndex, uid: int) -> list[tuple]:
+    """What ``uid``'s own feed (``KV_EVENTS``) reads."""
     records, _, _ = kv.log.read(-1, 1 << 20, uid=uid, spaces=[SPACE])
-    return [(type(r.event).__name__, r.event.block_hashes[0]) for r in records if r.event is not None]
+    return summary(records)
+
+
+def removals(feed: list[tuple]) -> list[tuple]:
+    return [e for e in feed if e[0] == "BlockRemoved"]
+
+
+def prune_all(kv: KvIndex) -> int:
+    """Forget every advert not resident yet, now (``prune`` runs at most every 10 s)."""
+    kv._pruned_at = -1e9
+    return kv.prune(older_than_s=0.0)
 
 
 # ---- §2: one tenant cannot rewrite what routers believe about another ---------------------
@@ -90,8 +109,7 @@ def test_an_advert_that_stores_nothing_hides_nothing_of_another_uids_prompt():
     assert found(kv) == (8, 8)
     store(kv, A, range(4))                                  # A stores it again (present): still all of it
     assert found(kv) == (8, 8)
-    kv._pruned_at = -1e9
-    assert kv.prune(older_than_s=0.0) == 1                  # B's advert pruned
+    assert prune_all(kv) == 1                               # B's advert pruned
     assert found(kv) == (8, 8) and kv.chunks == 4
 
 
@@ -138,7 +156,7 @@ def test_a_flood_of_adverts_that_store_nothing_pushes_out_none_of_another_uids_c
         flood = [Advert(b"f%d-%d" % (s, i), 0, BLOCK, [s << 20 | i], None, list(range(BLOCK))) for i in range(n)]
         kv.describe(B, SPACE, "m", "", 0, 1, [b"b%d-%d" % (s, i) for i in range(n)], flood)
     assert found(kv, 16) == (32, 32)
-    assert kv.chunks <= 4096 and not [e for e in own_feed(kv, A) if e[0] == "BlockRemoved"]
+    assert kv.chunks <= 4096 and not removals(own_feed(kv, A))
     assert kv.unresident_dropped + kv.unindexed >= 4 * (1 << 14) - 4096
 
 
@@ -148,11 +166,11 @@ def test_a_full_index_forgets_from_the_uid_holding_the_most_and_its_adverts_neve
     store(kv, B, range(100, 300))           # B alone overfills the index: B's oldest go
     assert found(kv, 8) == (16, 16)
     assert kv.chunks == 64 and kv.unindexed == 200 - 56
-    assert not [e for e in own_feed(kv, A) if e[0] == "BlockRemoved"]
+    assert not removals(own_feed(kv, A))
 
 
 def test_unresident_adverts_are_bounded_per_uid(monkeypatch):
-    monkeypatch.setattr(kv_events, "MAX_UNRESIDENT", 100)
+    monkeypatch.setattr(maps_module, "MAX_UNRESIDENT", 100)
     kv = KvIndex()
     store(kv, A, range(150), resident=False)
     store(kv, B, range(10), resident=False)
@@ -164,10 +182,9 @@ def test_unresident_adverts_are_bounded_per_uid(monkeypatch):
 # ---- §3: bounded by bytes and work ---------------------------------------------------------
 
 
-def big_advert(i: int, blocks: int = 1024, block_size: int = 64, extra: int = 0) -> Advert:
-    return Advert(b"big-%d" % i, 0, block_size, [(i << 20) + j for j in range(blocks)], None,
-                  list(range(blocks * block_size)), extra_keys=msgspec.msgpack.encode([["x" * extra]] * blocks)
-                  if extra else None)
+def big_advert(i: int) -> Advert:
+    """The wire's largest advert: 1,024 blocks of 64 tokens."""
+    return Advert(b"big-%d" % i, 0, 64, [(i << 20) + j for j in range(1024)], None, list(range(1024 * 64)))
 
 
 def test_the_index_is_bounded_in_bytes_and_charges_each_chunk_to_its_uid():
@@ -178,25 +195,11 @@ def test_the_index_is_bounded_in_bytes_and_charges_each_chunk_to_its_uid():
         kv.note(B, b"big-%d" % i, "pool", True)
     kv.drain()
     assert kv.bytes <= 8 * one and kv.chunks == 8 and kv.unindexed == 12
-    assert kv._shares[B].bytes == kv.bytes
-
-
-def test_the_log_is_bounded_in_bytes_and_keeps_tokens_packed():
-    kv = KvIndex(records=1 << 16, log_bytes=4 << 20)
-    for i in range(40):
-        kv.describe(B, SPACE, "m", "", 0, 1, [b"big-%d" % i], [big_advert(i)])
-        kv.note(B, b"big-%d" % i, "pool", True)
-    kv.drain()
-    assert kv.log.bytes <= 4 << 20 and kv.log.trimmed > 0
-    records, _, _ = kv.log.read(-1, 1 << 20)
-    stored = [r for r in records if r.ev is not None and type(r.ev).__name__ == "_Stored"]
-    assert stored and isinstance(stored[-1].ev.tokens, bytes)         # packed until read
-    assert list(stored[-1].event.token_ids) == list(range(1024 * 64))
+    assert kv.maps.shares[B].bytes == kv.bytes
 
 
 def test_one_store_of_many_adverts_is_applied_in_bounded_steps():
-    kv = KvIndex()
-    kv.unpack_adverts = unpack_adverts
+    kv = KvIndex(unpack_adverts=unpack_adverts)
     n = 4096
     adverts = [Advert(b"c%d" % i, 0, BLOCK, [i + 1], None, list(range(BLOCK))) for i in range(n)]
     kv.describe(A, SPACE, "m", "", 0, 1, [b"k%d" % i for i in range(n)], pack_adverts(adverts), "t", n)
@@ -208,22 +211,6 @@ def test_one_store_of_many_adverts_is_applied_in_bounded_steps():
     assert steps >= n // 33 and kv.chunks == n
 
 
-def test_a_read_of_one_uid_visits_only_its_own_records(monkeypatch):
-    log = EventLog(records=1 << 16)
-    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(50_000)])
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(3)])
-
-    def scanned(*_: Any) -> Any:
-        raise AssertionError("a uid's read walked the ring")
-    monkeypatch.setattr(EventLog, "_scan", scanned)
-    records, cursor, lost = log.read(-1, 100, uid=A, spaces=[SPACE])
-    assert [r.n for r in records] == [50_001, 50_002, 50_003] and cursor == 50_003 and not lost
-    assert log.read(cursor, 100, uid=A, spaces=[SPACE]) == ([], 50_003, False)
-    assert log.read(-1, 100, uid=7, spaces=[SPACE]) == ([], 50_003, False)
-    records, cursor, _ = log.read(50_001, 1, uid=A)                 # a limit: the cursor stops at it
-    assert [r.n for r in records] == [50_002] and cursor == 50_002
-
-
 def test_block_sizes_and_the_chunk_count_are_counters():
     kv = KvIndex()
     store(kv, A, range(3))
@@ -232,8 +219,7 @@ def test_block_sizes_and_the_chunk_count_are_counters():
     assert sorted(kv.block_sizes()) == [BLOCK, 16] and kv.chunks == 4
     kv.note(A, key(A, 0), "pool", False)
     kv.drain()
-    kv._pruned_at = -1e9
-    kv.prune(older_than_s=0.0)
+    prune_all(kv)
     assert kv.block_sizes() == [BLOCK] and kv.chunks == 2
 
 
@@ -260,18 +246,10 @@ def test_readers_and_writers_on_threads_leave_the_maps_consistent():
     threads[2].join()
     kv.drain()
     assert kv.failed == 0 and kv.chunks <= 2000
-    assert kv.bytes == sum(s.bytes for s in kv._shares.values()) == sum(c.cost for c in kv._by_id.values())
-    for cur in kv._by_hash.values():
+    assert kv.bytes == sum(s.bytes for s in kv.maps.shares.values()) == sum(c.cost for c in kv.maps.by_id.values())
+    for cur in kv.maps.by_hash.values():
         for c in (cur.values() if isinstance(cur, dict) else (cur,)):
-            assert kv._by_id.get(c.ident) is c and c.posted
-
-
-@pytest.mark.parametrize("scope", [BOTH, OWNER, NODE])
-def test_a_uid_read_never_gets_node_only_records(scope):
-    log = EventLog(records=64)
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "", scope)])
-    got, _, _ = log.read(-1, 10, uid=A, spaces=[SPACE])
-    assert len(got) == (0 if scope == NODE else 1)
+            assert kv.maps.by_id.get(c.ident) is c and c.posted
 
 
 def pods_of(kv: KvIndex) -> list[tuple]:
@@ -280,7 +258,7 @@ def pods_of(kv: KvIndex) -> list[tuple]:
 
 
 def test_engines_are_kept_per_uid_and_detached_when_pushed_out_or_their_namespace_empties(monkeypatch):
-    monkeypatch.setattr(kv_events, "MAX_PODS_PER_UID", 2)
+    monkeypatch.setattr(maps_module, "MAX_PODS_PER_UID", 2)
     kv = KvIndex()
     kv.describe(A, SPACE, "m", "a0", 0, 1, [key(A, 0)], [advert(0)])
     for i in range(4):                                       # B's engines push out B's own, never A's
@@ -288,28 +266,13 @@ def test_engines_are_kept_per_uid_and_detached_when_pushed_out_or_their_namespac
     kv.drain()
     assert pods_of(kv) == [("attach", A, "a0"), ("attach", B, "b0"), ("attach", B, "b1"), ("attach", B, "b2"),
                            ("detach", B, "b0"), ("attach", B, "b3"), ("detach", B, "b1")]
-    kv._pruned_at = -1e9
-    kv.prune(older_than_s=0.0)                               # every chunk goes: the namespaces empty
+    prune_all(kv)                                            # every chunk goes: the namespaces empty
     assert pods_of(kv)[7:] == [("detach", A, "a0"), ("detach", B, "b2"), ("detach", B, "b3")]
-    assert not kv._pods and not kv._space_chunks
-
-
-def test_another_uids_flood_of_records_never_tells_a_reader_it_lost_its_own():
-    log = EventLog(records=64)
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
-    records, cursor, lost = log.read(-1, 10, uid=A, spaces=[SPACE])
-    assert len(records) == 1 and not lost
-    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(1000)])     # B's flood
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
-    records, cursor2, lost = log.read(cursor, 10, uid=A, spaces=[SPACE])
-    assert [r.n for r in records] == [1002] and not lost
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(100)])     # A's own, trimmed
-    assert log.read(cursor2, 10, uid=A, spaces=[SPACE])[2]
-    assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
+    assert not kv.maps.pods and not kv.maps.space_chunks
 
 
 def test_a_uids_queued_adverts_are_bounded_and_another_uids_still_queue(monkeypatch):
-    monkeypatch.setattr(kv_events, "MAX_QUEUED_ADVERTS", 1000)
+    monkeypatch.setattr(index_module, "MAX_QUEUED_ADVERTS", 1000)
     kv = KvIndex()
     for s in range(10):             # B floods faster than anything applies: 10 x 400 adverts
         kv.describe(B, SPACE, "m", "", 0, 1, [b"b%d-%d" % (s, i) for i in range(400)],
@@ -323,26 +286,22 @@ def test_a_uids_queued_adverts_are_bounded_and_another_uids_still_queue(monkeypa
 # ---- round 4, fresh attack: a hostile tenant against the KV index ---------------------------
 
 
-def test_another_uids_flood_of_records_never_trims_a_readers_own_unread_records():
-    """B's records push A's *unread* ones off the shared ring (by count, or cheaper by bytes:
-    about 160 BlockStored of the wire's largest adverts fill a 64 MiB ring): A's read said
-    ``lost`` (its connector then sends a BlockRemoved for every block it advertised). A uid's
-    records now stay readable by its own feed until its own records pass its bound."""
-    log = EventLog(records=64, max_bytes=1 << 20)
-    log.extend([(A, SPACE, "m", kv_events.AllBlocksCleared(), "")])
-    _, cursor, _ = log.read(-1, 10, uid=A, spaces=[SPACE])
-    a_new = kv_events.BlockRemoved([1, 2], "CPU", 0, "LOCAL")
-    log.extend([(A, SPACE, "m", a_new, "")])                     # A's, not read yet (A is idle)
-    log.extend([(B, SPACE, "m", kv_events.AllBlocksCleared(), "") for _ in range(1000)])     # by count
-    records, cursor2, lost = log.read(cursor, 10, uid=A, spaces=[SPACE])
-    assert [r.event for r in records] == [a_new] and not lost
-    big = kv_events.BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
-    log.extend([(A, SPACE, "m", a_new, "")])
-    log.extend([(B, b"other", "m", big, "") for _ in range(10)])           # by bytes
-    records, _, lost = log.read(cursor2, 10, uid=A)
-    assert [r.event for r in records] == [a_new] and not lost
-    assert log.read(cursor2, 10)[2]                          # the node stream: the ring's own loss
-    assert len(log._runs[B]) <= 64 // 4 + len(log._ring)       # past the ring, B keeps its own bound only
+def memory_held(kv: KvIndex, raws: list) -> int:
+    """Bytes tracemalloc sees held once ``raws`` (each one STORE's encoded adverts, one advert
+    each) are described as B's, reported resident and applied, and ``raws`` are freed."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(len(raws)):
+            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raws[i], count=1)
+            kv.note(B, b"k%d" % i, "pool", True)
+        kv.drain()
+        raws.clear()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
 
 
 @pytest.mark.parametrize("lora", ["x" * 4096, "\U0001F600" * 4096])
@@ -351,26 +310,11 @@ def test_a_long_lora_name_is_charged_to_the_index_and_the_log(lora):
     kept by the chunk and by its BlockStored record: neither ``chunk_cost`` nor ``event_bytes``
     counted it, so one-block chunks held 3x (ASCII) to 10x (4-byte characters) what the index's
     and the log's byte bounds were charged (round 4, fresh attack)."""
-    import gc
-    import tracemalloc
     n = 500
-    kv = KvIndex()
-    kv.unpack_adverts = unpack_adverts
+    kv = KvIndex(unpack_adverts=unpack_adverts)
     raw = [pack_adverts([Advert(b"c%d" % i, 0, BLOCK, [i], None, list(range(BLOCK)), lora_name=lora)])
            for i in range(n)]
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        for i in range(n):
-            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raw[i], count=1)
-            kv.note(B, b"k%d" % i, "pool", True)
-        kv.drain()
-        raw.clear()
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
+    used = memory_held(kv, raw)
     assert kv.chunks == n and used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
 
 
@@ -378,29 +322,14 @@ def test_extra_keys_are_charged_what_they_hold_decoded():
     """Extra keys of many small distinct values (each block 15 one-item lists of a distinct
     int: 61 bytes encoded, about 1.3 KB decoded) held about 3x what ``chunk_cost`` (twice the
     encoded size) and ``event_bytes`` (64 bytes a block) charged (round 4, fresh attack)."""
-    import gc
-    import tracemalloc
     n = 30
 
     def extra(i: int) -> bytes:
         return msgspec.msgpack.encode([[[300 + b * 15 + j] for j in range(15)] for b in range(1024)])
-    kv = KvIndex()
-    kv.unpack_adverts = unpack_adverts
+    kv = KvIndex(unpack_adverts=unpack_adverts)
     raw = [pack_adverts([Advert(b"c%d" % i, 0, 1, [i * 1024 + j for j in range(1024)], None, list(range(1024)),
                                 extra_keys=extra(i))]) for i in range(n)]
-    gc.collect()
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        for i in range(n):
-            kv.describe(B, SPACE, "m", "", 0, 1, [b"k%d" % i], raw[i], count=1)
-            kv.note(B, b"k%d" % i, "pool", True)
-        kv.drain()
-        raw.clear()
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - base
-    finally:
-        tracemalloc.stop()
+    used = memory_held(kv, raw)
     assert kv.chunks == n and kv.refused == 0
     assert used <= kv.bytes + kv.log.bytes, (used / n, (kv.bytes + kv.log.bytes) / n)
 
@@ -411,7 +340,7 @@ def test_records_the_node_stream_has_not_read_stay_and_a_uid_with_much_of_the_ba
     kv = KvIndex(records=64, log_bytes=1 << 20)
     log = kv.log
     log.read(-1, 10, node=True)                         # the publisher, caught up
-    big = kv_events.BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
+    big = BlockRemoved(list(range(8000)), "CPU", 0, "LOCAL")      # about 272 KB each
     log.extend([(B, SPACE, "m", big, "") for _ in range(6)])                # 1.6 MiB: past the bound
     assert log.trimmed == 0 and log.lagging(B) and not log.lagging(A)
     store(kv, B, range(2))

@@ -24,10 +24,9 @@ import torch
 from harness import wait_for
 from valkey_servers import command, secret_file
 
-from lmshm.core import kv_events
-from lmshm.core.kv_events import BlockStored, EventLog, KvIndex, check_advert
+from lmshm.core.kv_events import BlockStored, KvIndex, check_advert, packed_tokens
+from lmshm.core.kv_events import index as index_module
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
-from lmshm.integrations.adapter import packed_tokens
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.client import InvalidArgument, MPClient
 from lmshm.multiprocess.protocol import StoreResult
@@ -504,7 +503,7 @@ def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_app
     kv.describe(1, SPACE, "m", "", 0, 1, [key(3)], protocol.pack_adverts([advert(3), advert(4)]), "engine", 1)
     assert len(kv) == 2 and kv.refused == 2
     # their bytes bound the queue too: past MAX_QUEUED_ADVERT_BYTES, whoever queues applies some
-    monkeypatch.setattr(kv_events, "MAX_QUEUED_ADVERT_BYTES", 64 << 10)
+    monkeypatch.setattr(index_module, "MAX_QUEUED_ADVERT_BYTES", 64 << 10)
     big = protocol.pack_adverts([advert(9, token_ids=list(range(2 * ENGINE_BLOCK)), extra_keys=bytes(60_000))])
     for i in range(100):
         kv.describe(1, SPACE, "m", "", 0, 1, [key(10 + i)], big, "engine", 1)
@@ -543,7 +542,7 @@ def test_the_index_applies_what_it_queued_in_order_when_read_and_bounds_its_queu
     assert [type(r.event).__name__ for r in records] == ["BlockStored", "BlockRemoved"] and len(kv) == 0
     kv.describe(1, SPACE, "m", "", 0, 1, [key(1)], [advert(1, extra_keys=b"\xc1")])
     assert kv.refused == 0 and len(kv) == 0 and kv.refused == 1     # refused once applied (len drains)
-    monkeypatch.setattr(kv_events, "MAX_QUEUED", 100)
+    monkeypatch.setattr(index_module, "MAX_QUEUED", 100)
     kv.describe(1, SPACE, "m", "", 0, 1, [key(2)], [advert(2)])
     for _ in range(1000):                                            # past the bound, the caller applies some
         kv.note(1, key(2), "pool", True)
@@ -715,20 +714,3 @@ def test_the_index_forgets_a_chunk_held_nowhere_and_a_full_one_its_least_recentl
                                   ("BlockStored", "STORAGE", hashes_of(0)[0]), ("BlockRemoved", "CPU", hashes_of(0)[0]),
                                   ("BlockStored", "CPU", hashes_of(1)[0]), ("BlockRemoved", "STORAGE", hashes_of(0)[0]),
                                   ("BlockRemoved", "CPU", hashes_of(1)[0])]
-
-
-def test_the_event_log_trims_its_oldest_and_reports_the_loss_to_a_reader_behind():
-    log = EventLog(records=16)
-    for i in range(40):
-        log.append(1, SPACE, "m", None, f"p{i}")
-    records, cursor, lost = log.read(3, 100)
-    assert lost and records[0].n == 25 and cursor == 40
-    assert log.read(40, 100) == ([], 40, False)
-    assert log.read(1 << 40, 100) == ([], 40, False)
-    assert log.trimmed == 24
-    # a batch at once (how the index appends a drained batch's records): numbered in order,
-    # trimmed to the capacity in one go
-    log.extend([(2, SPACE, "m", None, f"q{i}") for i in range(20)])
-    records, cursor, lost = log.read(40, 100)
-    assert lost and cursor == 60 and log.trimmed == 44 and log.oldest == 45
-    assert [(r.n, r.uid, r.pod) for r in records] == [(45 + i, 2, f"q{i + 4}") for i in range(16)]
