@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import msgspec
 
 from lmshm.integrations.adapter import packed_tokens
-from lmshm.multiprocess import protocol
+from lmshm.wire import protocol
 
 CHUNKS, TOKENS = 16, 32
 PHASES = ("describe", "present", "evict", "read")

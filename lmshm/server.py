@@ -2,10 +2,10 @@
 
 This module sits above every layer (docs/design/layers.md): it builds the core
 (``lmshm.core.service.Core``: registry, data plane, metrics, clock), the ZeroMQ endpoint over it
-(``lmshm.multiprocess.server.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
+(``lmshm.endpoints.zmq.endpoint.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
 config asks, Triton's HTTP (``--http-port``, with ``/metrics``) and gRPC (``--grpc-port``)
 endpoints (``lmshm.endpoints``) and the KV event stream (``--kv-events``:
-``lmshm.multiprocess.kv_publisher``), and wires the calls that go up: a copier job's reply goes to the
+``lmshm.endpoints.kv_stream.publisher``), and wires the calls that go up: a copier job's reply goes to the
 ZeroMQ endpoint, and the ZeroMQ endpoint's shutdown first stops the other endpoints. It is the
 analogue of Triton's in-process C API.
 
@@ -51,13 +51,14 @@ from lmshm._version import __version__
 from lmshm.core.errors import ErrorCode, ServerError, Unsupported
 from lmshm.core.registry import Registration
 from lmshm.core.service import Core, View
-from lmshm.multiprocess import mq, protocol
-from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
-from lmshm.multiprocess.fdchannel import FdChannelError
-from lmshm.multiprocess.kv_publisher import KvEventPublisher
-from lmshm.multiprocess.server import ZmqEndpoint
+from lmshm.endpoints.kv_stream.publisher import KvEventPublisher
+from lmshm.endpoints.zmq.endpoint import ZmqEndpoint
 from lmshm.platform import ipc_policy
 from lmshm.quoting import quote
+from lmshm.settings import ConfigError, ServerConfig, build_arg_parser, resolve_config
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import FdChannelError
+from lmshm.wire import protocol
 
 logger = logging.getLogger("lmshm.server")
 

@@ -37,8 +37,8 @@ from typing import Any, Optional
 from aiohttp import web
 
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.multiprocess.client import status_as_dict
-from lmshm.multiprocess.protocol import STATUS_PAGE
+from lmshm.transport.client import status_as_dict
+from lmshm.wire.protocol import STATUS_PAGE
 
 #: How often the page asks for ``/status.json`` (milliseconds), and how many points it keeps.
 POLL_MS = 1000

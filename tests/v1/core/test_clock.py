@@ -121,7 +121,7 @@ sys.stdin.read()
 _CORE_ALONE = r"""
 import json, os, sys, threading, time, types
 from lmshm.core.config import CoreConfig
-from lmshm.core.messages import Lookup
+from lmshm.wire.protocol import Lookup
 from lmshm.core.pool import Reservation
 from lmshm.core.service import Core
 

@@ -12,7 +12,7 @@ import pytest
 
 from lmshm.core import kv_events
 from lmshm.core.kv_events import BOTH, NODE, OWNER, EventLog, KvIndex, chunk_cost
-from lmshm.core.messages import Advert, pack_adverts, unpack_adverts
+from lmshm.wire.protocol import Advert, pack_adverts, unpack_adverts
 
 A, B = 1000, 1001
 SPACE = b"S"

@@ -28,9 +28,9 @@ from lmshm.core import kv_events
 from lmshm.core.kv_events import BlockStored, EventLog, KvIndex, check_advert
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
 from lmshm.integrations.adapter import packed_tokens
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import InvalidArgument, MPClient
-from lmshm.multiprocess.protocol import StoreResult
+from lmshm.transport.client import InvalidArgument, MPClient
+from lmshm.wire import protocol
+from lmshm.wire.protocol import StoreResult
 
 SPACE = b"namespace-S"
 BLOCKS = 16                       # blocks of each test registration
@@ -568,7 +568,7 @@ def test_a_kv_events_read_applies_nothing_while_requests_keep_the_loop_busy_unle
     runs, unless IDLE_BACKLOG entries are queued (then the backlog is worked off as before)."""
     import types
 
-    from lmshm.multiprocess import server
+    from lmshm.endpoints.zmq import endpoint as server
     apply = server.ZmqEndpoint._kv_events_apply
     busy = {"now": False}
     loop = types.SimpleNamespace(_active_at=0.0, dataplane=types.SimpleNamespace(busy=lambda: busy["now"]))

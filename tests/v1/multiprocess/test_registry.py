@@ -20,13 +20,13 @@ from lmshm.core.registry import (
     NotPermitted,
     Registry,
 )
-from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cpu import CpuShmIPCWrapper, empty_shared
 from lmshm.platform.kv_wrap import wrap_kv_caches
 from lmshm.platform.shm_names import segment_name
+from lmshm.wire.protocol import ErrorCode, LayerGroup
 
 
 @pytest.fixture

@@ -36,10 +36,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from lmshm.multiprocess.config import ServerConfig
-from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, Credentials, FdChannelError
 from lmshm.platform.base.peer import Peer, namespace_view
 from lmshm.quoting import quote
+from lmshm.settings import ServerConfig
+from lmshm.transport.fdchannel import UNKNOWN_TOKEN, Credentials, FdChannelError
 
 logger = logging.getLogger("lmshm.server")
 

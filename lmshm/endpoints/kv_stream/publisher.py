@@ -58,11 +58,13 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, BlockStored, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import NODE, OWNER, event_bytes
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
-from lmshm.multiprocess.kv_peers import PeerGuard
+from lmshm.endpoints.kv_stream.peers import PeerGuard
 from lmshm.platform.base.files import unlink_if_same
+from lmshm.settings import TOPIC_MODES, check_endpoint
+from lmshm.transport.fdchannel import FdChannelError, bind_unix
+from lmshm.wire.vllm_events import AllBlocksCleared, BlockStored, KvEvent, KvEventBatch
 
 logger = logging.getLogger("lmshm.kv_events")
 _replay_log = Throttle(logger)      # requesters cause these lines: at most one every 10 s
@@ -92,9 +94,8 @@ MAX_PODS = 64                   # engines remembered for engine topics, per uid 
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
 MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (8,192-16,384 a namespace)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-TOPIC_MODES = ("node", "engine")
 
-__all__ = ["KvEventPublisher", "binds", "check_endpoint"]
+__all__ = ["KvEventPublisher", "binds"]
 
 #: Every batch carries ``data_parallel_rank`` 0, as vLLM's publisher fills it in (its rank): the
 #: batch is then the 3-element array Go consumers decode into a fixed 3-field array struct
@@ -107,19 +108,6 @@ def _encode(events: list[KvEvent], ts: float) -> bytearray:
     out = bytearray()
     _encoder.encode_into(KvEventBatch(ts, events, DATA_PARALLEL_RANK), out)
     return out
-
-
-def check_endpoint(endpoint: str) -> str:
-    """``endpoint`` if it is ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``, else ``ValueError``."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-    if scheme == "tcp":
-        host, sep, port = rest.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT with a port from 0 to 65535 "
-                             "(HOST * binds every interface)")
-    return endpoint
 
 
 def binds(endpoint: str, connect: bool = False) -> bool:

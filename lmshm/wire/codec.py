@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from lmshm.multiprocess import protocol
+from lmshm.wire import protocol
 
 #: msgpack extension type code of an lmshm wrapper.
 WRAPPER_EXT_CODE = 1

@@ -47,7 +47,7 @@ logger = logging.getLogger("lmshm.kv_events")
 _drop_log = Throttle(logger)
 
 #: fds kept free: the request listener's reserve and its fd channel's room
-#: (``lmshm.multiprocess.server.FD_RESERVE + LINK_ROOM``; an eighth of the limit each if less).
+#: (``lmshm.endpoints.zmq.endpoint.FD_RESERVE + LINK_ROOM``; an eighth of the limit each if less).
 FD_RESERVE = 64 + 256
 BYTES_PER_S = 1              # what a peer may send per second connected, past max_bytes (heartbeats)
 _TCPI_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in Linux's struct tcp_info (4.1+)

@@ -45,8 +45,8 @@ from typing import Any, Callable, Optional
 import zmq
 
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess import zmtp
 from lmshm.platform.base.files import unlink_if_same
+from lmshm.transport import zmtp
 
 logger = logging.getLogger(__name__)
 _reply_log = Throttle(logger)       # peers cause these: at most a line every 10 s each
@@ -289,7 +289,7 @@ class RouterServer:
             return sock
         # The kernel's bind refuses an existing path (libzmq's own bind would first unlink it,
         # and with it a live server's endpoint).
-        from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+        from lmshm.transport.fdchannel import FdChannelError, bind_unix
 
         try:
             sock, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")

@@ -54,15 +54,16 @@ from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.config import ServerConfig
-from lmshm.multiprocess.fdchannel import Credentials, FdChannelServer, default_path
-from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.multiprocess.sessions import Session, SessionLimitError, Sessions
+from lmshm.endpoints.zmq.sessions import Session, SessionLimitError, Sessions
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import own_pid_namespace
 from lmshm.quoting import clip, quote
+from lmshm.settings import ServerConfig
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import Credentials, FdChannelServer, default_path
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 logger = logging.getLogger("lmshm.server")
 _refused_log = Throttle(logger)     # a peer's malformed messages: at most a line every 10 s

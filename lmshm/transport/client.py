@@ -43,9 +43,10 @@ from lmshm.core.errors import (  # noqa: F401 - re-exported: lmshm.MPClient rais
     Unsupported,
     error,
 )
-from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, ExpectedServer, FdChannelClient, FdChannelError
 from lmshm.platform import ipc_policy
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import UNKNOWN_TOKEN, ExpectedServer, FdChannelClient, FdChannelError
+from lmshm.wire import codec, protocol
 
 if TYPE_CHECKING:  # torch and the wrappers load when something is registered, not for status
     import torch
