@@ -45,6 +45,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 from lmshm._version import __version__
@@ -52,8 +53,10 @@ from lmshm.core.errors import ErrorCode, ServerError, Unsupported
 from lmshm.core.registry import Registration
 from lmshm.core.service import Core, View
 from lmshm.endpoints.kv_stream.publisher import KvEventPublisher
-from lmshm.endpoints.zmq.endpoint import ZmqEndpoint
+from lmshm.endpoints.zmq.endpoint import ZmqEndpoint, open_fd_count
 from lmshm.platform import ipc_policy
+from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.quoting import quote
 from lmshm.settings import ConfigError, ServerConfig, build_arg_parser, resolve_config
 from lmshm.transport import mq
@@ -108,7 +111,8 @@ class Server:
         self._serving = False
         self.core = Core(self.config, reply=self._copy_done)
         try:
-            self.zmq = ZmqEndpoint(self.core, self.config, on_stopping=self._stop_side_endpoints)
+            self.zmq = ZmqEndpoint(self.core, self.config, status=self.status_reply,
+                                   on_stopping=self._stop_side_endpoints)
         except BaseException:
             self.core.shutdown()
             raise
@@ -272,7 +276,46 @@ class Server:
 
     def status(self) -> Any:
         """What ``lmshm status`` shows: a ``protocol.StatusReply``."""
-        return self.zmq.status_reply()
+        return self.status_reply()
+
+    def status_reply(self, *, offset: int = 0, limit: Optional[int] = None,
+                     minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply:
+        """The server and ``limit`` registrations from the ``offset``-th, oldest first (in
+        process: every one by default; a STATUS request: at most ``protocol.STATUS_PAGE``).
+        The page costs its rows, and the summary one line per owner: never a walk of them all.
+        ``minor`` < 4: a ``StatusReply`` (what a 3.3 client decodes); else a ``StatusPageReply``.
+        One report for every endpoint: ZeroMQ's STATUS, the HTTP status page, ``status()``."""
+        now = time.time()
+        page, total = self.registry.page(offset, len(self.registry) if limit is None else limit)
+        regs = []
+        for r in page:
+            region = r.region
+            if region is None:
+                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
+            else:
+                kinds, devices = [f"{r.kind}-region"], [region.device]
+            regs.append(protocol.RegistrationInfo(
+                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
+                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
+                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
+                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
+                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
+                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
+        common = dict(
+            server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
+            isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
+            sessions=len(self.zmq.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
+            open_fds=open_fd_count(), fd_limit=self.zmq.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
+            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
+        if minor < 4:
+            return protocol.StatusReply(**common)
+        return protocol.StatusPageReply(**common, registrations_total=total, offset=offset, owners=[
+            protocol.OwnerSummary(
+                kind="regions" if first.region is not None else "kv",
+                owner_session=first.owner if isinstance(first.owner, int) else 0,
+                owner_pid=first.owner_pid, owner_uid=first.owner_uid, client_name=first.client_name,
+                registrations=count, layers=layers, nbytes=nbytes)
+            for first, count, layers, nbytes in self.registry.owners()])
 
     def session_count(self) -> int:
         return len(self.zmq.sessions)

@@ -46,17 +46,15 @@ import os
 import resource
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import msgspec
 
-from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
 from lmshm.core.logs import Throttle
+from lmshm.core.peek import read_layer
 from lmshm.endpoints.zmq.sessions import Session, SessionLimitError, Sessions
-from lmshm.platform.base.fds import FD_INBOX
-from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.base.peer import own_pid_namespace
 from lmshm.quoting import clip, quote
 from lmshm.settings import ServerConfig
@@ -102,7 +100,14 @@ KV_EVENTS_REPLY_BYTES = 4 << 20
 #: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
 SHED_BELOW, SHED_TO = 32, 96
 
-__all__ = ["ZmqEndpoint"]
+__all__ = ["StatusSource", "ZmqEndpoint"]
+
+
+class StatusSource(Protocol):
+    """What answers STATUS: ``lmshm.Server.status_reply``."""
+
+    def __call__(self, *, offset: int = 0, limit: Optional[int] = None,
+                 minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply: ...
 
 
 def raise_fd_limit() -> int:
@@ -155,7 +160,9 @@ class _Refusal(Exception):
 
 class ZmqEndpoint:
     """The ZeroMQ endpoint of ``core`` (a ``lmshm.core.service.Core``), with the settings of
-    ``config`` (default: the core's, which must then be a ``ServerConfig``). ``on_stopping`` runs
+    ``config`` (default: the core's, which must then be a ``ServerConfig``). ``status`` builds
+    STATUS's reply (``lmshm.Server.status_reply``: the report is the server's, not this
+    endpoint's). ``on_stopping`` runs
     once, when shutdown begins, before anything is released (the composer stops its other
     endpoints). The endpoint's shutdown shuts the core down too, between answering what is
     queued and ending the sessions: copies are answered before the sessions they belong to go."""
@@ -163,8 +170,9 @@ class ZmqEndpoint:
     protocol_name = "zmq"
 
     def __init__(self, core: Any, config: Optional[ServerConfig] = None, *,
-                 on_stopping: Optional[Callable[[], None]] = None) -> None:
+                 status: StatusSource, on_stopping: Optional[Callable[[], None]] = None) -> None:
         config = config if config is not None else core.config
+        self._status_reply = status
         self.core = core
         self.config = config
         self.server_id = core.server_id
@@ -608,45 +616,7 @@ class ZmqEndpoint:
         return protocol.UnregisterReply(req.instance_id, deferred)
 
     def _status(self, identity: bytes, req: protocol.Status) -> Any:
-        return self.status_reply(offset=req.offset, limit=req.limit, minor=req.minor)
-
-    def status_reply(self, *, offset: int = 0, limit: Optional[int] = None,
-                     minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply:
-        """The server and ``limit`` registrations from the ``offset``-th, oldest first (in
-        process: every one by default; a STATUS request: at most ``protocol.STATUS_PAGE``).
-        The page costs its rows, and the summary one line per owner: never a walk of them all.
-        ``minor`` < 4: a ``StatusReply`` (what a 3.3 client decodes); else a ``StatusPageReply``."""
-        now = time.time()
-        page, total = self.registry.page(offset, len(self.registry) if limit is None else limit)
-        regs = []
-        for r in page:
-            region = r.region
-            if region is None:
-                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
-            else:
-                kinds, devices = [f"{r.kind}-region"], [region.device]
-            regs.append(protocol.RegistrationInfo(
-                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
-                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
-                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
-                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
-                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
-                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
-        common = dict(
-            server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
-            isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
-            sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
-            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
-            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
-        if minor < 4:
-            return protocol.StatusReply(**common)
-        return protocol.StatusPageReply(**common, registrations_total=total, offset=offset, owners=[
-            protocol.OwnerSummary(
-                kind="regions" if first.region is not None else "kv",
-                owner_session=first.owner if isinstance(first.owner, int) else 0,
-                owner_pid=first.owner_pid, owner_uid=first.owner_uid, client_name=first.client_name,
-                registrations=count, layers=layers, nbytes=nbytes)
-            for first, count, layers, nbytes in self.registry.owners()])
+        return self._status_reply(offset=req.offset, limit=req.limit, minor=req.minor)
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)
@@ -655,39 +625,7 @@ class ZmqEndpoint:
         session = self._verified(identity, "PEEK")
         with self.registry.hold(req.instance_id) as reg:
             self._may_touch(session, reg, "peek at")
-            found = reg.layer(req.layer_name)
-            if found is None:
-                raise _Refusal(ErrorCode.NOT_FOUND, f"instance {quote(req.instance_id, 60)} has no layer "
-                                                    f"{quote(req.layer_name, 60)}")
-            tensor, wrapper = found
-            item = tensor.element_size()
-            span = (sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) + 1) * item \
-                if tensor.numel() else 0
-            if req.offset > span:
-                raise _Refusal(ErrorCode.INVALID_ARG,
-                               f"peek offset {req.offset} is outside layer {quote(req.layer_name, 60)} ({span} bytes)")
-            try:
-                wrapper.verify_mapped()  # a truncated segment would SIGBUS us below
-            except OSError as exc:
-                raise _Refusal(ErrorCode.UNAVAILABLE, str(exc)) from None
-            n = min(req.length, span - req.offset)
-            backing = getattr(wrapper, "backing_file", None)
-            where = backing() if backing is not None else None
-            if where is None:
-                return protocol.PeekReply(_read_bytes(tensor, req.offset, n))
-            # Named shm: read through the file, so a segment truncated right now cannot SIGBUS us.
-            path, inode, start = where
-            try:
-                fd = open_checked(FileSide(path, inode, 0))
-                try:
-                    data = os.pread(fd, n, tensor.data_ptr() - start + req.offset)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                raise _Refusal(ErrorCode.UNAVAILABLE, f"cannot read segment {quote(path, 80)}: {exc}") from None
-            if len(data) != n:
-                raise _Refusal(ErrorCode.UNAVAILABLE, f"segment {quote(path, 80)} was truncated; refusing to read it")
-            return protocol.PeekReply(data)
+            return protocol.PeekReply(read_layer(reg, req.layer_name, req.offset, req.length))
 
     # ---- the data plane (lmshm.core.dataplane) -----------------------------------------
     def _store(self, identity: bytes, req: protocol.Store) -> Any:
@@ -747,14 +685,6 @@ def _code_of(reply: Any) -> str:
         except ValueError:
             return str(reply.code)
     return "OK"
-
-
-def _read_bytes(tensor: Any, offset: int, n: int) -> bytes:
-    import torch
-
-    u8 = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size() + offset, (n,))
-    return u8.cpu().numpy().tobytes()  # a GPU layer: one small D2H copy
 
 
 def _groups_of(creds: Credentials) -> set[int]:
