@@ -53,7 +53,8 @@ from lmshm.core.errors import ErrorCode, ServerError, Unsupported
 from lmshm.core.registry import Registration
 from lmshm.core.service import Core, View
 from lmshm.endpoints.kv_stream.publisher import KvEventPublisher
-from lmshm.endpoints.zmq.endpoint import ZmqEndpoint, open_fd_count
+from lmshm.endpoints.zmq.endpoint import ZmqEndpoint
+from lmshm.endpoints.zmq.fds import open_fd_count
 from lmshm.platform import ipc_policy
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.mappings import MAPPINGS

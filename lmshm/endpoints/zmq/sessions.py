@@ -293,3 +293,27 @@ class Sessions:
                 self._unwatch(session.pidfd)
                 os.close(session.pidfd)
                 session.pidfd = None
+
+
+def admission_refusal(config: ServerConfig, creds: Credentials) -> Optional[str]:
+    """The uid policy of the fd channel: None (admitted) for the server's uid, root, an
+    ``--allow-uid`` or a member of an ``--allow-gid``; else why the peer is refused."""
+    if creds.uid in (os.geteuid(), 0) or creds.uid in config.allowed_uids:
+        return None
+    if config.allowed_gids and _groups_of(creds) & set(config.allowed_gids):
+        return None
+    return (f"peer uid {creds.uid} is not admitted: the server runs as uid {os.geteuid()}; "
+            "admit others with --allow-uid / --allow-gid")
+
+
+def _groups_of(creds: Credentials) -> set[int]:
+    groups = {creds.gid}
+    try:
+        with open(f"/proc/{creds.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    except (OSError, ValueError):
+        pass
+    return groups
