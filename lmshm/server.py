@@ -1,40 +1,17 @@
 """``lmshm.Server`` and ``lmshm-server``: the core composed with its endpoints.
 
-This module sits above every layer (docs/design/layers.md): it builds the core
-(``lmshm.core.service.Core``: registry, data plane, metrics, clock), the ZeroMQ endpoint over it
-(``lmshm.endpoints.zmq.endpoint.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
-config asks, Triton's HTTP (``--http-port``, with ``/metrics``) and gRPC (``--grpc-port``)
-endpoints (``lmshm.endpoints``) and the KV event stream (``--kv-events``:
-``lmshm.endpoints.kv_stream.publisher``), and wires the calls that go up: a copier job's reply goes to the
-ZeroMQ endpoint, and the ZeroMQ endpoint's shutdown first stops the other endpoints. It is the
-analogue of Triton's in-process C API.
-
-Use it in a process of your own::
+Above every layer (docs/design/layers.md), it builds the core (``lmshm.core.service.Core``), the
+ZeroMQ endpoint over it (``lmshm.endpoints.zmq``, always on) and, when the config asks, the HTTP
+and gRPC endpoints and the KV event stream (``lmshm.endpoints.kv_stream``), and wires the calls
+that go up: a copier job's reply goes to the ZeroMQ endpoint, whose shutdown first stops the
+others. It owns the status report (``status_reply``) that STATUS, the HTTP status page and
+``status()`` share. It is the analogue of Triton's in-process C API::
 
     with lmshm.Server(lmshm.ServerConfig(url="tcp://127.0.0.1:0", http_port=0)) as server:
         server.register_system_region("input0", key="/my_shm", offset=0, byte_size=1 << 20)
-        with server.region_view("input0", offset=0, byte_size=4096) as view:
-            view.tensor[:4] = 7          # the client's shm sees it at once
 
-Threads: the core's clock (lease expiry, the orphan sweep) runs on a thread of its own from
-construction on; ``start()`` runs the ZeroMQ loop on a thread of its own and the HTTP and gRPC
-endpoints and the KV event publisher on theirs; ``serve_forever()`` runs the loop on the calling
-thread (the command line, with SIGINT/SIGTERM handling). Every public method is safe from any
-thread.
-
-Who releases what:
-- ``stop()`` (or leaving the ``with``) stops the endpoints, answers what is queued, shuts the
-  core down (every registration and region released), closes every fd and removes the socket
-  files;
-- a ``View`` holds its registration until it is closed (``lmshm.core.service``);
-- regions are the client's objects: the server never creates, truncates or unlinks them.
-
-Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode``, the same code that
-ZeroMQ, HTTP and gRPC callers receive.
-
-Versions: ``API_VERSION`` is ``(major, minor)``. Pass the version your code was written for as
-``api_version=``; a newer minor, or another major, is refused with ``Unsupported``.
-
+Every public method is safe from any thread; every refusal is a ``lmshm.ServerError``. Threads,
+who releases what and ``API_VERSION``: docs/design/service.md ("lmshm.Server, in process").
 ``main()`` is ``lmshm-server``'s command line (``python -m lmshm.server`` runs it too).
 """
 

@@ -1,19 +1,11 @@
-"""The worker-side client: register KV caches with lmshm-server and keep them registered.
+"""The worker-side client ``MPClient`` (``lmshm.MPClient``): register KV caches and keep them.
 
-``MPClient(url)`` says HELLO (protocol version, pid, host identity, isolated_ipc), opens the
-fd-channel link the server offers, and starts a heartbeat thread. ``register_kv_caches``
-wraps the tensors (``wrap_kv_caches``: zero copy for memory from ``empty_shared``), sends any
-file descriptors over the link, then one REGISTER_KV_CACHE with every layer.
-
-What the client keeps: the producer-side wrappers of every live registration. They keep the
-segments (and memfds) alive, and they are what the heartbeat re-sends when it notices that
-the server restarted (a new server id, or "no session"): it says HELLO again and re-registers
-every cached instance by itself. A timed-out request drops its ZeroMQ socket for a fresh one
-and resumes the same session with its token, so registrations survive a slow moment.
-
-Threads: one lock serialises every exchange on the DEALER socket; the heartbeat takes it for
-one PING at a time. Errors from the server become ``ServerError`` subclasses carrying the
-server's code and message; silence becomes ``ServerTimeout`` naming the URL.
+It says HELLO, opens the fd-channel link, wraps and registers tensors, and keeps each live
+registration's wrappers: they keep the segments alive, and the heartbeat re-registers them when
+the server restarted. One lock serialises the DEALER socket. Server errors become
+``ServerError`` subclasses; silence, ``ServerTimeout``. docs/design/transport.md has the rest.
+The trap: ``lmshm status`` imports this module, so the wrapping code (torch) is imported only
+when a registration needs it.
 """
 
 from __future__ import annotations
