@@ -12,16 +12,16 @@ layer is checked with ``verify_mapped`` and read as a tensor (a GPU layer: one s
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 
 from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.errors import InvalidArgument, NotFound, Unavailable
+from lmshm.core.registry import Registration
 from lmshm.quoting import quote
 
 
-def read_layer(reg: Any, layer_name: str, offset: int, length: int) -> bytes:
+def read_layer(reg: Registration, layer_name: str, offset: int, length: int) -> bytes:
     """Up to ``length`` bytes of layer ``layer_name`` of registration ``reg`` (held by the
     caller), from byte ``offset`` of its first element; fewer where the layer ends first."""
     found = reg.layer(layer_name)

@@ -28,6 +28,8 @@ from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
 from lmshm.core.logs import Throttle
 from lmshm.core.peek import read_layer
+from lmshm.core.registry import Registration
+from lmshm.core.service import Core
 from lmshm.endpoints.zmq.fds import FdBudget, open_fd_count, raise_fd_limit
 from lmshm.endpoints.zmq.sessions import Session, SessionLimitError, Sessions, admission_refusal
 from lmshm.platform.base.peer import own_pid_namespace
@@ -89,7 +91,7 @@ class ZmqEndpoint:
 
     protocol_name = "zmq"
 
-    def __init__(self, core: Any, config: Optional[ServerConfig] = None, *,
+    def __init__(self, core: Core, config: Optional[ServerConfig] = None, *,
                  status: StatusSource, on_stopping: Optional[Callable[[], None]] = None) -> None:
         config = config if config is not None else core.config
         self._status_reply = status
@@ -471,7 +473,7 @@ class ZmqEndpoint:
         for n in names:
             self._check_name(what, n)
 
-    def _may_touch(self, session: Session, reg: Any, what: str) -> None:
+    def _may_touch(self, session: Session, reg: Registration, what: str) -> None:
         if reg.owner != session.id and session.peer.uid not in self.config.admin_uids:
             raise _Refusal(ErrorCode.PERMISSION_DENIED,
                            f"instance {quote(reg.instance_id, 60)} belongs to another session (pid {reg.owner_pid}); "
