@@ -10,7 +10,7 @@ browser only, so the server keeps nothing per viewer.
 
 ``/status.json`` is ``{"status", "tenants", "errors", "time"}``. ``status`` is exactly what
 ``lmshm status --json`` prints for the same ``offset`` and ``limit`` (default 50, as there):
-the same ``lmshm.Server.status_reply`` that answers STATUS, turned into JSON by the same
+the same ``status_reply`` of the ZeroMQ endpoint, turned into JSON by the same
 ``status_as_dict``. ``tenants`` is the pool's bytes and objects per uid (the 32 that hold the
 most, as ``/metrics`` exports them); ``errors`` the answered requests whose code was not OK, by
 endpoint, request and code (the ``lmshm_requests`` counter).
