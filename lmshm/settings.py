@@ -463,7 +463,7 @@ def _from_text(s: Setting, raw: Any) -> Any:
         if s.kind == "list":
             return [v.strip() for v in raw.split(",") if v.strip()]
     if s.kind == "size" and isinstance(raw, (str, int)) and not isinstance(raw, bool):
-        from lmshm.core.pool import parse_size
+        from lmshm.core.pool import parse_size  # lazy: the pool imports torch; `lmshm status` reads these settings
 
         try:
             return parse_size(raw)

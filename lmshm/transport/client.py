@@ -388,7 +388,7 @@ class MPClient:
         CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
         once (see ``wrap_kv_caches``).
         """
-        from lmshm.platform.kv_wrap import wrap_kv_caches
+        from lmshm.platform.kv_wrap import wrap_kv_caches  # lazy: torch; `lmshm status` imports this module
 
         _check_block_dim(block_dim)
         return self.register_wrappers(list(kv_caches), wrap_kv_caches(kv_caches), instance_id,
@@ -409,7 +409,7 @@ class MPClient:
         ``RawCudaIPCWrapper.from_pointer`` over a pool no tensor describes). Takes ownership
         of the wrappers: they are closed on failure and at unregister. ``block_dim`` indexes the
         wrappers' shape. A re-registration after a server restart sends the same request."""
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         try:
             _check_block_dim(block_dim)
@@ -436,7 +436,7 @@ class MPClient:
 
     def unregister_kv_caches(self, instance_id: str) -> bool:
         """Release ``instance_id`` on the server. Returns True if the server deferred it."""
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         with self._lock:
             try:
@@ -537,7 +537,7 @@ class MPClient:
             self._teardown()
 
     def _teardown(self) -> None:
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         for cached in self._cached.values():
             release_wrappers(cached.wrappers)
