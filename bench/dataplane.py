@@ -32,8 +32,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from _server import BenchServer
 
-from lmshm.multiprocess.client import MPClient
 from lmshm.platform.cpu import empty_shared
+from lmshm.transport.client import MPClient
 
 LAYERS, HEADS, TOKENS, DIM = 32, 8, 32, 128
 BLOCK_LAYER_BYTES = HEADS * TOKENS * DIM * 2

@@ -74,8 +74,8 @@ from lmshm.core.tiers.disk import (
     read_file,
     write_file,
 )
-from lmshm.multiprocess.client import MPClient
 from lmshm.platform.cpu import empty_shared
+from lmshm.transport.client import MPClient
 
 LAYERS, HEADS, TOKENS, DIM = 32, 8, 32, 128
 BLOCK_LAYER_BYTES = HEADS * TOKENS * DIM * 2

@@ -77,9 +77,9 @@ class Server:
     def __init__(self, nofile: int, checkout: Optional[str]) -> None:
         self.dir = tempfile.mkdtemp(prefix="lmshm-floods-")
         env = dict(os.environ, PYTHONPATH=checkout or REPO)
-        # lmshm-server's module: lmshm.server since issue 16, lmshm.multiprocess.server in older checkouts
+        # lmshm-server's module: lmshm.server since issue 16, lmshm.endpoints.zmq.endpoint in older checkouts
         module = "lmshm.server" if os.path.exists(os.path.join(checkout or REPO, "lmshm", "server.py")) \
-            else "lmshm.multiprocess.server"
+            else "lmshm.endpoints.zmq.endpoint"
         cmd = [sys.executable, "-m", module, "--url", f"ipc://{self.dir}/s.ipc",
                "--fd-socket", f"{self.dir}/s.fds", "--http-port", "0", "--grpc-port", "0", "--capacity", "0",
                "--log-level", "WARNING"]

@@ -49,8 +49,8 @@ import torch
 from _server import BenchServer
 
 from lmshm.core.pool import OBJECT_COST
-from lmshm.multiprocess.client import MPClient
 from lmshm.platform import ipc_policy
+from lmshm.transport.client import MPClient
 
 CHUNK_BLOCKS = 16
 DEFAULT_MODES = ["default=memfd", "shm-file=shm", "shm-mapping=shm,--copy-through-mapping"]

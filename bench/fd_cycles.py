@@ -110,7 +110,7 @@ def _lmshm_maps(pid: int) -> int:
 
 
 def _status_mappings(url: str) -> str:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     try:
         st = query_status(url, timeout_s=5.0)

@@ -80,8 +80,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch
 from _server import BenchServer
 
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 TOKENS, DIM = 32, 128
 CHUNKS = 16                 # chunks per STORE: one 512-token prefill
@@ -90,7 +90,7 @@ CASES = {"64 KiB": (2, 2), "256 KiB": (8, 2), "2 MiB": (32, 4)}     # (layers, h
 
 READER = r"""
 import sys, time
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 c = MPClient(sys.argv[1], client_name="bench-kv-events-reader")
 cursor, n = -1, 0
 print("ready", flush=True)

@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _server import BenchServer
 
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 SPACE = b"bench"
 

@@ -35,7 +35,7 @@ import msgspec
 
 from lmshm.core import kv_events
 from lmshm.core.kv_events import packed_tokens
-from lmshm.multiprocess import protocol
+from lmshm.wire import protocol
 
 CHUNKS, TOKENS = 16, 32
 PHASES = ("describe", "present", "evict", "read")

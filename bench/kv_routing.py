@@ -55,7 +55,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _server import BenchServer
 from kv_router import Router
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
 # Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.

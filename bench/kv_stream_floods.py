@@ -80,7 +80,7 @@ class Target:
                                   env={**os.environ, "PYTHONPATH": str(checkout), "LMSHM_POOL_POPULATE_AHEAD": "0"})
         import torch
 
-        from lmshm.multiprocess.client import MPClient
+        from lmshm.transport.client import MPClient
 
         self.client = MPClient(self.server.url)
         self.kv = torch.zeros(64, 4, 64)
@@ -90,7 +90,7 @@ class Target:
         time.sleep(0.5)
 
     def store(self, n: int = 1) -> None:
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         for _ in range(n):
             k, self.k = self.k, self.k + 1

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "tests" / "v1" / "multiprocess"))
 from attacks import DEALER_GREETING, RawZmtp, zmtp_frame, zmtp_ping
 from harness import raw_reply, server_rss_kb
 
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 
 LIMIT = 16 << 20
 READY = re.compile(r"listening on (\S+).*fd channel (\S+)")

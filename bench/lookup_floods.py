@@ -39,7 +39,7 @@ from typing import Any, Optional
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 
 VOCAB = 128256
 TOKENS = 1 << 20

@@ -54,7 +54,7 @@ def rss_kb(pid: int) -> int:
 
 
 def status_ms(url: str, n: int = 20) -> tuple[float, float]:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     times = []
     for _ in range(n):
@@ -68,7 +68,7 @@ def pings_under_status_flood(url: str, client, seconds: float = 2.0) -> tuple[fl
     """PINGs of a verified session while a sessionless DEALER keeps 8 STATUS requests queued."""
     import zmq
 
-    from lmshm.multiprocess import codec, protocol
+    from lmshm.wire import codec, protocol
 
     stop = threading.Event()
     sent = [0]
@@ -142,8 +142,8 @@ def main() -> None:
     import torch
 
     import lmshm
-    from lmshm.multiprocess.client import MPClient
     from lmshm.platform.cpu import empty_shared
+    from lmshm.transport.client import MPClient
 
     checkpoints = sorted({int(c) for c in args.checkpoints.split(",") if c} | {args.objects})
     out: dict = {"lmshm": os.path.dirname(lmshm.__file__), "capacity": args.capacity, "points": []}

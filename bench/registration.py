@@ -28,10 +28,10 @@ import time
 import torch
 
 from lmshm.core.registry import Registry
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import MPClient, layer_groups, query_status
 from lmshm.platform.cpu import empty_shared
 from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
+from lmshm.transport.client import MPClient, layer_groups, query_status
+from lmshm.wire import codec, protocol
 
 SHAPE = (2, 16, 16, 8, 64)
 LAYER_COUNTS = (8, 32, 64, 128)

@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 from _server import BenchServer
 
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 LAYERS = 8
 BLOCKS = 64

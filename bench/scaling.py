@@ -129,7 +129,7 @@ def tiny_kv():
 
 
 def section_lookup(args: argparse.Namespace) -> None:
-    from lmshm.multiprocess.client import MPClient
+    from lmshm.transport.client import MPClient
 
     sizes = sorted(int(s) for s in args.objects.split(","))
     rng = random.Random(1)
@@ -258,8 +258,8 @@ def memmove_s(nbytes: int, reps: int) -> list[float]:
 def section_copy(args: argparse.Namespace) -> None:
     import torch
 
-    from lmshm.multiprocess.client import MPClient
     from lmshm.platform.cpu import empty_shared
+    from lmshm.transport.client import MPClient
 
     sizes = [int(s) for s in args.sizes.split(",")]
     cb = args.chunk_blocks
@@ -332,9 +332,10 @@ def run_wall_ms(cmd: list[str]) -> float:
 def section_registry(args: argparse.Namespace) -> None:
     import torch
 
-    from lmshm.multiprocess import codec, mq, protocol
-    from lmshm.multiprocess.client import MPClient
     from lmshm.platform.cpu import empty_shared
+    from lmshm.transport import mq
+    from lmshm.transport.client import MPClient
+    from lmshm.wire import codec, protocol
 
     counts = sorted(int(c) for c in args.registrations.split(","))
     print(f"\n== REGISTER, UNREGISTER and STATUS against the live registrations; {args.reg_runs} rounds "
@@ -433,7 +434,7 @@ def latency_child() -> None:
     """Driven over stdin by ``section_listener``: ``setup N`` (a server, N objects), ``run N``
     (N rounds; one JSON line back), ``quit``."""
     import lmshm
-    from lmshm.multiprocess.client import MPClient
+    from lmshm.transport.client import MPClient
 
     server = client = None
     rng = random.Random(os.getpid())

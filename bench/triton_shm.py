@@ -46,7 +46,7 @@ import tritonclient.http as triton_http
 from tritonclient.utils import shared_memory as triton_shm
 
 from lmshm import MPClient, empty_shared
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 REGION_BYTES = 64 << 10
 KV_SHAPE = (2, 16, 16, 64)  # float16: 64 KiB, one layer

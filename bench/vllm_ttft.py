@@ -46,7 +46,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(__file__))
 from _server import BenchServer
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.

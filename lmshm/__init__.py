@@ -17,10 +17,10 @@ from typing import Any
 from lmshm._version import __version__
 
 _EXPORTS = {
-    "MPClient": "lmshm.multiprocess.client",
+    "MPClient": "lmshm.transport.client",
     "LmshmError": "lmshm.core.errors",
     "ServerError": "lmshm.core.errors",
-    "ServerTimeout": "lmshm.multiprocess.client",
+    "ServerTimeout": "lmshm.transport.client",
     "wrap_kv_caches": "lmshm.platform.kv_wrap",
     "wrap_one_kv_cache": "lmshm.platform.kv_wrap",
     "DeviceIPCWrapper": "lmshm.platform.base.ipc_wrapper",
@@ -35,7 +35,7 @@ _EXPORTS = {
     "View": "lmshm.core.service",
     "API_VERSION": "lmshm.server",
     "check_api_version": "lmshm.server",
-    "ServerConfig": "lmshm.multiprocess.config",
+    "ServerConfig": "lmshm.settings",
     "ErrorCode": "lmshm.core.errors",
 }
 

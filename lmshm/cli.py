@@ -145,7 +145,7 @@ def _count(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from lmshm.multiprocess.client import LmshmError, query_status, status_as_dict
+    from lmshm.transport.client import LmshmError, query_status, status_as_dict
 
     try:
         status = query_status(args.url, timeout_s=args.timeout, offset=args.offset,

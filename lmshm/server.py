@@ -1,40 +1,17 @@
 """``lmshm.Server`` and ``lmshm-server``: the core composed with its endpoints.
 
-This module sits above every layer (docs/design/layers.md): it builds the core
-(``lmshm.core.service.Core``: registry, data plane, metrics, clock), the ZeroMQ endpoint over it
-(``lmshm.multiprocess.server.ZmqEndpoint``: lmshm's own protocol, always on) and, when the
-config asks, Triton's HTTP (``--http-port``, with ``/metrics``) and gRPC (``--grpc-port``)
-endpoints (``lmshm.endpoints``) and the KV event stream (``--kv-events``:
-``lmshm.multiprocess.kv_publisher``), and wires the calls that go up: a copier job's reply goes to the
-ZeroMQ endpoint, and the ZeroMQ endpoint's shutdown first stops the other endpoints. It is the
-analogue of Triton's in-process C API.
-
-Use it in a process of your own::
+Above every layer (docs/design/layers.md), it builds the core (``lmshm.core.service.Core``), the
+ZeroMQ endpoint over it (``lmshm.endpoints.zmq``, always on) and, when the config asks, the HTTP
+and gRPC endpoints and the KV event stream (``lmshm.endpoints.kv_stream``), and wires the calls
+that go up: a copier job's reply goes to the ZeroMQ endpoint, whose shutdown first stops the
+others. It owns the status report (``status_reply``) that STATUS, the HTTP status page and
+``status()`` share. It is the analogue of Triton's in-process C API::
 
     with lmshm.Server(lmshm.ServerConfig(url="tcp://127.0.0.1:0", http_port=0)) as server:
         server.register_system_region("input0", key="/my_shm", offset=0, byte_size=1 << 20)
-        with server.region_view("input0", offset=0, byte_size=4096) as view:
-            view.tensor[:4] = 7          # the client's shm sees it at once
 
-Threads: the core's clock (lease expiry, the orphan sweep) runs on a thread of its own from
-construction on; ``start()`` runs the ZeroMQ loop on a thread of its own and the HTTP and gRPC
-endpoints and the KV event publisher on theirs; ``serve_forever()`` runs the loop on the calling
-thread (the command line, with SIGINT/SIGTERM handling). Every public method is safe from any
-thread.
-
-Who releases what:
-- ``stop()`` (or leaving the ``with``) stops the endpoints, answers what is queued, shuts the
-  core down (every registration and region released), closes every fd and removes the socket
-  files;
-- a ``View`` holds its registration until it is closed (``lmshm.core.service``);
-- regions are the client's objects: the server never creates, truncates or unlinks them.
-
-Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode``, the same code that
-ZeroMQ, HTTP and gRPC callers receive.
-
-Versions: ``API_VERSION`` is ``(major, minor)``. Pass the version your code was written for as
-``api_version=``; a newer minor, or another major, is refused with ``Unsupported``.
-
+Every public method is safe from any thread; every refusal is a ``lmshm.ServerError``. Threads,
+who releases what and ``API_VERSION``: docs/design/service.md ("lmshm.Server, in process").
 ``main()`` is ``lmshm-server``'s command line (``python -m lmshm.server`` runs it too).
 """
 
@@ -45,19 +22,24 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Optional
 
 from lmshm._version import __version__
 from lmshm.core.errors import ErrorCode, ServerError, Unsupported
 from lmshm.core.registry import Registration
 from lmshm.core.service import Core, View
-from lmshm.multiprocess import mq, protocol
-from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
-from lmshm.multiprocess.fdchannel import FdChannelError
-from lmshm.multiprocess.kv_publisher import KvEventPublisher
-from lmshm.multiprocess.server import ZmqEndpoint
+from lmshm.endpoints.kv_stream.publisher import KvEventPublisher
+from lmshm.endpoints.zmq.endpoint import ZmqEndpoint
+from lmshm.endpoints.zmq.fds import open_fd_count
 from lmshm.platform import ipc_policy
+from lmshm.platform.base.fds import FD_INBOX
+from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.quoting import quote
+from lmshm.settings import ConfigError, ServerConfig, build_arg_parser, resolve_config
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import FdChannelError
+from lmshm.wire import protocol
 
 logger = logging.getLogger("lmshm.server")
 
@@ -107,7 +89,8 @@ class Server:
         self._serving = False
         self.core = Core(self.config, reply=self._copy_done)
         try:
-            self.zmq = ZmqEndpoint(self.core, self.config, on_stopping=self._stop_side_endpoints)
+            self.zmq = ZmqEndpoint(self.core, self.config, status=self.status_reply,
+                                   on_stopping=self._stop_side_endpoints)
         except BaseException:
             self.core.shutdown()
             raise
@@ -271,7 +254,46 @@ class Server:
 
     def status(self) -> Any:
         """What ``lmshm status`` shows: a ``protocol.StatusReply``."""
-        return self.zmq.status_reply()
+        return self.status_reply()
+
+    def status_reply(self, *, offset: int = 0, limit: Optional[int] = None,
+                     minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply:
+        """The server and ``limit`` registrations from the ``offset``-th, oldest first (in
+        process: every one by default; a STATUS request: at most ``protocol.STATUS_PAGE``).
+        The page costs its rows, and the summary one line per owner: never a walk of them all.
+        ``minor`` < 4: a ``StatusReply`` (what a 3.3 client decodes); else a ``StatusPageReply``.
+        One report for every endpoint: ZeroMQ's STATUS, the HTTP status page, ``status()``."""
+        now = time.time()
+        page, total = self.registry.page(offset, len(self.registry) if limit is None else limit)
+        regs = []
+        for r in page:
+            region = r.region
+            if region is None:
+                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
+            else:
+                kinds, devices = [f"{r.kind}-region"], [region.device]
+            regs.append(protocol.RegistrationInfo(
+                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
+                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
+                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
+                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
+                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
+                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
+        common = dict(
+            server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
+            isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
+            sessions=len(self.zmq.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
+            open_fds=open_fd_count(), fd_limit=self.zmq.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
+            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
+        if minor < 4:
+            return protocol.StatusReply(**common)
+        return protocol.StatusPageReply(**common, registrations_total=total, offset=offset, owners=[
+            protocol.OwnerSummary(
+                kind="regions" if first.region is not None else "kv",
+                owner_session=first.owner if isinstance(first.owner, int) else 0,
+                owner_pid=first.owner_pid, owner_uid=first.owner_uid, client_name=first.client_name,
+                registrations=count, layers=layers, nbytes=nbytes)
+            for first, count, layers, nbytes in self.registry.owners()])
 
     def session_count(self) -> int:
         return len(self.zmq.sessions)

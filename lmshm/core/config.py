@@ -1,7 +1,7 @@
 """The settings the core reads: ``CoreConfig``.
 
 A msgspec Struct whose ``Meta`` constraints are the rules, as the wire's messages are. The
-command line's ``ServerConfig`` (``lmshm.multiprocess.config``) extends it with what the
+command line's ``ServerConfig`` (``lmshm.settings``) extends it with what the
 endpoints read (addresses, sessions, transport limits, HTTP and gRPC), and its ``SETTINGS`` table
 gives every field, these included, a flag, an environment variable and a TOML key. So the core
 takes any ``CoreConfig`` -- a ``ServerConfig`` too -- and never imports what sits above it.

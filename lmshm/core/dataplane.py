@@ -24,7 +24,6 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from lmshm.core import messages as protocol  # the data plane's part of the wire protocol
 from lmshm.core.copier import (
     BlockLayout,
     FileSide,
@@ -51,6 +50,7 @@ from lmshm.core.kv_events import KvIndex
 from lmshm.core.pool import BLOCKS, LAYOUT, Pool, Reservation
 from lmshm.core.tiers.stack import TierStack
 from lmshm.quoting import clip, quote
+from lmshm.wire import protocol  # the data plane's part of the wire protocol
 
 logger = logging.getLogger("lmshm.dataplane")
 
@@ -146,7 +146,6 @@ class DataPlane:
             kv = self.kv
             self.pool.on_resident = kv.recorder("pool")
             self.pool.on_committed = kv.batch_recorder("pool")
-            kv.unpack_adverts = protocol.unpack_adverts
             if self.tiers is not None:
                 for t in self.tiers.tiers:
                     record = kv.recorder(t.name)

@@ -6,26 +6,13 @@ raise it to an application that embeds the server; ``MPClient`` raises it when a
 carries an error; the HTTP and gRPC endpoints translate its code to a status
 (``lmshm.endpoints.triton``). A code never changes meaning: a new failure takes a new number.
 
-Nothing here imports anything heavy: ``lmshm status`` and the wire protocol use these codes.
+The codes themselves are the wire's (``lmshm.wire.protocol.ErrorCode``), imported here; nothing
+here imports anything heavy, so ``lmshm status`` stays light.
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
-
-
-class ErrorCode(IntEnum):
-    """Why a request failed. Explicit and stable: never renumber."""
-
-    INVALID_ARG = 1        # malformed frame, undecodable body, bad field, unmappable layer
-    ALREADY_EXISTS = 2     # a different registration already lives under this instance id
-    NOT_FOUND = 3          # no such instance id (or layer, or region of that kind)
-    UNAVAILABLE = 4        # no session (send HELLO), a limit reached, or shutting down
-    UNSUPPORTED = 5        # protocol or API version, or isolated_ipc disagreement, unknown request
-    PERMISSION_DENIED = 6  # identity not verified, not the owner, memory the peer does not own
-    INTERNAL = 7           # a server bug: the handler raised
-    LAYOUT = 8             # the registration's layout cannot be moved, or differs from the stored object's
-    DATA_LOSS = 9          # a copy failed (memory truncated under the server); nothing was made visible
+from lmshm.wire.protocol import ErrorCode  # the codes are the wire's (protocol.py); re-exported here
 
 
 class LmshmError(Exception):

@@ -34,11 +34,11 @@ from lmshm.core.errors import (
     ServerError,
     Unavailable,
 )
-from lmshm.core.messages import MAX_LAYERS, LayerGroup
 from lmshm.platform.base.fds import FD_INBOX
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import Peer
 from lmshm.quoting import clip, quote
+from lmshm.wire.protocol import MAX_LAYERS, LayerGroup
 
 logger = logging.getLogger(__name__)
 

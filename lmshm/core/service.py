@@ -6,7 +6,7 @@ metrics, and the clock that runs the core's timed work -- lease expiry and the o
 on a thread of its own (``clock.py``), so that it runs whichever endpoints do, or none.
 
 Above it, endpoints translate their protocols into calls on it and keep no registry state:
-ZeroMQ (``lmshm.multiprocess.server.ZmqEndpoint``: sessions, the fd channel, and the reclaim
+ZeroMQ (``lmshm.endpoints.zmq.endpoint.ZmqEndpoint``: sessions, the fd channel, and the reclaim
 of a session's registrations when it ends) and Triton's HTTP and gRPC (``lmshm.endpoints``).
 ``lmshm.Server`` (``lmshm/server.py``) composes them with this object; nothing here imports
 them. Where the core must call up, it takes a callback at composition: ``reply``, through
@@ -45,11 +45,11 @@ from lmshm.core.config import CoreConfig
 from lmshm.core.dataplane import DataPlane
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import KvIndex
-from lmshm.core.messages import PoolInfo
 from lmshm.core.metrics import Metrics
 from lmshm.core.registry import Registration, Registry
 from lmshm.platform.shm_orphans import sweep_orphans
 from lmshm.quoting import quote
+from lmshm.wire.protocol import PoolInfo
 
 logger = logging.getLogger("lmshm.server")
 

@@ -29,8 +29,8 @@ from aiohttp import web
 
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import TIER_MEDIA
-from lmshm.core.messages import MAX_ADVERT_BLOCKS, MAX_TEXT
 from lmshm.quoting import quote
+from lmshm.wire.protocol import MAX_ADVERT_BLOCKS, MAX_TEXT
 
 PATH = "/v1/kv/lookup"
 #: The request type the metrics count these routes under (``lmshm_requests{request=...}``).

@@ -26,8 +26,8 @@ from typing import Any, Optional
 from aiohttp import web
 
 from lmshm.core.errors import ErrorCode, ServerError
-from lmshm.multiprocess.client import status_as_dict
-from lmshm.multiprocess.protocol import STATUS_PAGE
+from lmshm.transport.client import status_as_dict
+from lmshm.wire.protocol import STATUS_PAGE
 
 #: How often the page asks for ``/status.json`` (milliseconds), and how many points it keeps.
 POLL_MS = 1000
@@ -86,7 +86,7 @@ def request_errors(metrics: Any) -> list[dict[str, Any]]:
 
 def snapshot(server: Any, offset: int = 0, limit: int = DEFAULT_LIMIT) -> dict[str, Any]:
     """What ``/status.json`` answers (see the module docstring)."""
-    status = server.zmq.status_reply(offset=offset, limit=min(limit, STATUS_PAGE))
+    status = server.status_reply(offset=offset, limit=min(limit, STATUS_PAGE))
     pool = getattr(server.dataplane, "pool", None)
     return {"status": status_as_dict(status),
             "tenants": [{"uid": uid, "used": used, "objects": objects}

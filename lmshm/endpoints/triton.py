@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import grpc
 
 from lmshm.core.errors import ErrorCode
-from lmshm.multiprocess.config import parse_restriction
+from lmshm.settings import parse_restriction
 
 logger = logging.getLogger("lmshm.endpoints")
 

@@ -164,7 +164,7 @@ class Link:
         threading.Thread(target=self._connect, name="lmshm-connect", daemon=True).start()
 
     def _connect(self) -> None:
-        from lmshm.multiprocess.client import MPClient
+        from lmshm.transport.client import MPClient
 
         try:
             client = MPClient(self.config.url, timeout_s=self.config.timeout_s,
@@ -274,7 +274,7 @@ class Link:
     # ---- requests -----------------------------------------------------------------------
     def lookup(self, keys: list[list[bytes]], ttl_s: float = 0.0) -> tuple[int, bytes]:
         """``(leading chunks every rank has, lease)``; ``(0, b"")`` whenever anything fails."""
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         client = self.client()
         if client is None or not keys or not keys[0]:
@@ -287,7 +287,7 @@ class Link:
             return 0, b""
 
     def release(self, lease: bytes) -> None:
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         client = self.client()
         if client is None or not lease:
@@ -313,7 +313,7 @@ class Link:
         try:
             ads = None
             if adverts:
-                from lmshm.multiprocess import protocol
+                from lmshm.wire import protocol
 
                 ads = [_advert(protocol, a) for a in adverts]
             return client.store(iid, keys, block_ids, chunk_blocks, wait=False,
@@ -338,7 +338,7 @@ class Link:
 
     def outcome(self, what: str, pending: Any) -> Optional[Any]:
         """``pending.result()``, or None (logged, rate-limited) if it failed."""
-        from lmshm.multiprocess.client import ServerError, ServerTimeout
+        from lmshm.transport.client import ServerError, ServerTimeout
 
         try:
             return pending.result()
@@ -676,7 +676,7 @@ class EventFeed:
             self._next_at = time.monotonic() + self.every_s
             client = self.link.client()
             if client is not None:
-                from lmshm.multiprocess import protocol
+                from lmshm.wire import protocol
 
                 try:
                     self._pending = client.submit(protocol.KvEvents(self.spaces, self.cursor, self.limit),

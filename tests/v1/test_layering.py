@@ -1,8 +1,8 @@
 """The package's layers import downwards only, and no module imports itself back.
 
-``platform`` < ``core`` < ``multiprocess`` < ``endpoints``, ``integrations`` < the top
-(``lmshm.Server`` and the command lines, which compose the others). ``lmshm.quoting`` and
-``lmshm._version`` are leaves below them all. docs/design/layers.md says why.
+``platform`` < ``wire`` < ``core`` < ``transport`` < ``settings`` < ``endpoints``,
+``integrations`` < the top (``lmshm.Server`` and the command lines, which compose the others).
+``lmshm.quoting`` and ``lmshm._version`` are leaves below them all. docs/design/layers.md says why.
 
 The graph is read from the source with ``ast``, not by importing it, so it sees every import
 statement wherever it is: at module level, inside functions (lazy imports are edges too), under
@@ -29,11 +29,13 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lmshm"
 LAYERS = {
     "base": 0,          # leaves every layer may use (quoting peer data, the version); import nothing
     "platform": 1,
-    "core": 2,
-    "multiprocess": 3,
-    "endpoints": 4,
-    "integrations": 4,
-    "top": 5,
+    "wire": 2,          # the messages and their codec: the core takes and returns them as they are
+    "core": 3,
+    "transport": 4,     # the ZMTP listener, the fd channel, the worker client MPClient
+    "settings": 5,      # lmshm.settings: ServerConfig, read by the endpoints and lmshm.Server
+    "endpoints": 6,
+    "integrations": 6,
+    "top": 7,
 }
 #: Top-level modules of ``lmshm/`` (outside a layer's folder) and the layer each belongs to. A
 #: new one must be placed here, so that nobody adds a module the rule does not see.
@@ -67,7 +69,7 @@ def layer_of(module: str) -> str:
         return parts[1]
     if module in TOP_LEVEL:
         return TOP_LEVEL[module]
-    raise AssertionError(f"{module} is in no layer: move it into one of lmshm/{{platform,core,multiprocess,"
+    raise AssertionError(f"{module} is in no layer: move it into one of lmshm/{{platform,wire,core,transport,"
                          f"endpoints,integrations}}/, or place it in TOP_LEVEL in {Path(__file__).name}")
 
 
@@ -257,11 +259,11 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 def test_checker_names_an_upward_import_inside_a_function(tmp_path):
     root = _package(tmp_path, {
-        "core/service.py": "def f():\n    from lmshm.multiprocess import protocol\n",
-        "multiprocess/protocol.py": "X = 1\n",
+        "core/service.py": "def f():\n    from lmshm.transport import client\n",
+        "transport/client.py": "X = 1\n",
     })
     assert layering_problems(root) == [
-        "upward import: lmshm.core.service (core) imports lmshm.multiprocess.protocol (multiprocess) "
+        "upward import: lmshm.core.service (core) imports lmshm.transport.client (transport) "
         "at lmshm/core/service.py:2"]
 
 

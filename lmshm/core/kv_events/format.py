@@ -1,9 +1,8 @@
-"""vLLM's KV-event format, as lmshm writes and reads it, and token ids packed.
+"""vLLM's KV-event format as the core uses it, and token ids packed.
 
-The structs mirror ``vllm/distributed/kv_events.py`` (vLLM 0.32): events are msgpack maps tagged
-by ``"type"``, a batch an array ``[ts, events, data_parallel_rank]``; ``decode_batch`` also
-reads the positional arrays vLLM sent before (PR #42892). ``TIER_MEDIA`` says which medium and
-locality each lmshm tier is in vLLM's terms. ``block_salt`` reads a block's extra keys as
+The structs are ``lmshm.wire.vllm_events``'s (the wire carries them; they mirror vLLM 0.32's
+``vllm/distributed/kv_events.py``), re-exported here under the names the core has used.
+``TIER_MEDIA`` says which medium and locality each lmshm tier is in vLLM's terms. ``block_salt`` reads a block's extra keys as
 vLLM's ``to_event_extra_keys`` writes them.
 
 Token ids travel and are kept *packed* (``packed_tokens``): little-endian int32, 4 bytes a
@@ -17,11 +16,22 @@ from __future__ import annotations
 import functools
 import struct
 import sys
-import time
 from array import array
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
-import msgspec
+# vLLM's events and their batch are the wire's (both the stream and the KV_EVENTS reply carry
+# them); the core builds and reads them through these names.
+from lmshm.wire.vllm_events import (  # noqa: F401 (re-exported: the core's names for vLLM's format)
+    AllBlocksCleared,
+    BadBatch,
+    BlockHashValue,
+    BlockRemoved,
+    BlockStored,
+    KvEvent,
+    KvEventBatch,
+    decode_batch,
+    encode_batch,
+)
 
 #: Each tier's ``(medium, locality)`` in vLLM's events; a tier not listed is ``_OTHER_MEDIA``.
 TIER_MEDIA = {"pool": ("CPU", "LOCAL"), "disk": ("STORAGE", "LOCAL"), "remote": ("STORAGE", "REMOTE")}
@@ -32,96 +42,6 @@ def media_of(tier: str) -> tuple[str, str]:
     """``(medium, locality)`` of ``tier`` in vLLM's events (``TIER_MEDIA``)."""
     return TIER_MEDIA.get(tier, _OTHER_MEDIA)
 
-
-BlockHashValue = Union[int, bytes]
-
-
-# ---- vLLM's wire format (vllm/distributed/kv_events.py, vLLM 0.32): a map tagged by "type" ----
-
-
-class KvEvent(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """Base of the three events; the tag is the class name, in the ``"type"`` field."""
-
-
-class BlockStored(KvEvent):
-    block_hashes: list[BlockHashValue]
-    parent_block_hash: Optional[BlockHashValue]
-    token_ids: list[int]
-    block_size: int
-    lora_id: Optional[int]
-    medium: Optional[str]
-    lora_name: Optional[str]
-    extra_keys: Optional[list[Any]] = None
-    group_idx: Optional[int] = None
-    kv_cache_spec_kind: Optional[str] = None
-    kv_cache_spec_sliding_window: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
-    session_id: Optional[str] = None
-
-
-class BlockRemoved(KvEvent):
-    block_hashes: list[BlockHashValue]
-    medium: Optional[str]
-    group_idx: Optional[int] = None
-    locality: Optional[str] = None
-    ownership: Optional[str] = None
-
-
-class AllBlocksCleared(KvEvent):
-    pass
-
-
-class KvEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]
-    data_parallel_rank: Optional[int] = None
-
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode_batch(events: Sequence[KvEvent], ts: Optional[float] = None) -> bytes:
-    """One ``KVEventBatch`` payload, as vLLM's publisher sends it."""
-    return _encoder.encode(KvEventBatch(time.time() if ts is None else ts, list(events)))
-
-
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
-                  "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
-                  "ownership", "session_id")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
-_FIELDS = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS, "AllBlocksCleared": ()}
-
-
-class BadBatch(ValueError):
-    """A payload that is not a KV event batch in either encoding."""
-
-
-def decode_batch(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
-    """``(ts, events)`` from a ``KVEventBatch`` payload in either encoding vLLM has used: events
-    as maps tagged by ``"type"`` (vLLM >= 0.20, PR #42892) or as positional arrays whose first
-    item is the tag (before). Each event comes back as a dict with ``"type"`` and its fields."""
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError as exc:
-        raise BadBatch(f"not msgpack: {exc}") from None
-    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise BadBatch("a KV event batch is an array [ts, events, (data_parallel_rank)]")
-    out = []
-    for item in raw[1]:
-        if isinstance(item, dict):
-            kind = item.get("type")
-            if kind not in _FIELDS:
-                raise BadBatch(f"unknown event type {str(kind)[:40]!r}")
-            out.append(dict(item))
-        elif isinstance(item, list) and item and item[0] in _FIELDS:
-            names = _FIELDS[item[0]]
-            event = {"type": item[0]}
-            event.update(zip(names, item[1:1 + len(names)]))
-            out.append(event)
-        else:
-            raise BadBatch("an event is a map with a 'type' or an array starting with its tag")
-    return float(raw[0]), out
 
 # ---- token ids, packed ----------------------------------------------------------------------
 

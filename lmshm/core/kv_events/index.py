@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import msgspec
 
@@ -31,6 +31,7 @@ from lmshm.core.kv_events.format import AllBlocksCleared, packed_tokens
 from lmshm.core.kv_events.log import EventLog
 from lmshm.core.kv_events.maps import IndexMaps
 from lmshm.quoting import quote
+from lmshm.wire.protocol import unpack_adverts
 
 logger = logging.getLogger("lmshm.kv_events")
 
@@ -80,8 +81,8 @@ class _Describing:
 
 class KvIndex:
     """The server's KV event index and its log. ``max_chunks`` 0 turns events off (nothing is
-    indexed); ``unpack_adverts`` decodes a STORE's encoded adverts (``messages.unpack_adverts``:
-    the messages import this package, so it cannot import them).
+    indexed). A STORE's adverts may come still encoded (``msgspec.Raw``): the index decodes them
+    with the wire's ``unpack_adverts`` when it applies them, off the request loop.
 
     ``describe`` and ``note`` only queue (``_queue``, a deque: appending is atomic, and takes
     no lock, so the pool may call ``note`` under its own); ``drain`` applies the queue in the
@@ -95,7 +96,7 @@ class KvIndex:
     what in the maps: ``maps``'s docstring."""
 
     def __init__(self, *, max_chunks: int = 1 << 18, records: int = 65536, max_bytes: Optional[int] = None,
-                 log_bytes: Optional[int] = None, unpack_adverts: Optional[Callable[[Any], list]] = None) -> None:
+                 log_bytes: Optional[int] = None) -> None:
         self.max_chunks = max_chunks
         self.maps = IndexMaps(max_chunks, max_bytes)
         self.log = EventLog(records, log_bytes, before_read=self.drain)
@@ -105,9 +106,6 @@ class KvIndex:
         self._queued_adverts = 0                   # adverts and batched notes in _queue (under _count_lock)
         self._queued_bytes = 0                     # their bytes, those queued encoded (under _count_lock)
         self._queued_by_uid: dict[int, tuple[int, int]] = {}   # uid -> its adverts and bytes queued
-        #: decodes a STORE's encoded adverts (``messages.unpack_adverts``; the data plane may
-        #: still set it after construction)
-        self.unpack_adverts = unpack_adverts
         self._count_lock = threading.Lock()
         self._pruned_at = 0.0
         self.refused = 0          # STOREs whose adverts did not check (check_advert): not advertised
@@ -301,8 +299,6 @@ class KvIndex:
         try:
             if cur.items is None:
                 if isinstance(adverts, msgspec.Raw):
-                    if self.unpack_adverts is None:
-                        raise ValueError("encoded adverts, and no decoder for them")
                     cur.items = _raw_items.decode(adverts)
                     units = 1 + (len(cur.items) >> 8)
                 else:
@@ -319,7 +315,7 @@ class KvIndex:
                 end += 1
             part = items[start:end]
             if part and isinstance(part[0], msgspec.Raw):
-                part = self.unpack_adverts(_array_of(part))
+                part = unpack_adverts(_array_of(part))
                 if len(part) != end - start:
                     raise ValueError("an advert is not one msgpack value")
             checked = [a if isinstance(a, CheckedAdvert) else check_advert(a) for a in part]

@@ -29,7 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from lmshm.core.messages import TierInfo
+from lmshm.wire.protocol import TierInfo
 
 
 @dataclass(frozen=True)

@@ -86,9 +86,9 @@ from typing import Any, Callable, Optional, Sequence
 import msgspec
 import numpy as np
 
-from lmshm.core.messages import TierInfo
 from lmshm.core.tiers.base import ChunkMeta, SeenOnce, Tier
 from lmshm.platform import openat2
+from lmshm.wire.protocol import TierInfo
 
 logger = logging.getLogger("lmshm.tiers.disk")
 

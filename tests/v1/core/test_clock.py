@@ -121,7 +121,7 @@ sys.stdin.read()
 _CORE_ALONE = r"""
 import json, os, sys, threading, time, types
 from lmshm.core.config import CoreConfig
-from lmshm.core.messages import Lookup
+from lmshm.wire.protocol import Lookup
 from lmshm.core.pool import Reservation
 from lmshm.core.service import Core
 
@@ -152,7 +152,7 @@ while core.pool_info().leases and time.monotonic() - t0 < 5:
 out["lease_ended_after_s"] = round(time.monotonic() - t0, 3)
 out["leases_left"] = core.pool_info().leases
 out["loaded"] = sorted(m for m in sys.modules if m == "zmq" or m.startswith(
-    ("zmq.", "lmshm.multiprocess", "lmshm.endpoints", "lmshm.integrations", "lmshm.server")))
+    ("zmq.", "lmshm.transport", "lmshm.settings", "lmshm.endpoints", "lmshm.integrations", "lmshm.server")))
 out["released"] = core.shutdown()
 out["threads_after"] = sorted(t.name for t in threading.enumerate())
 print(json.dumps(out), flush=True)

@@ -321,9 +321,9 @@ def test_write_through_never_pins_more_than_half_the_pool(disk_dir):
 
 
 def test_metrics_show_each_tier_by_name():
-    from lmshm.core.messages import PoolInfo, TierInfo
     from lmshm.core.metrics import Metrics
     from lmshm.core.registry import Registry
+    from lmshm.wire.protocol import PoolInfo, TierInfo
 
     tier = TierInfo("disk", capacity=1 << 30, used=8192, objects=1, promotions=3, drops=2, queue_depth=4)
     pool = PoolInfo(1 << 30, 4096, 1, 0, 0, 0, 3, 1, 1, 0, 0, 0, 2, 0, tiers=[tier])

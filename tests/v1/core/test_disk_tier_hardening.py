@@ -362,9 +362,9 @@ def test_the_tier_answers_while_its_index_is_rebuilt_and_counts_every_file_once(
         wait_for(lambda: tier.usage()[2] == 100)
         info = tier.info()
         assert info.scanned == 100 and not info.scan_done
-        from lmshm.core.messages import PoolInfo
         from lmshm.core.metrics import Metrics
         from lmshm.core.registry import Registry
+        from lmshm.wire.protocol import PoolInfo
         text = Metrics(Registry(), lambda: PoolInfo(1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, tiers=[info])).text()
         assert b'lmshm_tier_scan_done{tier="disk"} 0.0' in text and b'lmshm_tier_scanned{tier="disk"} 100.0' in text
         indexed = set(tier.held_by(0)[1])

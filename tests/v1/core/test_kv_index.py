@@ -16,7 +16,7 @@ import pytest
 from lmshm.core.kv_events import NODE, OWNER, BlockRemoved, KvIndex, chunk_cost
 from lmshm.core.kv_events import index as index_module
 from lmshm.core.kv_events import maps as maps_module
-from lmshm.core.messages import Advert, pack_adverts, unpack_adverts
+from lmshm.wire.protocol import Advert, pack_adverts
 
 A, B = 1000, 1001
 SPACE = b"S"
@@ -199,7 +199,7 @@ def test_the_index_is_bounded_in_bytes_and_charges_each_chunk_to_its_uid():
 
 
 def test_one_store_of_many_adverts_is_applied_in_bounded_steps():
-    kv = KvIndex(unpack_adverts=unpack_adverts)
+    kv = KvIndex()
     n = 4096
     adverts = [Advert(b"c%d" % i, 0, BLOCK, [i + 1], None, list(range(BLOCK))) for i in range(n)]
     kv.describe(A, SPACE, "m", "", 0, 1, [b"k%d" % i for i in range(n)], pack_adverts(adverts), "t", n)
@@ -311,7 +311,7 @@ def test_a_long_lora_name_is_charged_to_the_index_and_the_log(lora):
     counted it, so one-block chunks held 3x (ASCII) to 10x (4-byte characters) what the index's
     and the log's byte bounds were charged (round 4, fresh attack)."""
     n = 500
-    kv = KvIndex(unpack_adverts=unpack_adverts)
+    kv = KvIndex()
     raw = [pack_adverts([Advert(b"c%d" % i, 0, BLOCK, [i], None, list(range(BLOCK)), lora_name=lora)])
            for i in range(n)]
     used = memory_held(kv, raw)
@@ -326,7 +326,7 @@ def test_extra_keys_are_charged_what_they_hold_decoded():
 
     def extra(i: int) -> bytes:
         return msgspec.msgpack.encode([[[300 + b * 15 + j] for j in range(15)] for b in range(1024)])
-    kv = KvIndex(unpack_adverts=unpack_adverts)
+    kv = KvIndex()
     raw = [pack_adverts([Advert(b"c%d" % i, 0, 1, [i * 1024 + j for j in range(1024)], None, list(range(1024)),
                                 extra_keys=extra(i))]) for i in range(n)]
     used = memory_held(kv, raw)

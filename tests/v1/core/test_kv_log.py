@@ -22,7 +22,7 @@ from lmshm.core.kv_events import (
     packed_tokens,
 )
 from lmshm.core.kv_events.log import PackedStored
-from lmshm.core.messages import Advert
+from lmshm.wire.protocol import Advert
 
 A, B = 1000, 1001
 SPACE = b"S"

@@ -178,7 +178,7 @@ def test_one_uid_cannot_pin_more_than_its_share_and_a_store_evicts_the_biggest_t
 
 
 def test_the_pool_settings_are_in_the_help_with_their_defaults():
-    from lmshm.multiprocess.config import ServerConfig, build_arg_parser
+    from lmshm.settings import ServerConfig, build_arg_parser
 
     text = " ".join(build_arg_parser().format_help().split())
     c = ServerConfig()

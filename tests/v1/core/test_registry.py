@@ -19,7 +19,6 @@ import torch
 
 from lmshm.core import regions
 from lmshm.core.errors import ErrorCode
-from lmshm.core.messages import LayerGroup
 from lmshm.core.registry import (
     REGION_OWNER,
     InstanceExists,
@@ -36,6 +35,7 @@ from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cpu import CpuShmIPCWrapper, empty_shared
 from lmshm.platform.kv_wrap import wrap_kv_caches
 from lmshm.platform.shm_names import segment_name
+from lmshm.wire.protocol import LayerGroup
 
 
 @pytest.fixture

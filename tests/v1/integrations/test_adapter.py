@@ -22,7 +22,7 @@ from lmshm.integrations.adapter import (
     chunk_keys_from_hashes,
 )
 from lmshm.integrations.trtllm import TrtllmKVPool
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 BLOCK = 16
 

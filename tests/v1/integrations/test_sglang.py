@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from harness import ServerProcess, lmshm_segments, wait_for
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
 SGLANG_PYTHON = Path(os.environ.get("LMSHM_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"

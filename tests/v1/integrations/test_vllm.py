@@ -13,7 +13,7 @@ import pytest
 from harness import ServerProcess, lmshm_segments, wait_for
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts, run
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 pytestmark = pytest.mark.vllm
 

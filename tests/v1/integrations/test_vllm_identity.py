@@ -15,7 +15,7 @@ import pytest
 from harness import ServerProcess
 from vllm_harness import CHUNK, VLLM_PYTHON, Engine, _env, prompts
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 pytestmark = pytest.mark.vllm
 

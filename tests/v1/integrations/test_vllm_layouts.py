@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from lmshm.core.copier import LayoutError, check_movable
 from lmshm.integrations.vllm import LayoutRefused, block_view, registration_groups
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 from lmshm.platform.cpu import move_to_shared
 
 url, out = sys.argv[1], sys.argv[2]

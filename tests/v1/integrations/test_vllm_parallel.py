@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from vllm_harness import CHUNK, Engine, prompts
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 pytestmark = pytest.mark.vllm
 

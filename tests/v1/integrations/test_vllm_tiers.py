@@ -26,7 +26,7 @@ from harness import ServerProcess, lmshm_segments, wait_for
 from valkey_servers import secret_file
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 pytestmark = pytest.mark.vllm
 

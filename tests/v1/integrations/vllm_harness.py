@@ -18,7 +18,7 @@ import pytest
 from harness import ServerProcess, lmshm_segments, wait_for
 
 import lmshm
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"

@@ -25,7 +25,7 @@ from harness import (
     wait_for,
 )
 
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 
 NOFILE_1024 = ["prlimit", "--nofile=1024:1024"]
 
@@ -81,7 +81,7 @@ HONEST_WORKER = r"""
 import json, sys, time
 url, timeout = sys.argv[1], float(sys.argv[2])
 import torch
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 from lmshm.platform.cpu import empty_shared
 print(json.dumps({"ready": True}), flush=True)
 sys.stdin.readline()
@@ -205,7 +205,7 @@ def free_port() -> int:
 STATUS_FLOOD = r"""
 import sys, time, zmq
 url, peers, depth = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 body = codec.encode(protocol.Status())
 ctx = zmq.Context()
 socks = []
@@ -256,7 +256,7 @@ while True:
 HELLO_FLOOD = r"""
 import random, sys, time, zmq
 url, peers = sys.argv[1], int(sys.argv[2])
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 body = codec.encode(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False))
 ctx = zmq.Context()
 ctx.set(zmq.MAX_SOCKETS, peers + 64)
@@ -362,7 +362,7 @@ class RawZmtp:
 
     def verify(self) -> "RawZmtp":
         """HELLO, then this process's proof on the fd channel: the connection's session is verified."""
-        from lmshm.multiprocess.fdchannel import ExpectedServer, FdChannelClient
+        from lmshm.transport.fdchannel import ExpectedServer, FdChannelClient
 
         hello = self.request(protocol.Hello(protocol_version=protocol.PROTOCOL_VERSION, isolated_ipc=False))
         assert isinstance(hello, protocol.HelloReply), hello

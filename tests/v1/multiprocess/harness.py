@@ -219,7 +219,7 @@ def raw_exchange(url: str, frames: list[bytes], timeout_s: float = 5.0) -> Optio
 
 def raw_reply(url: str, body: bytes, request_id: bytes = b"\x00" * 7 + b"\x01", timeout_s: float = 5.0):
     """Send one well-framed request body; decode the reply struct."""
-    from lmshm.multiprocess import codec
+    from lmshm.wire import codec
 
     frames = raw_exchange(url, [request_id, body], timeout_s)
     assert frames is not None, f"no reply from {url}"
@@ -262,8 +262,8 @@ class RawSession:
                  ctx: Any = None, timeout_s: float = 5.0) -> None:
         import zmq
 
-        from lmshm.multiprocess import protocol
-        from lmshm.multiprocess.fdchannel import FdChannelClient
+        from lmshm.transport.fdchannel import FdChannelClient
+        from lmshm.wire import protocol
 
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else zmq.Context()
@@ -286,7 +286,7 @@ class RawSession:
                 raise
 
     def request_raw(self, body: bytes, timeout_s: Optional[float] = None) -> Any:
-        from lmshm.multiprocess import codec
+        from lmshm.wire import codec
 
         self._n += 1
         rid = self._n.to_bytes(8, "big")
@@ -299,13 +299,13 @@ class RawSession:
         return codec.decode_reply(frames[1])
 
     def request(self, msg: Any, timeout_s: Optional[float] = None) -> Any:
-        from lmshm.multiprocess import codec
+        from lmshm.wire import codec
 
         return self.request_raw(codec.encode(msg), timeout_s)
 
     def register(self, instance_id: str, *wrappers: Any, names: Optional[list[str]] = None) -> Any:
         """REGISTER one layer per wrapper (layer names ``l0``, ``l1``, ... unless given)."""
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         names = names or [f"l{i}" for i in range(len(wrappers))]
         groups = [protocol.LayerGroup(w, [n], [w.storage_offset]) for w, n in zip(wrappers, names)]
@@ -313,12 +313,12 @@ class RawSession:
                                                      worker_rank=0, groups=groups))
 
     def unregister(self, instance_id: str) -> Any:
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         return self.request(protocol.UnregisterKVCache(instance_id))
 
     def peek(self, instance_id: str, layer: str = "l0", length: int = 8) -> Any:
-        from lmshm.multiprocess import protocol
+        from lmshm.wire import protocol
 
         return self.request(protocol.Peek(instance_id, layer, 0, length))
 
@@ -351,7 +351,7 @@ def shm_wrapper(name: str, size: int, *, cls: Any = None, dtype: str = "float16"
 
 def server_counts(url: str) -> dict:
     """What must come back after every hostile action: fds, mappings, undelivered fds, sessions."""
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     s = query_status(url)
     return {"open_fds": s.open_fds, "mappings": s.mappings, "inbox_fds": s.inbox_fds, "sessions": s.sessions,
@@ -379,7 +379,7 @@ def assert_back_to(url: str, before: dict, *, fd_slack: int = 0, timeout_s: floa
     lower or within ``fd_slack`` above: connections of earlier status queries close lazily; the
     RSS within ``RSS_SLACK_KB``). The wait is generous: on a busy host the server's timers
     (auth timeout, idle sessions) fire late; it costs nothing when the counters are back."""
-    from lmshm.multiprocess import codec, protocol
+    from lmshm.wire import codec, protocol
 
     pong = raw_reply(url, codec.encode(protocol.Ping()))
     assert isinstance(pong, protocol.Pong), pong
@@ -497,8 +497,8 @@ def local_start_worker(start_server):
 def assert_an_honest_worker_registers(url: str, *, server_pid: Optional[int] = None) -> None:
     """After a hostile action: a verified session registers its own segment, reads it through
     the server and unregisters it (and, if given, is served by ``server_pid``)."""
-    from lmshm.multiprocess import protocol
     from lmshm.platform.cpu.segments import create_segment
+    from lmshm.wire import protocol
 
     seg, u8 = create_segment(4096)
     try:

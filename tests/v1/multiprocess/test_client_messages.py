@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lmshm.multiprocess.client import MPClient
 from lmshm.platform.cpu import CpuFdIPCWrapper
+from lmshm.transport.client import MPClient
 
 
 def _memfd_wrapper(token: str) -> CpuFdIPCWrapper:

@@ -11,9 +11,9 @@ import pytest
 import torch
 from harness import Evals, RunsACommand
 
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.codec import CodecError
 from lmshm.platform.cpu import CpuFdIPCWrapper, CpuShmIPCWrapper
+from lmshm.wire import codec, protocol
+from lmshm.wire.codec import CodecError
 
 
 def _shm_wrapper(name: str = "lmshm-1-abcdef") -> CpuShmIPCWrapper:
@@ -157,10 +157,10 @@ def test_a_wrapper_subclass_off_the_allow_list_is_refused():
 
 def test_the_control_plane_imports_neither_torch_nor_the_wrappers():
     # What `lmshm status` loads: a STATUS round trip needs msgspec and ZeroMQ, nothing heavier.
-    modules = ["lmshm.multiprocess.protocol", "lmshm.multiprocess.codec", "lmshm.multiprocess.client",
-               "lmshm.multiprocess.mq", "lmshm.multiprocess.fdchannel", "lmshm.cli"]
+    modules = ["lmshm.wire.protocol", "lmshm.wire.codec", "lmshm.transport.client",
+               "lmshm.transport.mq", "lmshm.transport.fdchannel", "lmshm.cli"]
     code = (f"import sys\nfor m in {modules!r}: __import__(m)\n"
-            "from lmshm.multiprocess import codec, protocol\n"
+            "from lmshm.wire import codec, protocol\n"
             "codec.decode_reply(codec.encode(protocol.ErrorReply(1, 'x')))\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy')"
             " or m.startswith(('lmshm.platform.base.ipc_wrapper', 'lmshm.platform.cpu', 'lmshm.platform.cuda'))))")
@@ -182,7 +182,7 @@ def test_block_dim_travels_defaults_to_0_and_is_bounded_on_the_wire():
 
 # ---- the wire format, byte for byte --------------------------------------------------------
 #: Every message of protocol 3.3 as ``codec.encode`` wrote it before the layering move (issue 16:
-#: the data plane's messages, layer groups and status rows moved into ``lmshm.core.messages``).
+#: the data plane's messages, layer groups and status rows moved into the core; issue 43: all into lmshm.wire).
 #: A change here is a change of the wire: it needs a new protocol version, not a new golden.
 WIRE_3_3 = {
     'Hello': '86a47479706501b070726f746f636f6c5f76657273696f6e03ac69736f6c617465645f697063c2ab636c69656e745f6e616d65a163ac726573756d655f746f6b656ea174ae70726f746f636f6c5f6d696e6f7203',

@@ -6,7 +6,7 @@ import concurrent.futures
 
 from harness import wait_for
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 WORKERS = 8
 

@@ -12,8 +12,8 @@ import pytest
 from harness import wait_for
 
 from lmshm.core.pool import OBJECT_COST
-from lmshm.multiprocess.client import query_status
-from lmshm.multiprocess.protocol import ErrorCode, StoreResult
+from lmshm.transport.client import query_status
+from lmshm.wire.protocol import ErrorCode, StoreResult
 
 BLOCK_BYTES = 2 * 16 * 8 * 4           # one block of one layer: [2, 16, 8] float32
 CHUNK_BYTES = 2 * BLOCK_BYTES          # two layers, one block per chunk
@@ -243,7 +243,7 @@ def test_a_killed_worker_leaves_nothing_in_flight(start_worker, server):
 
 
 def server_registrations(server) -> int:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     return len(query_status(server.url).registrations)
 

@@ -16,7 +16,7 @@ import torch
 from attacks import free_port
 from harness import ServerProcess
 
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 
 DASHBOARD = Path(__file__).resolve().parents[3] / "docs" / "grafana" / "lmshm-dashboard.json"
 

@@ -26,7 +26,7 @@ from attacks import (
 )
 from harness import RSS_SLACK_KB, ServerProcess, raw_reply, server_rss_kb
 
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 
 LIMIT = 16 << 20     # the default --max-message-bytes
 

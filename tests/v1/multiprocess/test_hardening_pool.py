@@ -27,8 +27,8 @@ from harness import (
     wait_for,
 )
 
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
+from lmshm.wire import codec, protocol
 
 NOBODY = 65534
 KEYS = protocol.MAX_KEYS        # 65,536: the most one request may name

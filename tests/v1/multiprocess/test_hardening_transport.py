@@ -45,7 +45,7 @@ from harness import (
     shm_wrapper,
 )
 
-from lmshm.multiprocess import codec, protocol
+from lmshm.wire import codec, protocol
 
 # ---- finding 1: a gRPC connection flood, then a worker over ipc:// -------------------------------
 
@@ -353,7 +353,7 @@ def test_the_servers_zmtp_listener_reads_bytes_split_anywhere_and_answers_libzmq
 
     import zmq
 
-    from lmshm.multiprocess import zmtp
+    from lmshm.transport import zmtp
 
     listener_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener_sock.bind(str(tmp_dir / "z.ipc"))

@@ -32,10 +32,11 @@ from harness import (
     wait_for,
 )
 
-from lmshm.multiprocess import codec, fdchannel, protocol
-from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform.cpu.segments import create_segment, segment_name, shm_dir
 from lmshm.platform.cpu.wrappers import CpuFdIPCWrapper, CpuShmIPCWrapper
+from lmshm.transport import fdchannel
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 NAMED = {"LMSHM_CPU_SEGMENTS": "shm"}   # workers that register named segments (the default is memfd)
@@ -495,7 +496,7 @@ def _registered(session: RawSession, own_segment, iid: str, size: int = 8192) ->
 
 
 def _pool(url: str) -> protocol.PoolInfo:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     return query_status(url).pool
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 from harness import ServerProcess, lmshm_segments, wait_for
 
-from lmshm.multiprocess.client import LmshmError, MPClient, query_status
-from lmshm.multiprocess.fdchannel import user_runtime_dir
 from lmshm.platform.cpu import empty_shared
+from lmshm.transport.client import LmshmError, MPClient, query_status
+from lmshm.transport.fdchannel import user_runtime_dir
 
 
 def test_the_client_refuses_a_squatting_fd_socket_before_sending_its_token(shared_server, tmp):

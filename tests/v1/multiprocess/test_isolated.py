@@ -10,7 +10,7 @@ import time
 import pytest
 from harness import wait_for
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 

@@ -27,9 +27,9 @@ from valkey_servers import command, secret_file
 from lmshm.core.kv_events import BlockStored, KvIndex, check_advert, packed_tokens
 from lmshm.core.kv_events import index as index_module
 from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import InvalidArgument, MPClient
-from lmshm.multiprocess.protocol import StoreResult
+from lmshm.transport.client import InvalidArgument, MPClient
+from lmshm.wire import protocol
+from lmshm.wire.protocol import StoreResult
 
 SPACE = b"namespace-S"
 BLOCKS = 16                       # blocks of each test registration
@@ -493,7 +493,6 @@ def test_encoded_adverts_are_counted_from_their_header_and_decoded_only_when_app
         with pytest.raises(ValueError):
             protocol.advert_count(msgspec.Raw(bad))
     kv = KvIndex(records=64)
-    kv.unpack_adverts = protocol.unpack_adverts          # as the data plane sets it
     kv.describe(1, SPACE, "m", "", 0, 1, [key(0), key(1)], two, "engine", 2)
     assert kv.queued == 1
     kv.batch_recorder("pool")([(1, key(0)), (1, key(1))])       # a commit of both: one entry
@@ -567,7 +566,7 @@ def test_a_kv_events_read_applies_nothing_while_requests_keep_the_loop_busy_unle
     runs, unless IDLE_BACKLOG entries are queued (then the backlog is worked off as before)."""
     import types
 
-    from lmshm.multiprocess import server
+    from lmshm.endpoints.zmq import endpoint as server
     apply = server.ZmqEndpoint._kv_events_apply
     busy = {"now": False}
     loop = types.SimpleNamespace(_active_at=0.0, dataplane=types.SimpleNamespace(busy=lambda: busy["now"]))

@@ -20,7 +20,7 @@ from attacks import need_fds
 from harness import PrefixedServerProcess, assert_an_honest_worker_registers, proc_fd_count, wait_for
 from test_kv_events_stream import NODE, Sub, _advert, _events_server, _free_port, _metrics, _rss, _settled, engines  # noqa: F401 (engines: a fixture)
 
-from lmshm.multiprocess import protocol
+from lmshm.wire import protocol
 
 
 def _subscribe_flood(endpoint: str, count: int, size: int = 3990) -> zmq.Socket:

@@ -28,11 +28,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from lmshm.core.errors import Unavailable
 from lmshm.core.kv_events import BlockStored, KvIndex, decode_batch
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
-from lmshm.multiprocess.config import ConfigError, ServerConfig, build_arg_parser, resolve_config
-from lmshm.multiprocess.kv_publisher import KvEventPublisher
+from lmshm.endpoints.kv_stream.publisher import KvEventPublisher
 from lmshm.server import Server
+from lmshm.settings import ConfigError, ServerConfig, build_arg_parser, resolve_config
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"

@@ -25,8 +25,8 @@ from test_kv_events_stream import _replay, _rss
 from test_kv_lookup_http import BLOCK, Http, advert, chain, chain_tokens, hashes_of, tokens_of
 
 from lmshm.core.kv_events import decode_batch
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 NOBODY = 65534
 SPACE = b"namespace-S"

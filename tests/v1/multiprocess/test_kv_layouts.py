@@ -28,8 +28,8 @@ import pytest
 from harness import wait_for
 from worker import vllm_kv_caches
 
-from lmshm.multiprocess.client import query_status
-from lmshm.multiprocess.protocol import ErrorCode, StoreResult
+from lmshm.transport.client import query_status
+from lmshm.wire.protocol import ErrorCode, StoreResult
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"

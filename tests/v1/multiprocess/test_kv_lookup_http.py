@@ -30,8 +30,8 @@ from harness import ServerProcess, wait_for
 
 from lmshm.core.kv_events import KvIndex
 from lmshm.endpoints import kv_lookup
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
+from lmshm.wire import protocol
 
 SPACE = b"S"
 BLOCK = 2                      # the pretend engine's block size, in tokens

@@ -27,11 +27,12 @@ from harness import (
     wait_for,
 )
 
-from lmshm.multiprocess import codec, fdchannel, protocol
-from lmshm.multiprocess.client import MPClient, query_status
-from lmshm.multiprocess.fdchannel import FdChannelClient, FdChannelError
-from lmshm.multiprocess.protocol import ErrorCode
 from lmshm.platform.cpu.segments import create_segment
+from lmshm.transport import fdchannel
+from lmshm.transport.client import MPClient, query_status
+from lmshm.transport.fdchannel import FdChannelClient, FdChannelError
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 ISOLATED = {"LMSHM_ISOLATED_IPC": "1"}
 

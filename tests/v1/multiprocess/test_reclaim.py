@@ -7,8 +7,8 @@ import time
 import pytest
 from harness import lmshm_segments, raw_exchange, serving, wait_for
 
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
+from lmshm.wire import codec, protocol
 
 
 @pytest.fixture(scope="module")

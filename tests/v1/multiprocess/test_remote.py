@@ -329,13 +329,13 @@ def test_servers_signing_with_either_mac_serve_each_other_and_an_unknown_mac_is_
     with pytest.raises(RuntimeError, match="did not start") as refused:
         start_server("--remote", valkey.url, *REMOTE, "--remote-mac", "hmac")
     assert "aes-gmac, blake3" in str(refused.value)
-    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    from lmshm.settings import build_arg_parser, resolve_config
     assert "--remote-mac" in build_arg_parser().format_help()
     assert resolve_config(build_arg_parser().parse_args([]), {"LMSHM_REMOTE_MAC": "blake3"}).remote_mac == "blake3"
 
 
 def test_the_opt_out_is_a_setting_in_help_environment_and_toml(tmp):
-    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    from lmshm.settings import build_arg_parser, resolve_config
     assert "--remote-insecure-unsigned" in build_arg_parser().format_help()
     none = build_arg_parser().parse_args([])
     assert not resolve_config(none, {}).remote_insecure_unsigned

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from harness import wait_for
 
-from lmshm.multiprocess.client import query_status
+from lmshm.transport.client import query_status
 
 
 def test_server_restart_is_followed_by_automatic_reregistration(start_server, start_worker):

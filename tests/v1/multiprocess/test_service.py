@@ -15,19 +15,19 @@ import pytest
 import torch
 from harness import Evals, RunsACommand, ServerProcess, raw_exchange, raw_reply
 
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import (
+from lmshm.platform import ipc_policy
+from lmshm.platform.cpu import empty_shared
+from lmshm.server import Server
+from lmshm.settings import ServerConfig, build_arg_parser, resolve_config
+from lmshm.transport.client import (
     MessageTooLarge,
     MPClient,
     ServerTimeout,
     Unsupported,
     query_status,
 )
-from lmshm.multiprocess.config import ServerConfig, build_arg_parser, resolve_config
-from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.platform import ipc_policy
-from lmshm.platform.cpu import empty_shared
-from lmshm.server import Server
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 
 def _hello(**kw) -> bytes:

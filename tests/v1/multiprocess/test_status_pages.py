@@ -13,9 +13,9 @@ import msgspec
 import pytest
 from harness import raw_exchange, raw_reply
 
-from lmshm.multiprocess import codec, protocol
-from lmshm.multiprocess.client import InvalidArgument, query_status
-from lmshm.multiprocess.protocol import ErrorCode
+from lmshm.transport.client import InvalidArgument, query_status
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 MANY = 1010           # more than one page (protocol.STATUS_PAGE)
 

@@ -26,7 +26,7 @@ from attacks import free_port
 from harness import ServerProcess
 
 from lmshm.endpoints.status_page import PAGE_POLICY, plotly_js_path
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 
 CHROMIUM = "/usr/bin/chromium"
 BLOCKS = 64

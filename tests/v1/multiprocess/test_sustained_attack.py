@@ -110,7 +110,7 @@ PIN_HOG = r"""
 import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # exit through atexit: its segment is unlinked
 import torch
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 from lmshm.platform.cpu import empty_shared
 client = MPClient(sys.argv[1], timeout_s=30)
 cache = empty_shared((4096, 256), torch.uint8)
@@ -133,7 +133,7 @@ import json, os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))   # exit through atexit: its segment is unlinked
 url, seconds = sys.argv[1], float(sys.argv[2])
 import torch
-from lmshm.multiprocess.client import MPClient
+from lmshm.transport.client import MPClient
 from lmshm.platform.cpu import empty_shared
 cache = empty_shared((16, 4096), torch.uint8)
 print(json.dumps({"ready": True}), flush=True)

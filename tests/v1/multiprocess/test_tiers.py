@@ -15,7 +15,7 @@ from harness import wait_for
 
 from lmshm.core.pool import cost_of
 from lmshm.core.tiers.disk import HEADER_BYTES, PAGE, file_bytes
-from lmshm.multiprocess.protocol import StoreResult
+from lmshm.wire.protocol import StoreResult
 
 CHUNK_BYTES = 2 * 2 * 16 * 8 * 4      # two layers of [2, 16, 8] float32, one block per chunk
 

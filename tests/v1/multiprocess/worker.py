@@ -83,8 +83,8 @@ def main() -> int:
 
     import torch
 
-    from lmshm.multiprocess import client as client_mod
     from lmshm.platform.cpu import empty_shared, segment_of
+    from lmshm.transport import client as client_mod
 
     def out(obj: dict) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")

@@ -230,7 +230,7 @@ def test_hello_of_a_newer_minor_or_another_major_is_refused_naming_both(app):
     import msgspec
     import zmq
 
-    from lmshm.multiprocess import codec, protocol
+    from lmshm.wire import codec, protocol
 
     ctx = zmq.Context.instance()
     for extra, needle in (

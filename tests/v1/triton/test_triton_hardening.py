@@ -387,7 +387,7 @@ def test_the_key_rule_is_shm_opens_and_the_same_on_http_and_grpc():
 
 
 def test_the_budgets_and_deadlines_are_settings_that_lmshm_server_explains():
-    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    from lmshm.settings import build_arg_parser, resolve_config
 
     help_text = " ".join(build_arg_parser().format_help().split())
     for flag, default in (("--http-max-connections", "default 256"), ("--http-idle-timeout", "default 5"),

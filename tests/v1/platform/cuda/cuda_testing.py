@@ -245,7 +245,7 @@ class _ProducerState:
     def op_wrap_group(self, name: str, kind: str) -> dict:
         """Wrap every t[i] of tensor ``name`` the way wrap_kv_caches does (leader + siblings)
         and fold them into wire groups; returns each group's payload and storage offsets."""
-        from lmshm.multiprocess.client import layer_groups
+        from lmshm.transport.client import layer_groups
 
         t = self.tensors[name]
         leader = wrapper_class(kind).wrap(t[0], name=f"{name}[0]")

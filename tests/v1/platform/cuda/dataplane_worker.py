@@ -41,8 +41,8 @@ class Worker:
         from cuda_testing import cycles_per_ms
 
         from lmshm.core.cuda_sync import WorkerCudaSync
-        from lmshm.multiprocess.client import MPClient
         from lmshm.platform import ipc_policy
+        from lmshm.transport.client import MPClient
 
         self.torch = torch
         ipc_policy.set_isolated_ipc(args.isolated)
@@ -178,7 +178,7 @@ class Worker:
 
     def op_store_raw(self, instance_id: str, keys: list, blocks: list, chunk_blocks: int = 1) -> dict:
         """A STORE as sent (with the ordering signal), its error returned rather than raised."""
-        from lmshm.multiprocess.client import ServerError
+        from lmshm.transport.client import ServerError
 
         keep, token = self.sync.ready()
         try:
@@ -194,7 +194,7 @@ class Worker:
         """Isolated mode: a STORE whose flag token names a number this worker's stream never
         writes. Its error (and how long it took) is returned."""
         from lmshm.core.cuda_sync import SLOTS, flag_token
-        from lmshm.multiprocess.client import ServerError
+        from lmshm.transport.client import ServerError
 
         keep, _ = self.sync.ready()                     # the flag page is registered by now
         seq = self.sync._seq + 10 * SLOTS               # far ahead: never written

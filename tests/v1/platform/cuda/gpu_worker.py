@@ -25,9 +25,9 @@ def main() -> int:
     import torch
     from cuda_testing import fill_pattern
 
-    from lmshm.multiprocess.client import MPClient
     from lmshm.platform import ipc_policy
     from lmshm.platform.cuda import empty_vmm
+    from lmshm.transport.client import MPClient
 
     ipc_policy.set_isolated_ipc(args.kind == "cuda-raw")
     ipc_policy.set_use_vmm_api(args.kind == "cuda-vmm")

@@ -133,14 +133,14 @@ def keys(n: int, tag: str) -> list[str]:
 
 
 def registration(url: str, instance_id: str) -> Any:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     found = [r for r in query_status(url).registrations if r.instance_id == instance_id]
     return found[0] if found else None
 
 
 def wait_unpinned(url: str) -> None:
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     wait_for(lambda: query_status(url).pool.pinned == 0, 15, 0.02, "the pool to have no pinned chunk")
 
@@ -333,8 +333,8 @@ def test_gpu_isolated_mode_a_flag_word_never_written_fails_the_store_at_its_dead
     the GPU; at --cuda-timeout (2 s) the request fails UNAVAILABLE with nothing reserved or
     queued (counted as late, nothing quarantined), and a later round trip on the same server is
     byte for byte right."""
-    from lmshm.multiprocess.client import query_status
-    from lmshm.multiprocess.protocol import ErrorCode
+    from lmshm.transport.client import query_status
+    from lmshm.wire.protocol import ErrorCode
 
     with scratch_dir() as tmp:
         server = ServerProcess(tmp, "--isolated-ipc", "--capacity", "1GiB", "--cuda-timeout", "2",
@@ -376,7 +376,7 @@ def test_gpu_bad_block_ids_and_workers_killed_with_copies_queued_leave_the_serve
     device memory back (``cudaMemGetInfo`` at least what it was before they allocated their
     caches), answer the others, a later STORE/RETRIEVE round trip between two other workers must
     compare equal, and its log must show no illegal address or launch failure."""
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     with scratch_dir() as tmp:
         server = ServerProcess(tmp, "--no-isolated-ipc", "--capacity", "1GiB", "--reap-timeout", "2")
@@ -437,7 +437,7 @@ def test_gpu_objects_straddling_small_pin_extents_round_trip(batch):
     object reaches across one or two extent edges; STOREs and RETRIEVEs of shuffled blocks must
     come back byte for byte, in one cuMemcpyBatchAsync per request (``batched``: needs a CUDA
     12.8+ driver) or one cuMemcpyAsync per piece (``--no-cuda-copy-batch``)."""
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     extent = 64 << 10
     with scratch_dir() as tmp:

@@ -15,11 +15,11 @@ from fake_sync import FakeCudaSync
 
 from lmshm.core.dataplane import DataPlane
 from lmshm.core.registry import Registry
-from lmshm.multiprocess import protocol
-from lmshm.multiprocess.protocol import ErrorCode, LayerGroup
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cuda import RawCudaIPCWrapper
+from lmshm.wire import protocol
+from lmshm.wire.protocol import ErrorCode, LayerGroup
 
 BLOCKS, BLOCK_SHAPE = 8, (2, 16, 8)                   # float16: 512 bytes a block
 BLOCK_BYTES = 2 * 16 * 8 * 2
@@ -636,7 +636,7 @@ def test_a_copy_across_an_extent_edge_is_what_the_driver_refuses(gpu_registratio
 
 
 def test_the_copy_settings_are_in_help_environment_and_reach_the_data_plane():
-    from lmshm.multiprocess.config import build_arg_parser, resolve_config
+    from lmshm.settings import build_arg_parser, resolve_config
 
     text = build_arg_parser().format_help()
     assert "--cuda-pin-extent" in text and "--cuda-copy-batch" in text

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lmshm.multiprocess.client import layer_groups
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper, WrapperDecodeError
 from lmshm.platform.base.mappings import MAPPINGS
 from lmshm.platform.cuda import RawCudaIPCWrapper
+from lmshm.transport.client import layer_groups
 
 MiB = 1 << 20
 LAYERS, LAYER_BYTES = 4, 64 * 1024

@@ -164,7 +164,7 @@ class _WorkerState:
         """RETRIEVE ``keys`` into ``blocks`` and check, on the GPU: with ``expect`` (what the
         storing worker's blocks held), K and V of every layer of every block, the other blocks
         against a snapshot taken before; without, that nothing changed. Lists (layer, block) pairs."""
-        from lmshm.multiprocess.client import ServerError
+        from lmshm.transport.client import ServerError
 
         c = self.caches[instance_id]
         snap = c.buf.clone()
@@ -216,8 +216,8 @@ def _worker_main(conn: Any, url: str, fd_socket: str, isolated: bool, name: str)
     receives and answers ("ok", result) or ("err", traceback). Its first answer says it is ready."""
     client = None
     try:
-        from lmshm.multiprocess.client import MPClient
         from lmshm.platform import ipc_policy
+        from lmshm.transport.client import MPClient
 
         ipc_policy.set_isolated_ipc(isolated)       # cuda-raw; else the default, cuda-torch
         ipc_policy.set_use_vmm_api(False)
@@ -332,7 +332,7 @@ class Rig:
         self.kind, self.server, self.a, self.b = kind, server, a, b
 
     def registration(self, instance_id: str) -> Any:
-        from lmshm.multiprocess.client import query_status
+        from lmshm.transport.client import query_status
 
         regs = query_status(self.server.url).registrations
         found = [r for r in regs if r.instance_id == instance_id]
@@ -341,7 +341,7 @@ class Rig:
 
     def wait_unpinned(self) -> None:
         """CUDA copies unpin their chunks once the server's event completes, after the reply."""
-        from lmshm.multiprocess.client import query_status
+        from lmshm.transport.client import query_status
 
         wait_for(lambda: query_status(self.server.url).pool.pinned == 0, 10, 0.02, "the pool to have no pinned chunk")
 
@@ -376,7 +376,7 @@ def _unregister(*pairs: tuple) -> None:
 
 @pytest.mark.parametrize("layout,split", CASES)
 def test_gpu_blocks_of_each_vllm_layout_round_trip_between_two_cuda_workers(rig, layout, split):
-    from lmshm.multiprocess.protocol import StoreResult
+    from lmshm.wire.protocol import StoreResult
 
     ia, ib = f"{layout}-{split}-{rig.kind}-a", f"{layout}-{split}-{rig.kind}-b"
     try:
@@ -408,7 +408,7 @@ def test_gpu_blocks_of_each_vllm_layout_round_trip_between_two_cuda_workers(rig,
 
 
 def test_gpu_nhd_blocks_are_refused_with_layout_by_an_hnd_registration(rig):
-    from lmshm.multiprocess.protocol import ErrorCode, StoreResult
+    from lmshm.wire.protocol import ErrorCode, StoreResult
 
     ia, ib = f"nhd-{rig.kind}", f"hnd-{rig.kind}"
     try:

@@ -76,8 +76,8 @@ def free_bytes() -> int:
 
 @pytest.mark.parametrize("kind", ["cuda-torch", "cuda-raw", "cuda-vmm"])
 def test_gpu_worker_registers_through_the_server_and_a_kill_gives_the_memory_back(scratch, kind):
-    from lmshm.multiprocess.client import MPClient, query_status
     from lmshm.platform import ipc_policy
+    from lmshm.transport.client import MPClient, query_status
 
     isolated = kind == "cuda-raw"
     server, url, fd_socket, log = start_server(scratch, isolated)
@@ -160,7 +160,7 @@ def _lookup(client, keys: list, timeout_s: float = 10.0) -> bytes:
 def _wait_counters(url: str, want: tuple, timeout_s: float = 10.0) -> None:
     """(stored, retrieved, pinned, failed) reach ``want``: a CUDA job commits or unpins once the
     server's own copies completed, which may be after its reply."""
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -182,8 +182,8 @@ def _delayed_round_trip(scratch: Path, kind: str, signal_store: bool) -> dict:
     from cuda_testing import cycles_per_ms, gpu_delay
 
     from lmshm.core.cuda_sync import WorkerCudaSync
-    from lmshm.multiprocess.client import MPClient, query_status
     from lmshm.platform import ipc_policy
+    from lmshm.transport.client import MPClient, query_status
 
     isolated = kind == "cuda-raw"
     server, url, fd_socket, log = start_server(scratch, isolated)
@@ -265,7 +265,7 @@ def test_gpu_without_the_ordering_signal_a_store_reads_stale_bytes(scratch, kind
     fill STOREd with no ordering signal (event=b"") must be stored STALE (the zeros from before),
     which proves the delay outlasts the round trip, so the positive test fails on a server that
     ignores the signal. A server may instead refuse a CUDA STORE without a signal (skip, saying so)."""
-    from lmshm.multiprocess.client import ServerError
+    from lmshm.transport.client import ServerError
 
     try:
         out = _delayed_round_trip(scratch, kind, signal_store=False)
@@ -283,8 +283,8 @@ def test_gpu_an_isolated_worker_stores_and_retrieves_again_after_a_server_restar
     registered with the new server (one page registration, not two), and every reply without an
     interprocess event (isolated mode orders by the reply)."""
     from lmshm.core.cuda_sync import FLAG_LAYER, WorkerCudaSync
-    from lmshm.multiprocess.client import MPClient, query_status
     from lmshm.platform import ipc_policy
+    from lmshm.transport.client import MPClient, query_status
 
     server, url, fd_socket, log = start_server(scratch, True)
     ipc_policy.set_isolated_ipc(True)

@@ -59,7 +59,7 @@ def test_gpu_a_cudamalloc_pool_registers_with_a_real_server():
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "multiprocess"))
     from harness import ServerProcess, scratch_dir
 
-    from lmshm.multiprocess.client import query_status
+    from lmshm.transport.client import query_status
 
     pool = torch.zeros(SHAPE, dtype=torch.float16, device="cuda:0")
     with scratch_dir() as tmp:

@@ -1,50 +1,16 @@
-"""lmshm-server's listener: ZeroMQ's wire protocol (ZMTP 3.1, NULL mechanism) spoken by the
-server's own loop on ``tcp://`` and ``ipc://``, so that libzmq never accepts for the server.
+"""lmshm-server's listener: ZMTP 3.1 (mechanism NULL) spoken by the server's own loop, a ROUTER
+to libzmq's DEALER and REQ peers, on ``tcp://`` and ``ipc://``.
 
-Why not libzmq's listeners: libzmq accepts in its I/O thread whenever a connection waits.
-On an ipc listener, an ``accept`` that fails with EMFILE aborts the whole process
-(libzmq 4.3.5, ``src/ipc_listener.cpp:297``) -- and Linux allocates the new fd *before* it
-looks for a waiting connection, so once the table is full even an accept on an empty
-listener fails so (this is how a gRPC connection flood aborted an ipc server although the old
-accept gate had swapped in an empty listener). Its tcp listener tolerates EMFILE, but fills the
-table to the last slot and then spins, so that the fd channel, mappings and every other fd
-the server needs find none. Nor can libzmq adopt a connection someone else accepted:
-``ZMQ_USE_FD`` takes a *listening* socket, and its connecters create their own. So here the
-loop accepts, and only while the caller's ``headroom()`` (free fds less a reserve) allows;
-when it does not, connections wait in the kernel's backlog (the client's connect has
-succeeded; its greeting waits) and an EMFILE lost to a race with another thread is harmless.
+Why not libzmq's listeners: they accept in libzmq's thread whenever a connection waits, and on
+EMFILE an ipc one aborts the process while a tcp one fills the fd table. Here the loop accepts,
+only while the caller's ``headroom()`` allows; the rest wait in the kernel's backlog.
 
-What it speaks: to a ZeroMQ DEALER or REQ peer it is a ROUTER. It sends its 64-byte greeting
-(version 3.1, mechanism NULL) and a READY command (``Socket-Type: ROUTER``) at once, checks the
-peer's, then exchanges frames: a flags byte (MORE, LONG, COMMAND) and a 1- or 8-byte length.
-Every connection gets a fresh routing id (the peer's ``Identity`` property is ignored: lmshm
-resumes sessions by token, never by routing id). A PING command is answered with PONG.
-
-Limits, as libzmq's ROUTER has them: a frame longer than ``max_message_bytes`` closes the
-connection (ZMQ_MAXMSGSIZE); a message whose frames add up to more is delivered as a problem,
-without its bytes; at most ``send_queue`` replies wait for a peer that does not read, and
-more are dropped (ZMQ_SNDHWM). Reading is lazy: a connection is read again only once the
-messages already parsed from it were taken (``next_message``, round robin over connections),
-so one fast peer cannot fill the server's memory or push others back.
-
-Memory follows the bytes a peer sent, never the lengths it claims. A long frame is received
-into a buffer that grows as its bytes arrive; a frame over the peer's limit is received into a
-scratch buffer and thrown away, and its message answered as a problem. A peer without a
-verified session (``trusted``) may send messages of ``UNVERIFIED_MESSAGE`` bytes (HELLO, PING
-and STATUS need far less), is read ``UNVERIFIED_READ`` bytes at a time, and all such
-connections together hold at most ``UNVERIFIED_BUDGET`` bytes: past it, the ones holding the
-most are closed. Commands (READY, PING) longer than ``MAX_COMMAND`` close the connection.
-Output counts too: every byte queued for a peer (replies, PONGs, the handshake) is in
-``out_bytes``; past ``OUT_PAUSE`` the connection is neither read nor parsed until it drains,
-so a peer that sends PINGs and never reads stops itself, and a reply that would pass
-``send_bytes`` is dropped. Work is bounded per turn of the loop: one parse takes at most
-``PARSE_ITEMS`` frames and commands and parses at most ``READY_AHEAD`` messages ahead
-(``UNVERIFIED_AHEAD`` for a peer without a session); what is left is parsed on a later turn
-(``pump``), so 4 MiB of 2-byte messages cannot hold the loop while an honest PING waits.
-
-Easy to get wrong: a peer's bytes arrive in any split (libzmq sends its greeting in three
-parts, waiting for ours in between), so every parser step must stop cleanly at the end of the
-buffer and resume there.
+Memory follows the bytes a peer sent, never the lengths it claims; peers without a verified
+session get smaller limits and a shared budget; work per turn of the loop is bounded. One
+file, over 600 lines: the greeting, the frame parser and those limits are one state machine
+per connection, and splitting them would spread one peer's state over several modules.
+docs/design/transport.md has the limits and the reasons. The trap: a peer's bytes arrive in any
+split, so every parser step must stop cleanly at the end of the buffer and resume there.
 """
 
 from __future__ import annotations

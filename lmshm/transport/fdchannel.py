@@ -1,26 +1,16 @@
-"""The fd side channel: a Unix socket beside the server that carries file descriptors and proves
-who a worker is.
+"""The fd side channel: a Unix socket beside the server that proves who a worker is and carries
+its file descriptors.
 
-Why it exists:
-- **Identity.** ZeroMQ over tcp:// cannot tell the server who is on the other end. A Unix
-  socket can: ``SO_PEERCRED`` gives the connecting process's pid, uid and gid as the kernel
-  knows them, and ``SO_PEERPIDFD`` a pidfd of that very process (no pid-reuse race). A worker
-  proves that its ZeroMQ session is its own by presenting the session's secret token here; the
-  server then binds the kernel's answer to the session. Until then the session may not register.
-- **File descriptors.** A memfd (isolated CPU mode) or a VMM POSIX-fd handle cannot travel as
-  bytes; the kernel copies it (SCM_RIGHTS) on an ``AF_UNIX``/``SOCK_SEQPACKET`` message.
-- **Liveness.** The kernel closes the connection when the worker dies, in any PID namespace.
+The kernel vouches for the peer (``SO_PEERCRED``: pid, uid, gid; ``SO_PEERPIDFD``: a pidfd),
+and a worker binds that to its ZeroMQ session by presenting the session's token here; memfds
+and VMM handles travel as ``SCM_RIGHTS``; the link closing tells the server the worker is gone.
+Received fds go to ``FD_INBOX`` under the session; any fd that comes without a matching token,
+over a limit or twice is closed before the answer goes out.
 
-Messages are msgpack ``protocol``-style Structs (``Auth``, ``SendFds`` one way; ``Ack`` or
-``Refused`` back), at most ``MAX_MESSAGE_BYTES`` each; every client message gets one answer.
-
-Ownership: received fds go to ``FD_INBOX`` filed under the session; wrappers take them when they
-map and close them at once. An fd that comes without a matching token, on an unauthenticated
-connection, over the session's limit, or twice, is closed before the answer goes out.
-
-Easy to get wrong: ``recvmsg`` may deliver fds even when the message is refused, and may
-truncate them (MSG_CTRUNC); every path below closes what arrived. And the *client* must check
-the listener's credentials before it sends its token: anyone could listen on a stale path.
+One file, over 600 lines: the server and the client speak one small protocol (``Auth``,
+``SendFds``, ``Ack``, ``Refused``) and are kept side by side. docs/design/transport.md has the
+details. The trap: ``recvmsg`` may deliver (or truncate) fds with a refused message, so every
+path closes what arrived; and the client checks the listener's credentials before it sends.
 """
 
 from __future__ import annotations

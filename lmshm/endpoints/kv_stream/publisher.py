@@ -1,46 +1,16 @@
-"""The server's KV event stream: the event log (``core/kv_events``) on a ZMQ PUB socket, in vLLM's format.
+"""The server's KV event stream: the core's event log on a ZMQ PUB socket, in vLLM's format.
 
 ``KvEventPublisher`` owns one thread, a PUB socket and, with a replay endpoint, a ROUTER. Every
-``POLL_S`` the thread reads the core's ``EventLog`` with its own cursor (every record, of every
-uid), groups the new records by topic, and sends each group as ``KVEventBatch`` payloads, one
-multipart message ``[topic, seq, payload]`` each: ``seq`` an 8-byte big-endian counter from 0,
-one per publisher across all topics, so a subscriber of one topic sees it jump. The frames, the
-batch (``data_parallel_rank`` 0 included) and the replay exchange are vLLM's
-``ZmqEventPublisher``'s, so a consumer of vLLM's stream reads this one; optional CURVE on both
-sockets (``curve_secret``; ``curve_clients``: a ZAP handler admits those keys only).
+``POLL_S`` it reads the core's ``EventLog`` with its own cursor and sends the new records,
+grouped by topic, as ``[topic, seq, KVEventBatch]`` messages, exactly as vLLM's
+``ZmqEventPublisher`` does, so a consumer of vLLM's stream reads this one. Topics are per node
+(default) or per engine; tokens and extra keys go out only for chains known to be unsalted.
+Every queue is bounded (subscribers by HWM, the replay buffer by count and bytes) and the
+listeners' peers are guarded by ``peers.PeerGuard``.
 
-Topics. ``node`` (default): ``kv@node:<name>@<model>``, one pseudo-pod for this server's
-tiers. ``engine``: ``kv@<pod>@<model>`` for every engine that attached to the record's uid
-and namespace (STORE's ``pod``), so a router credits the blocks to engines it can route to.
-``AllBlocksCleared`` only ever goes on node topics: on an engine's topic it would clear the
-engine's own GPU blocks from a router's view (the format has no per-medium clear). The log's
-first record, the clear of a (re)start, goes on ``kv@node:<name>@`` (no model is known yet),
-and in node mode every node topic's first batch of a run starts with one, so a subscriber of
-one model's topic learns that what an earlier run advertised is gone. Records the log dropped
-before this thread read them are counted (``lost``); node topics then start over the same way.
-
-Tokens and extra keys go out only for a chain known to be unsalted in its uid and namespace:
-from a first block without vLLM's cache salt, through parents this run remembers. A salted chain,
-and a child of a parent not remembered (a restart, another node, forgotten), go out as block
-hashes only (``_scrub``): the salt and the tokens would make the private prompt findable again.
-
-Bounds: each batch is copied into libzmq once (``zmq.Frame``) and shared by reference by every
-subscriber's queue and every replay. A subscriber that does not read costs at most ``hwm``
-batches (PUB's SNDHWM: ``--kv-events-hwm``, lowered to ``subscriber_bytes`` over
-``MAX_BATCH_BYTES``); past that it misses batches and the others still get them. The replay
-buffer holds at most ``replay_batches`` batches and ``replay_bytes`` bytes; one poll sends at
-most ``REPLAY_MESSAGES_PER_POLL`` replay messages, so a replay cannot hold the stream up; a
-requester that does not read is left behind after ``REPLAY_STALL_S`` (``REPLAY_BUSY_STALL_S``
-while other requests wait for one of the ``MAX_REPLAYS`` slots). A malformed request, or
-one for a seq not published yet, is answered with the end marker alone. A bound endpoint is
-libzmq's listener, which accepts every connection and keeps every subscription: ``PeerGuard``
-(``kv_peers``) caps its connections, keeps the fd reserve, and drops a subscriber that sends
-more than ``SUBSCRIBER_SENDS`` bytes. ``tcp://HOST`` binds HOST only (``binds``).
-
-The easy things to get wrong: libzmq sockets belong to one thread -- only this thread touches
-them between ``start()`` and ``stop()``, and ``stop()`` joins it before closing them (linger 0),
-the monitors and the ZAP thread (CURVE) first. A frame in the replay buffer may still sit in a
-subscriber's queue after the buffer lets it go: libzmq frees it when the last one is sent.
+One file, over 600 lines: the topics, the scrubbing and the replay all act on the one
+thread's sockets. docs/design/kv-stream.md has the rules and bounds. The trap: libzmq sockets
+belong to one thread; only this thread touches them between ``start()`` and ``stop()``.
 """
 
 from __future__ import annotations
@@ -58,11 +28,13 @@ import msgspec
 import zmq
 
 from lmshm.core.errors import Unavailable
-from lmshm.core.kv_events import NODE, OWNER, AllBlocksCleared, BlockStored, KvEvent, KvEventBatch, event_bytes
+from lmshm.core.kv_events import NODE, OWNER, event_bytes
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
-from lmshm.multiprocess.kv_peers import PeerGuard
+from lmshm.endpoints.kv_stream.peers import PeerGuard
 from lmshm.platform.base.files import unlink_if_same
+from lmshm.settings import TOPIC_MODES, check_endpoint
+from lmshm.transport.fdchannel import FdChannelError, bind_unix
+from lmshm.wire.vllm_events import AllBlocksCleared, BlockStored, KvEvent, KvEventBatch
 
 logger = logging.getLogger("lmshm.kv_events")
 _replay_log = Throttle(logger)      # requesters cause these lines: at most one every 10 s
@@ -92,9 +64,8 @@ MAX_PODS = 64                   # engines remembered for engine topics, per uid 
 MAX_TOPICS = 4096               # node topics remembered (their first batch starts with a clear)
 MAX_CHAINS = 1 << 16            # block hashes remembered with whether their chain is salted (8,192-16,384 a namespace)
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-TOPIC_MODES = ("node", "engine")
 
-__all__ = ["KvEventPublisher", "binds", "check_endpoint"]
+__all__ = ["KvEventPublisher", "binds"]
 
 #: Every batch carries ``data_parallel_rank`` 0, as vLLM's publisher fills it in (its rank): the
 #: batch is then the 3-element array Go consumers decode into a fixed 3-field array struct
@@ -107,19 +78,6 @@ def _encode(events: list[KvEvent], ts: float) -> bytearray:
     out = bytearray()
     _encoder.encode_into(KvEventBatch(ts, events, DATA_PARALLEL_RANK), out)
     return out
-
-
-def check_endpoint(endpoint: str) -> str:
-    """``endpoint`` if it is ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``, else ``ValueError``."""
-    scheme, sep, rest = endpoint.partition("://")
-    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
-        raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
-    if scheme == "tcp":
-        host, sep, port = rest.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-            raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT with a port from 0 to 65535 "
-                             "(HOST * binds every interface)")
-    return endpoint
 
 
 def binds(endpoint: str, connect: bool = False) -> bool:

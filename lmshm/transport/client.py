@@ -1,19 +1,11 @@
-"""The worker-side client: register KV caches with lmshm-server and keep them registered.
+"""The worker-side client ``MPClient`` (``lmshm.MPClient``): register KV caches and keep them.
 
-``MPClient(url)`` says HELLO (protocol version, pid, host identity, isolated_ipc), opens the
-fd-channel link the server offers, and starts a heartbeat thread. ``register_kv_caches``
-wraps the tensors (``wrap_kv_caches``: zero copy for memory from ``empty_shared``), sends any
-file descriptors over the link, then one REGISTER_KV_CACHE with every layer.
-
-What the client keeps: the producer-side wrappers of every live registration. They keep the
-segments (and memfds) alive, and they are what the heartbeat re-sends when it notices that
-the server restarted (a new server id, or "no session"): it says HELLO again and re-registers
-every cached instance by itself. A timed-out request drops its ZeroMQ socket for a fresh one
-and resumes the same session with its token, so registrations survive a slow moment.
-
-Threads: one lock serialises every exchange on the DEALER socket; the heartbeat takes it for
-one PING at a time. Errors from the server become ``ServerError`` subclasses carrying the
-server's code and message; silence becomes ``ServerTimeout`` naming the URL.
+It says HELLO, opens the fd-channel link, wraps and registers tensors, and keeps each live
+registration's wrappers: they keep the segments alive, and the heartbeat re-registers them when
+the server restarted. One lock serialises the DEALER socket. Server errors become
+``ServerError`` subclasses; silence, ``ServerTimeout``. docs/design/transport.md has the rest.
+The trap: ``lmshm status`` imports this module, so the wrapping code (torch) is imported only
+when a registration needs it.
 """
 
 from __future__ import annotations
@@ -43,9 +35,10 @@ from lmshm.core.errors import (  # noqa: F401 - re-exported: lmshm.MPClient rais
     Unsupported,
     error,
 )
-from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, ExpectedServer, FdChannelClient, FdChannelError
 from lmshm.platform import ipc_policy
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import UNKNOWN_TOKEN, ExpectedServer, FdChannelClient, FdChannelError
+from lmshm.wire import codec, protocol
 
 if TYPE_CHECKING:  # torch and the wrappers load when something is registered, not for status
     import torch
@@ -395,7 +388,7 @@ class MPClient:
         CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
         once (see ``wrap_kv_caches``).
         """
-        from lmshm.platform.kv_wrap import wrap_kv_caches
+        from lmshm.platform.kv_wrap import wrap_kv_caches  # lazy: torch; `lmshm status` imports this module
 
         _check_block_dim(block_dim)
         return self.register_wrappers(list(kv_caches), wrap_kv_caches(kv_caches), instance_id,
@@ -416,7 +409,7 @@ class MPClient:
         ``RawCudaIPCWrapper.from_pointer`` over a pool no tensor describes). Takes ownership
         of the wrappers: they are closed on failure and at unregister. ``block_dim`` indexes the
         wrappers' shape. A re-registration after a server restart sends the same request."""
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         try:
             _check_block_dim(block_dim)
@@ -443,7 +436,7 @@ class MPClient:
 
     def unregister_kv_caches(self, instance_id: str) -> bool:
         """Release ``instance_id`` on the server. Returns True if the server deferred it."""
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         with self._lock:
             try:
@@ -544,7 +537,7 @@ class MPClient:
             self._teardown()
 
     def _teardown(self) -> None:
-        from lmshm.platform.kv_wrap import release_wrappers
+        from lmshm.platform.kv_wrap import release_wrappers  # lazy: torch; `lmshm status` imports this module
 
         for cached in self._cached.values():
             release_wrappers(cached.wrappers)

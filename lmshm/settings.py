@@ -21,9 +21,24 @@ from typing import Annotated, Any, Mapping, Optional
 import msgspec
 
 from lmshm.core.config import CoreConfig, Count, Ids, Positive
-from lmshm.multiprocess import mq
-from lmshm.multiprocess.kv_publisher import TOPIC_MODES, check_endpoint
 from lmshm.platform import ipc_policy
+from lmshm.transport import mq
+
+#: How the KV event stream names its topics (--kv-events-topic; the publisher reads it too).
+TOPIC_MODES = ("node", "engine")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """``endpoint`` if it is ``tcp://HOST:PORT``, ``ipc://PATH`` or ``inproc://NAME``, else ``ValueError``."""
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT, ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, sep, port = rest.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ValueError(f"{endpoint!r}: expected tcp://HOST:PORT with a port from 0 to 65535 "
+                             "(HOST * binds every interface)")
+    return endpoint
 
 
 class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
@@ -48,7 +63,7 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     max_fds_per_session: Count = 1024
     auth_timeout_s: Positive = 5.0
     max_pending_auth: Count = 64
-    # lmshm's own transport (multiprocess/mq.py): loop time for peers without a verified session
+    # lmshm's own transport (lmshm/transport/mq.py): loop time for peers without a verified session
     unverified_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.25
     # Triton-compatible endpoints (lmshm.endpoints): off unless a port is given; 0 = a free port
     http_port: Optional[Annotated[int, msgspec.Meta(ge=0, le=65535)]] = None
@@ -68,7 +83,7 @@ class ServerConfig(CoreConfig, kw_only=True, forbid_unknown_fields=True):
     grpc_max_connections: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 64
     grpc_idle_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 10.0
     grpc_request_timeout_s: Annotated[float, msgspec.Meta(ge=0.1, le=3600)] = 5.0
-    # the KV event stream for routers (multiprocess/kv_publisher.py), in vLLM's format; "" = off
+    # the KV event stream for routers (lmshm/endpoints/kv_stream/publisher.py), in vLLM's format; "" = off
     kv_events: str = ""
     kv_events_replay: str = ""             # a ROUTER for replay requests; "" = no replay
     kv_events_connect: bool = False        # connect --kv-events' tcp:// endpoint (a subscriber binds)
@@ -448,7 +463,7 @@ def _from_text(s: Setting, raw: Any) -> Any:
         if s.kind == "list":
             return [v.strip() for v in raw.split(",") if v.strip()]
     if s.kind == "size" and isinstance(raw, (str, int)) and not isinstance(raw, bool):
-        from lmshm.core.pool import parse_size
+        from lmshm.core.pool import parse_size  # lazy: the pool imports torch; `lmshm status` reads these settings
 
         try:
             return parse_size(raw)

@@ -1,68 +1,44 @@
-"""``lmshm-server``'s ZeroMQ endpoint: lmshm's own protocol, over the core.
+"""``lmshm-server``'s ZeroMQ endpoint: lmshm's own protocol, dispatched to the core.
 
-``ZmqEndpoint`` is one of the thin adapters over the core (``lmshm.core.service.Core``): the
-registry, the data plane, the metrics and the clock are the core's; this file owns only what
-is ZeroMQ's -- the endpoint (lmshm's own ZMTP listener, ``zmtp.py``), the sessions and their
-kernel-verified identities (the fd channel), and the loop. One thread runs the loop:
-``mq.RouterServer`` polls the listener and its connections, the fd channel's Unix sockets, one
-pidfd per watched worker and a wake-up pipe (signals, copier replies, ``stop()``), and calls the
-handlers below. Handlers are short (decoding, mapping, bookkeeping). The loop's tick keeps the
-transport's own state: reclaim of silent sessions, the fd channel's deadlines, and the fd
-budget (idle connections closed; when fds run short and connections wait, those without a
-verified session shed, oldest first). Lease expiry and the orphan sweep are the core's, on its
-clock's thread. ``lmshm.Server`` (``lmshm/server.py``) composes this endpoint with the core.
+``ZmqEndpoint`` owns only what is ZeroMQ's: the loop (``lmshm.transport.mq``: the ZMTP listener,
+the fd channel's sockets, one pidfd per watched worker, a wake-up pipe for signals and copier
+replies), the sessions and their kernel-verified identities (``sessions.py``), the fd budget
+(``fds.py``), and the dispatch of each request to the core (``lmshm.core.service.Core``). The
+loop's tick reclaims silent sessions and keeps the fd channel's deadlines; lease expiry and the
+orphan sweep are the core's clock's. STATUS is answered by ``lmshm.Server.status_reply``.
 
-Floods: requests of peers without a verified session wait their turn and run only in the
-time verified sessions leave, at most ``--unverified-share`` of it while they are busy
-(``mq.UnverifiedShare``); the fd channel is served at least every 10 ms of requests. File
-descriptors: ``FD_RESERVE`` stay free for the server's own work, ``LINK_ROOM`` more for the fd
-channel; ZeroMQ connections are accepted only above both.
-
-The trust boundary is this file's ``_on_request``: every byte a peer sends becomes either the
-reply it asked for or an ``ErrorReply`` with a code -- never an exception that reaches the
-loop, never silence. Identity comes from ``sessions.py`` (kernel-verified on the fd channel),
-limits from ``config.py``; the registry and the wrappers check memory ownership (``admit``).
-
-What each request may do:
-- HELLO, PING, STATUS: anyone who can reach the endpoint;
-- REGISTER: a verified session, for memory its worker owns (same uid, its own pid's names, its
-  own fds), within the session's limits;
-- UNREGISTER, PEEK: the owning session, or a verified session of an ``--admin-uid``.
-
-Orphans: at start and every ``--sweep-interval`` seconds the core removes ``lmshm-*`` names of
-dead workers of its own uid (``shm_orphans.sweep_orphans``, what ``lmshm gc`` runs).
-
-SIGINT/SIGTERM: requests already queued are answered UNAVAILABLE, the core shuts down (every
-registration released), every fd is closed, socket files this process created are removed, and
-the process exits 0. Further signals during that shutdown are ignored, so the release always
-completes.
+The trust boundary is ``_on_request``: every byte a peer sends becomes the reply it asked for or
+an ``ErrorReply`` with a code, never an exception that reaches the loop, never silence. Who may
+send what, floods, and shutdown on SIGINT/SIGTERM: docs/design/service.md and security.md.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
-import resource
 import signal
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import msgspec
 
-from lmshm.core.copier import FileSide, open_checked
 from lmshm.core.dataplane import Deferred
 from lmshm.core.errors import ServerError
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess import codec, mq, protocol
-from lmshm.multiprocess.config import ServerConfig
-from lmshm.multiprocess.fdchannel import Credentials, FdChannelServer, default_path
-from lmshm.multiprocess.protocol import ErrorCode
-from lmshm.multiprocess.sessions import Session, SessionLimitError, Sessions
-from lmshm.platform.base.fds import FD_INBOX
-from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.core.peek import read_layer
+from lmshm.core.registry import Registration
+from lmshm.core.service import Core
+from lmshm.endpoints.zmq.fds import FdBudget, open_fd_count, raise_fd_limit
+from lmshm.endpoints.zmq.sessions import Session, SessionLimitError, Sessions, admission_refusal
 from lmshm.platform.base.peer import own_pid_namespace
 from lmshm.quoting import clip, quote
+from lmshm.settings import ServerConfig
+from lmshm.transport import mq
+from lmshm.transport.fdchannel import FdChannelServer, default_path
+from lmshm.wire import codec, protocol
+from lmshm.wire.protocol import ErrorCode
 
 logger = logging.getLogger("lmshm.server")
 _refused_log = Throttle(logger)     # a peer's malformed messages: at most a line every 10 s
@@ -79,69 +55,21 @@ IDLE_BACKLOG = 4096
 #: A KV_EVENTS read applies at most this many units first (about 1 ms): a reader polling during a
 #: burst of STOREs does not stall the loop for the whole backlog; what is left comes next read
 KV_EVENTS_APPLY = 256
-#: File descriptors kept free for the server's own work (mapping, logging, accepting); an
-#: eighth of the open-file limit if that is less, as are LINK_ROOM and SHED_TO (SHED_BELOW: a 16th).
-FD_RESERVE = 64
-#: File descriptors a verified session costs: its ZeroMQ connection, fd-channel link, pidfd.
-FDS_PER_SESSION = 3
 MAX_REPLY_MESSAGE = 1024
 #: A HELLO this long at most is looked at for a resume token (``_resumes_verified``).
 MAX_RESUME_HELLO = 1024
 #: A ZeroMQ connection without a session is closed after this long (or --auth-timeout, if longer).
 IDLE_CONNECTION_S = 5.0
-#: ZeroMQ connections are accepted only while more than FD_RESERVE + LINK_ROOM fds are free:
-#: the last LINK_ROOM above the reserve are the fd channel's (a verified session's link and pidfd).
-#: Connections that have not authenticated yet (2 fds each) may hold at most half of it, so
-#: --max-pending-auth is lowered to LINK_ROOM / 4 where the room is smaller than it needs.
-LINK_ROOM = 256
 #: a KV_EVENTS reply holds about this many bytes of events at most (the rest: the next read)
 KV_EVENTS_REPLY_BYTES = 4 << 20
-#: When fewer than FD_RESERVE + LINK_ROOM + SHED_BELOW fds are free and a connection waits to be
-#: accepted, connections without a verified session are closed, oldest first, until
-#: FD_RESERVE + LINK_ROOM + SHED_TO would be free (``RouterServer.shed``).
-SHED_BELOW, SHED_TO = 32, 96
-
-__all__ = ["ZmqEndpoint"]
+__all__ = ["StatusSource", "ZmqEndpoint"]
 
 
-def raise_fd_limit() -> int:
-    """Raise RLIMIT_NOFILE's soft limit to its hard limit; return the limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    return soft
+class StatusSource(Protocol):
+    """What answers STATUS: ``lmshm.Server.status_reply``."""
 
-
-def open_fd_count(limit: int = 1 << 30) -> int:
-    """Open fds of this process; ``limit`` when they cannot be counted (EMFILE: none is free)."""
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1  # minus the one listdir itself holds
-    except OSError:
-        return limit
-
-
-class _FdCount:
-    """``open_fd_count`` at most once per ``ttl_s``: listing /proc/self/fd costs ~0.8 ms at
-    1,000 fds, and the loop asks on every HELLO and accept. The fd reserve absorbs what a
-    count this old can miss."""
-
-    def __init__(self, limit: int, ttl_s: float = 0.05) -> None:
-        self.limit, self.ttl_s = limit, ttl_s
-        self._value, self._at = 0, float("-inf")
-
-    def __call__(self) -> int:
-        now = time.monotonic()
-        if now - self._at > self.ttl_s:
-            self._value, self._at = open_fd_count(self.limit), now
-        return self._value
-
-    def opened(self, n: int) -> None:
-        """``n`` fds were opened since the last count (accepts): count them until the next one."""
-        self._value += n
+    def __call__(self, *, offset: int = 0, limit: Optional[int] = None,
+                 minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply: ...
 
 
 class _Refusal(Exception):
@@ -154,27 +82,25 @@ class _Refusal(Exception):
 
 class ZmqEndpoint:
     """The ZeroMQ endpoint of ``core`` (a ``lmshm.core.service.Core``), with the settings of
-    ``config`` (default: the core's, which must then be a ``ServerConfig``). ``on_stopping`` runs
+    ``config`` (default: the core's, which must then be a ``ServerConfig``). ``status`` builds
+    STATUS's reply (``lmshm.Server.status_reply``: the report is the server's, not this
+    endpoint's). ``on_stopping`` runs
     once, when shutdown begins, before anything is released (the composer stops its other
     endpoints). The endpoint's shutdown shuts the core down too, between answering what is
     queued and ending the sessions: copies are answered before the sessions they belong to go."""
 
     protocol_name = "zmq"
 
-    def __init__(self, core: Any, config: Optional[ServerConfig] = None, *,
-                 on_stopping: Optional[Callable[[], None]] = None) -> None:
+    def __init__(self, core: Core, config: Optional[ServerConfig] = None, *,
+                 status: StatusSource, on_stopping: Optional[Callable[[], None]] = None) -> None:
         config = config if config is not None else core.config
+        self._status_reply = status
         self.core = core
         self.config = config
         self.server_id = core.server_id
         self.started = core.started
         self.fd_limit = raise_fd_limit()
-        self._fd_count = _FdCount(self.fd_limit)
-        # The fd budget (scaled down for small limits): kept free, the fd channel's, shedding marks.
-        self.fd_reserve = min(FD_RESERVE, self.fd_limit // 8)
-        link_room = min(LINK_ROOM, self.fd_limit // 8)
-        self._shed_below = self.fd_reserve + link_room + min(SHED_BELOW, self.fd_limit // 16)
-        self._shed_to = self.fd_reserve + link_room + min(SHED_TO, self.fd_limit // 8)
+        self.fds = FdBudget(self.fd_limit)   # kept free, the fd channel's room, shedding marks
         self.registry = core.registry
         self.metrics = core.metrics
         self.dataplane = core.dataplane
@@ -198,11 +124,11 @@ class ZmqEndpoint:
         self._completions: collections.deque = collections.deque()
         self.router = mq.RouterServer(config.url, max_message_bytes=config.max_message_bytes,
                                       receive_queue=config.receive_queue, fd_limit=self.fd_limit,
-                                      fd_reserve=self.fd_reserve + link_room, count_fds=self._fd_count,
-                                      fds_opened=self._fd_count.opened,
+                                      fd_reserve=self.fds.reserve + self.fds.link_room, count_fds=self.fds.count,
+                                      fds_opened=self.fds.count.opened,
                                       idle_timeout_s=max(IDLE_CONNECTION_S, config.auth_timeout_s),
                                       unverified_share=config.unverified_share)
-        max_sessions = min(config.max_sessions, max(1, (self.fd_limit - self.fd_reserve) // FDS_PER_SESSION))
+        max_sessions = self.fds.max_sessions(config.max_sessions)
         if max_sessions < config.max_sessions:
             logger.warning("lmshm: the open-file limit (%d) allows %d sessions, fewer than --max-sessions %d",
                            self.fd_limit, max_sessions, config.max_sessions)
@@ -211,15 +137,15 @@ class ZmqEndpoint:
         try:
             self.fdchannel = FdChannelServer(
                 config.fd_socket or default_path(self.router.url),
-                may_connect=self._may_connect,
+                may_connect=functools.partial(admission_refusal, config),
                 authenticate=self.sessions.verify,
                 on_link_closed=self.sessions.link_closed,
                 watch=self.router.watch_fd,
                 unwatch=self.router.unwatch_fd,
                 max_fds_per_session=config.max_fds_per_session,
-                max_pending=max(1, min(config.max_pending_auth, link_room // 4)),
+                max_pending=max(1, min(config.max_pending_auth, self.fds.link_room // 4)),
                 auth_timeout_s=config.auth_timeout_s,
-                fds_available=self._fds_available,
+                fds_available=self.fds.available,
             )
         except BaseException:
             self.router.close()
@@ -417,27 +343,11 @@ class ZmqEndpoint:
         if dropped:
             logger.info("lmshm: closed %d ZeroMQ connection(s) without a session for %g s", dropped,
                         self.router.idle_timeout_s)
-        self._shed += self.router.shed(self._verified_identity, low=self._shed_below, high=self._shed_to)
+        self._shed += self.router.shed(self._verified_identity, low=self.fds.shed_below, high=self.fds.shed_to)
         if self._shed and time.monotonic() >= self._shed_log_at:
             logger.warning("lmshm: few file descriptors free: closed %d ZeroMQ connection(s) without a verified "
                            "session, the oldest first, to accept waiting ones", self._shed)
             self._shed, self._shed_log_at = 0, time.monotonic() + 1.0
-
-    def _fds_available(self, opening: int = 0) -> bool:
-        """Whether ``opening`` more fds (a new fd-channel connection: 2) leave the reserve free."""
-        if self._fd_count() + self.fd_reserve + opening >= self.fd_limit:
-            return False
-        self._fd_count.opened(opening)
-        return True
-
-    def _may_connect(self, creds: Credentials) -> Optional[str]:
-        """The uid policy of the fd channel: the server's uid, root, and what was allowed."""
-        if creds.uid in (os.geteuid(), 0) or creds.uid in self.config.allowed_uids:
-            return None
-        if self.config.allowed_gids and _groups_of(creds) & set(self.config.allowed_gids):
-            return None
-        return (f"peer uid {creds.uid} is not admitted: the server runs as uid {os.geteuid()}; "
-                "admit others with --allow-uid / --allow-gid")
 
     # ---- dispatch: the trust boundary ---------------------------------------------------
     def _on_request(self, identity: bytes, request_id: bytes, body: Optional[bytes], problem: Optional[str]) -> None:
@@ -520,7 +430,7 @@ class ZmqEndpoint:
             session = self.sessions.resume(identity, req.resume_token)
             resumed = session is not None
         if session is None:
-            if not self._fds_available():
+            if not self.fds.available():
                 raise _Refusal(ErrorCode.UNAVAILABLE,
                                f"lmshm-server is out of file descriptors ({open_fd_count()} open, limit "
                                f"{self.fd_limit}); try again later, or raise its open-file limit")
@@ -563,7 +473,7 @@ class ZmqEndpoint:
         for n in names:
             self._check_name(what, n)
 
-    def _may_touch(self, session: Session, reg: Any, what: str) -> None:
+    def _may_touch(self, session: Session, reg: Registration, what: str) -> None:
         if reg.owner != session.id and session.peer.uid not in self.config.admin_uids:
             raise _Refusal(ErrorCode.PERMISSION_DENIED,
                            f"instance {quote(reg.instance_id, 60)} belongs to another session (pid {reg.owner_pid}); "
@@ -607,45 +517,7 @@ class ZmqEndpoint:
         return protocol.UnregisterReply(req.instance_id, deferred)
 
     def _status(self, identity: bytes, req: protocol.Status) -> Any:
-        return self.status_reply(offset=req.offset, limit=req.limit, minor=req.minor)
-
-    def status_reply(self, *, offset: int = 0, limit: Optional[int] = None,
-                     minor: int = protocol.PROTOCOL_MINOR) -> protocol.StatusReply:
-        """The server and ``limit`` registrations from the ``offset``-th, oldest first (in
-        process: every one by default; a STATUS request: at most ``protocol.STATUS_PAGE``).
-        The page costs its rows, and the summary one line per owner: never a walk of them all.
-        ``minor`` < 4: a ``StatusReply`` (what a 3.3 client decodes); else a ``StatusPageReply``."""
-        now = time.time()
-        page, total = self.registry.page(offset, len(self.registry) if limit is None else limit)
-        regs = []
-        for r in page:
-            region = r.region
-            if region is None:
-                kinds, devices = sorted({w.kind for w in r.wrappers}), sorted({w.device for w in r.wrappers})
-            else:
-                kinds, devices = [f"{r.kind}-region"], [region.device]
-            regs.append(protocol.RegistrationInfo(
-                instance_id=r.instance_id, owner_session=r.owner if isinstance(r.owner, int) else 0,
-                owner_pid=r.owner_pid, owner_uid=r.owner_uid, client_name=r.client_name, model_name=r.model_name,
-                world_size=r.world_size, worker_rank=r.worker_rank, num_layers=r.num_layers, nbytes=r.nbytes,
-                kinds=kinds, devices=devices, age_s=round(now - r.created, 3), kind=r.kind,
-                key=getattr(region, "key", ""), offset=getattr(region, "offset", 0),
-                device_id=getattr(region, "device_id", -1), block_dim=r.block_dim))
-        common = dict(
-            server_id=self.server_id, server_pid=os.getpid(), protocol_version=protocol.PROTOCOL_VERSION,
-            isolated_ipc=self.config.isolated_ipc, uptime_s=round(time.monotonic() - self.started, 3),
-            sessions=len(self.sessions), mappings=len(MAPPINGS), draining=self.registry.draining,
-            open_fds=open_fd_count(), fd_limit=self.fd_limit, inbox_fds=len(FD_INBOX), registrations=regs,
-            pool=self.dataplane.info(), protocol_minor=protocol.PROTOCOL_MINOR)
-        if minor < 4:
-            return protocol.StatusReply(**common)
-        return protocol.StatusPageReply(**common, registrations_total=total, offset=offset, owners=[
-            protocol.OwnerSummary(
-                kind="regions" if first.region is not None else "kv",
-                owner_session=first.owner if isinstance(first.owner, int) else 0,
-                owner_pid=first.owner_pid, owner_uid=first.owner_uid, client_name=first.client_name,
-                registrations=count, layers=layers, nbytes=nbytes)
-            for first, count, layers, nbytes in self.registry.owners()])
+        return self._status_reply(offset=req.offset, limit=req.limit, minor=req.minor)
 
     def _ping(self, identity: bytes, req: protocol.Ping) -> Any:
         return protocol.Pong(self.server_id, self.sessions.of(identity) is not None)
@@ -654,39 +526,7 @@ class ZmqEndpoint:
         session = self._verified(identity, "PEEK")
         with self.registry.hold(req.instance_id) as reg:
             self._may_touch(session, reg, "peek at")
-            found = reg.layer(req.layer_name)
-            if found is None:
-                raise _Refusal(ErrorCode.NOT_FOUND, f"instance {quote(req.instance_id, 60)} has no layer "
-                                                    f"{quote(req.layer_name, 60)}")
-            tensor, wrapper = found
-            item = tensor.element_size()
-            span = (sum((s - 1) * st for s, st in zip(tensor.shape, tensor.stride())) + 1) * item \
-                if tensor.numel() else 0
-            if req.offset > span:
-                raise _Refusal(ErrorCode.INVALID_ARG,
-                               f"peek offset {req.offset} is outside layer {quote(req.layer_name, 60)} ({span} bytes)")
-            try:
-                wrapper.verify_mapped()  # a truncated segment would SIGBUS us below
-            except OSError as exc:
-                raise _Refusal(ErrorCode.UNAVAILABLE, str(exc)) from None
-            n = min(req.length, span - req.offset)
-            backing = getattr(wrapper, "backing_file", None)
-            where = backing() if backing is not None else None
-            if where is None:
-                return protocol.PeekReply(_read_bytes(tensor, req.offset, n))
-            # Named shm: read through the file, so a segment truncated right now cannot SIGBUS us.
-            path, inode, start = where
-            try:
-                fd = open_checked(FileSide(path, inode, 0))
-                try:
-                    data = os.pread(fd, n, tensor.data_ptr() - start + req.offset)
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                raise _Refusal(ErrorCode.UNAVAILABLE, f"cannot read segment {quote(path, 80)}: {exc}") from None
-            if len(data) != n:
-                raise _Refusal(ErrorCode.UNAVAILABLE, f"segment {quote(path, 80)} was truncated; refusing to read it")
-            return protocol.PeekReply(data)
+            return protocol.PeekReply(read_layer(reg, req.layer_name, req.offset, req.length))
 
     # ---- the data plane (lmshm.core.dataplane) -----------------------------------------
     def _store(self, identity: bytes, req: protocol.Store) -> Any:
@@ -746,24 +586,3 @@ def _code_of(reply: Any) -> str:
         except ValueError:
             return str(reply.code)
     return "OK"
-
-
-def _read_bytes(tensor: Any, offset: int, n: int) -> bytes:
-    import torch
-
-    u8 = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(
-        tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size() + offset, (n,))
-    return u8.cpu().numpy().tobytes()  # a GPU layer: one small D2H copy
-
-
-def _groups_of(creds: Credentials) -> set[int]:
-    groups = {creds.gid}
-    try:
-        with open(f"/proc/{creds.pid}/status") as f:
-            for line in f:
-                if line.startswith("Groups:"):
-                    groups.update(int(g) for g in line.split()[1:])
-                    break
-    except (OSError, ValueError):
-        pass
-    return groups

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from lmshm.multiprocess import protocol
+from lmshm.wire import protocol
 
 #: msgpack extension type code of an lmshm wrapper.
 WRAPPER_EXT_CODE = 1
@@ -45,7 +45,7 @@ def _enc_hook(obj: Any) -> Any:
     torch = sys.modules.get("torch")
     if torch is not None:
         if isinstance(obj, torch.dtype):
-            from lmshm.platform.base.ipc_wrapper import dtype_name
+            from lmshm.platform.base.ipc_wrapper import dtype_name  # lazy: no torch for plain messages
 
             return dtype_name(obj)
         if isinstance(obj, torch.Size):
@@ -61,7 +61,7 @@ def _ext_hook(code: int, data: memoryview) -> Any:
     if code != WRAPPER_EXT_CODE:
         raise CodecError(f"unknown msgpack extension type {code}; lmshm only sends {WRAPPER_EXT_CODE} (wrapper)")
     if _unpickler is None:
-        from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, safe_loads
+        from lmshm.platform.base.ipc_wrapper import WrapperDecodeError, safe_loads  # lazy: the first ext-1 payload
 
         _unpickler = (safe_loads, WrapperDecodeError)
     safe_loads, decode_error = _unpickler
@@ -86,7 +86,7 @@ def _dec_hook(type_: type, obj: Any) -> Any:
         raise CodecError(f"expected an lmshm wrapper (ext type {WRAPPER_EXT_CODE}), got {type(obj).__name__}")
     torch = sys.modules.get("torch")
     if torch is not None and type_ is torch.dtype:
-        from lmshm.platform.base.ipc_wrapper import dtype_from_name
+        from lmshm.platform.base.ipc_wrapper import dtype_from_name  # lazy: no torch for plain messages
 
         try:
             return dtype_from_name(obj)

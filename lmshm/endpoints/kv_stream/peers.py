@@ -1,31 +1,15 @@
 """The KV event endpoints' guard: a cap on connections, the fd reserve, and a cap on what a
 subscriber may send, for sockets whose listener is libzmq's.
 
-libzmq accepts every connection in its I/O thread and keeps every subscription a SUB peer sends
-in its publisher's trie (about 170 bytes of memory per byte of subscription: 4 MB of distinct
-subscriptions grew a PUB by 650 MiB), with no cap, and it cannot close one peer of a socket.
-``PeerGuard`` watches a socket's monitor (``ACCEPTED`` and ``DISCONNECTED`` name the
-connection's fd) and, for a peer it refuses, calls ``shutdown(2)`` on that fd: libzmq then
-reads the end of the stream, closes the connection itself and forgets its subscriptions. The
-fd itself is never closed here (libzmq owns it), so its number cannot be reused under libzmq.
+libzmq accepts every connection and keeps every subscription, with no cap, and cannot close
+one peer. ``PeerGuard`` watches a socket's monitor and, for a peer it refuses, calls
+``shutdown(2)`` on its fd (never ``close``: libzmq owns it), so libzmq closes the connection
+itself and forgets its subscriptions. Refused: connections past ``max_peers`` or while the fd
+reserve is short, TCP peers that send past their byte allowance, and ``ipc://`` peers of
+another uid. docs/design/kv-stream.md has the figures and the reasons.
 
-Refused: a connection past ``max_peers`` when every peer has finished its ZMTP handshake
-(``HANDSHAKE_SUCCEEDED``; else the oldest that has not is shut instead), or one accepted while fewer than ``FD_RESERVE`` fds
-are free (the reserve the request listener keeps, ``server.FD_RESERVE + server.LINK_ROOM``).
-Dropped: a TCP peer that has sent more than ``max_bytes`` plus ``BYTES_PER_S`` for each second
-it has been connected (``TCP_INFO``'s bytes received: the kernel's count, so bytes libzmq has
-not parsed yet count too). A SUB sends nothing else after its handshake than subscriptions,
-cancels and heartbeats, so the cap bounds the trie. ``ipc://`` peers are not counted in bytes
-(the kernel keeps no such count for Unix sockets): a peer that runs as another uid than the
-server's (or root) is refused (``SO_PEERCRED``). ``ipc://PATH`` is mode 0600 anyway, but an
-abstract ``ipc://@NAME`` has no file: any uid on the host could connect to it.
-
-Easy to get wrong: an fd named by an event may be closed and reused before the event is read.
-Every action first checks that the fd is still a socket with the local address recorded when
-it was accepted, and events are read in order, so a reused number is seen as a new peer. And
-the monitor's queue is bounded (libzmq drops events past it): ``check`` forgets a peer whose fd
-no longer has the addresses it was accepted with, so a lost ``DISCONNECTED`` cannot leave the
-count full.
+The trap: an fd named by an event may be closed and reused before the event is read, so every
+action first checks that the fd is still the socket recorded when it was accepted.
 """
 
 from __future__ import annotations
@@ -47,7 +31,7 @@ logger = logging.getLogger("lmshm.kv_events")
 _drop_log = Throttle(logger)
 
 #: fds kept free: the request listener's reserve and its fd channel's room
-#: (``lmshm.multiprocess.server.FD_RESERVE + LINK_ROOM``; an eighth of the limit each if less).
+#: (``lmshm.endpoints.zmq.endpoint.FD_RESERVE + LINK_ROOM``; an eighth of the limit each if less).
 FD_RESERVE = 64 + 256
 BYTES_PER_S = 1              # what a peer may send per second connected, past max_bytes (heartbeats)
 _TCPI_BYTES_RECEIVED = 128   # offset of tcpi_bytes_received in Linux's struct tcp_info (4.1+)

@@ -1,16 +1,17 @@
-"""The values the core takes and returns, which the wire carries as they are.
+"""The lmshm wire protocol, version 3.8: every request and reply, its code, fields and limits.
 
-``lmshm.multiprocess.protocol`` is the wire protocol; the part of it that the core itself
-speaks is declared here, so that ``core`` never imports ``multiprocess``: the table of message
-codes (one table for every message, so a code is never used twice), the wire's hard caps,
-``LayerGroup`` (what a registration is made of), the data plane's requests and replies
-(STORE, LOOKUP, RETRIEVE, RELEASE), the pool's status (``PoolInfo``) and ``ErrorReply``.
-``protocol.py`` re-exports every name, so ``protocol.Store`` and ``messages.Store`` are the same
-class; read the two files as one spec. Moving a message between them changes no byte on the
-wire (``tests/v1/multiprocess/test_codec.py`` holds every message's bytes).
+A request travels as ``[request_id, body]`` on a ZeroMQ DEALER to the server's ROUTER; its one
+reply comes back with the same ``request_id``: the matching ``*Reply``, or ``ErrorReply`` with
+an ``ErrorCode``. ``body`` is one msgpack map (``codec.py``) whose ``"type"`` is a ``MsgType``.
+Codes are explicit and never change meaning: requests 1..99, replies 101..199.
 
-Limits live next to the fields (msgspec ``Meta``): they bound what decoding may build. The
-server's configurable limits (names, counts) are tighter and checked after decoding.
+Limits live next to the fields (msgspec ``Meta``) and bound what decoding may build; the
+server's configurable limits are tighter and checked after decoding. The core takes and returns
+these structs as they are, so this package imports nothing of ``core`` (the layering test).
+
+One file, over 600 lines on purpose: it is the spec, read top to bottom. Sessions, identity,
+the data plane's rules and the version history: docs/design/wire-protocol.md. The trap: a
+field added to a reply breaks older clients (they refuse unknown fields); add a minor version.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Annotated, Optional, Union
 
 import msgspec
 
-from lmshm.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from lmshm.wire.vllm_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
     from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper as WireWrapper
@@ -44,6 +45,16 @@ else:
         """
 
         __slots__ = ()
+
+
+#: ``(PROTOCOL_VERSION, PROTOCOL_MINOR)``. The major is bumped whenever a message changes
+#: incompatibly; the minor when fields or messages are added that older peers can ignore. HELLO
+#: refuses another major, and a client whose minor is newer than the server's.
+PROTOCOL_VERSION = 3
+PROTOCOL_MINOR = 8
+
+PEEK_MAX_BYTES = 4096
+STATUS_PAGE = 1000       # registrations one STATUS reply lists at most
 
 
 #: Hard caps of the wire (the server's settings may be tighter).
@@ -88,6 +99,20 @@ class MsgType(IntEnum):
     STATUS_PAGE_REPLY = 111      # 3.4
     KV_EVENTS_REPLY = 112        # 3.7
     ERROR = 199
+
+
+class ErrorCode(IntEnum):
+    """Why a request failed. Explicit and stable: never renumber."""
+
+    INVALID_ARG = 1        # malformed frame, undecodable body, bad field, unmappable layer
+    ALREADY_EXISTS = 2     # a different registration already lives under this instance id
+    NOT_FOUND = 3          # no such instance id (or layer, or region of that kind)
+    UNAVAILABLE = 4        # no session (send HELLO), a limit reached, or shutting down
+    UNSUPPORTED = 5        # protocol or API version, or isolated_ipc disagreement, unknown request
+    PERMISSION_DENIED = 6  # identity not verified, not the owner, memory the peer does not own
+    INTERNAL = 7           # a server bug: the handler raised
+    LAYOUT = 8             # the registration's layout cannot be moved, or differs from the stored object's
+    DATA_LOSS = 9          # a copy failed (memory truncated under the server); nothing was made visible
 
 
 class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
@@ -376,3 +401,197 @@ class PoolInfo(msgspec.Struct, frozen=True):
 class ErrorReply(Message, tag=int(MsgType.ERROR)):
     code: int                # an ErrorCode
     message: str             # at most a few hundred characters; peer data in it is quoted and cut
+
+
+# ---- session, registration and status requests -----------------------------------------
+
+
+class Hello(Message, tag=int(MsgType.HELLO)):
+    """Open (or resume) a session. Must precede REGISTER, UNREGISTER and PEEK.
+
+    Carries no identity: the worker proves its pid and uid afterwards on the fd channel. A HELLO
+    that does not decode (a field this version does not know) is read once more as
+    ``HelloVersion``, so a newer client is told its version is the problem.
+    """
+
+    protocol_version: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
+    isolated_ipc: bool       # the worker's policy; must equal the server's
+    client_name: Text = ""   # free text for status tables and logs
+    resume_token: Annotated[str, msgspec.Meta(max_length=128)] = ""  # a session_token held before
+    protocol_minor: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0   # 3.0 clients send none
+
+
+class HelloVersion(msgspec.Struct):
+    """Only the version fields of a HELLO, whatever else it carries (see ``Hello``)."""
+
+    type: int
+    protocol_version: int = 0
+    protocol_minor: int = 0
+
+
+class RegisterKVCache(Message, tag=int(MsgType.REGISTER_KV_CACHE)):
+    """Map every layer now, all or nothing, and keep them under ``instance_id``."""
+
+    instance_id: Text        # 1..max_name_bytes printable characters, chosen by the worker
+    model_name: Text
+    world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    worker_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]   # < world_size
+    groups: Annotated[list[LayerGroup], msgspec.Meta(max_length=MAX_GROUPS)]  # engine order; names unique
+    # 3.2: the dim of every layer's shape (as the worker sees it) whose index is the block id;
+    # below every layer's number of dims. The data plane moves blocks along it.
+    block_dim: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_DIM)] = 0
+
+
+class UnregisterKVCache(Message, tag=int(MsgType.UNREGISTER_KV_CACHE)):
+    """Release ``instance_id``. Deferred while a data operation still holds it. Owner only."""
+
+    instance_id: Text
+
+
+class Status(Message, tag=int(MsgType.STATUS), omit_defaults=True):
+    """Describe the server and a page of its registrations, oldest first. Needs no session.
+
+    A reply lists at most ``STATUS_PAGE`` registrations, so its size is bounded however many
+    are live. 3.4: ``offset`` and ``limit`` choose the page, and a client that sends ``minor``
+    (its protocol minor, 4) gets a ``StatusPageReply``: also the total, its page's offset and a
+    line per owner. A 3.3 client sends none of them (defaults are not encoded: ``Status()`` is
+    the same bytes as before) and gets a ``StatusReply``, the first page. A 3.3 server refuses
+    the fields (unknown field): the client then asks again without them.
+    """
+
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+    limit: Annotated[int, msgspec.Meta(ge=0, le=STATUS_PAGE)] = STATUS_PAGE
+    minor: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+
+
+class Ping(Message, tag=int(MsgType.PING)):
+    """Empty round trip; also the client's heartbeat. Needs no session."""
+
+
+class Peek(Message, tag=int(MsgType.PEEK)):
+    """Read bytes of a registered layer *through the server's own mapping*. Owner only.
+
+    A diagnostic: it proves zero copy (the worker writes, the server reads the same memory)
+    and lets an operator check that a mapping is alive. ``length`` is capped at 4096 bytes.
+    """
+
+    instance_id: Text
+    layer_name: Text
+    offset: Annotated[int, msgspec.Meta(ge=0, le=1 << 62)] = 0      # bytes from the layer's first element
+    length: Annotated[int, msgspec.Meta(ge=0, le=PEEK_MAX_BYTES)] = 64
+
+
+Request = Union[Hello, RegisterKVCache, UnregisterKVCache, Status, Ping, Peek, Store, Lookup, Retrieve, Release,
+                KvEvents]
+
+#: Requests that are answered without a session.
+SESSIONLESS = (Status, Ping)
+
+
+# ---- session, registration and status replies -------------------------------------------
+
+
+class HelloReply(Message, tag=int(MsgType.HELLO_REPLY)):
+    protocol_version: int
+    server_id: str           # random per server start: a new value means the server restarted
+    server_pid: int          # as the server sees itself
+    server_uid: int          # the fd socket's listener must run as this uid
+    server_pid_ns: int       # inode of the server's PID namespace: same as the worker's -> compare pids
+    session_id: int
+    session_token: str       # present it on the fd channel to prove identity; resumes the session
+    resumed: bool            # True: resume_token matched, earlier registrations are still there
+    verified: bool           # True: this session's identity is already proven (a resumed session)
+    fd_socket: str           # path of the fd side channel
+    isolated_ipc: bool
+    heartbeat_interval_s: float  # seconds between the client's PINGs
+    reap_timeout_s: float        # silence after which an unwatched session is reclaimed
+    auth_timeout_s: float        # the session must prove its identity within this
+    max_message_bytes: int       # the largest request body the server accepts
+    protocol_minor: int = 0
+
+
+class RegisterReply(Message, tag=int(MsgType.REGISTER_REPLY)):
+    instance_id: str
+    num_layers: int
+    nbytes: int              # total bytes of all layers' elements
+    refreshed: bool          # True: an identical registration from this session already existed
+
+
+class UnregisterReply(Message, tag=int(MsgType.UNREGISTER_REPLY)):
+    instance_id: str
+    deferred: bool           # True: released when the last data operation lets go
+
+
+class RegistrationInfo(msgspec.Struct, frozen=True):
+    instance_id: str
+    owner_session: int
+    owner_pid: int           # kernel-verified, in the server's PID namespace
+    owner_uid: int
+    client_name: str
+    model_name: str
+    world_size: int
+    worker_rank: int
+    num_layers: int
+    nbytes: int
+    kinds: list[str]         # wrapper kinds, e.g. ["cpu-shm"]
+    devices: list[str]       # device identities, e.g. ["cpu"] or GPU UUIDs
+    age_s: float             # seconds since registration
+    # 3.1: regions registered through the HTTP/gRPC endpoints or the in-process API
+    kind: str = "kv"         # "kv" (a worker's KV cache), "system" or "cuda" (a region)
+    key: str = ""            # a system region's shm key
+    offset: int = 0          # a system region's offset in its object
+    device_id: int = -1      # a CUDA region's device
+    block_dim: int = 0       # 3.2: a KV registration's block dimension
+
+
+class OwnerSummary(msgspec.Struct, frozen=True):
+    """3.4: what one owner holds. An owner is a session (``kind`` "kv"), or "regions": every
+    region registered over HTTP, gRPC or in-process, whoever registered it."""
+
+    kind: str
+    owner_session: int       # 0 for the regions
+    owner_pid: int           # of the session's worker (kernel-verified); 0 for the regions
+    owner_uid: int           # -1 for the regions
+    client_name: str         # the session's (the regions: the oldest region's)
+    registrations: int
+    layers: int
+    nbytes: int
+
+
+class StatusReply(Message, tag=int(MsgType.STATUS_REPLY)):
+    server_id: str
+    server_pid: int
+    protocol_version: int
+    isolated_ipc: bool
+    uptime_s: float
+    sessions: int
+    mappings: int            # live entries in the server's mapping table
+    draining: int            # unregistered but still held by a data operation
+    open_fds: int            # file descriptors the server process has open now
+    fd_limit: int            # its RLIMIT_NOFILE
+    inbox_fds: int           # received fds not mapped yet
+    registrations: list[RegistrationInfo]   # 3.4: the first STATUS_PAGE (a 3.3 server: every one)
+    pool: PoolInfo
+    protocol_minor: int = 0
+
+
+class StatusPageReply(StatusReply, tag=int(MsgType.STATUS_PAGE_REPLY)):
+    """3.4: STATUS's reply to a client that sent ``Status.minor`` >= 4 (a 3.3 client gets
+    ``StatusReply``: it refuses unknown fields). ``registrations`` is the page asked for."""
+
+    registrations_total: int = 0     # live registrations in all
+    offset: int = 0                  # the place of ``registrations[0]`` among them, oldest first
+    owners: list[OwnerSummary] = []  # one line per owner: at most one per session, and the regions
+
+
+class Pong(Message, tag=int(MsgType.PONG)):
+    server_id: str
+    session_known: bool      # False: this connection has no session (server restarted?)
+
+
+class PeekReply(Message, tag=int(MsgType.PEEK_REPLY)):
+    data: bytes
+
+
+Reply = Union[HelloReply, RegisterReply, UnregisterReply, StatusReply, StatusPageReply, Pong, PeekReply, StoreReply,
+              LookupReply, RetrieveReply, ReleaseReply, KvEventsReply, ErrorReply]

@@ -1,26 +1,16 @@
 """Sessions and liveness: who each connection is, and when its registrations must go.
 
-A worker's HELLO opens a session: a number and a secret token. The session is *unverified*
-until the worker presents the token on the fd channel; then the kernel's word about that
-connection (``SO_PEERCRED``: pid, uid, gid; ``SO_PEERPIDFD``: a pidfd of that very process)
-becomes the session's ``Peer``, once, and is never re-read from anything the worker says.
-A resumed session (same token, new ZeroMQ socket) keeps its identity; a later link must come
-from the same pid and uid.
+A worker's HELLO opens a session: a number and a secret token. It stays *unverified* until the
+worker presents the token on the fd channel; then the kernel's word about that connection
+(``SO_PEERCRED``, ``SO_PEERPIDFD``) becomes the session's ``Peer``, once, never re-read from
+anything the worker says. A session ends, and its registrations are reclaimed, when its pidfd
+fires, its fd-channel link closes (after ``LINK_GRACE_S``), it never verified within
+``auth_timeout_s``, or, unwatched, it was silent for ``reap_timeout_s``; unverified sessions
+past ``max_pending_auth`` are parked, their tokens still valid (docs/design/service.md,
+"Sessions and reclaim"). ``admission_refusal`` is the fd channel's uid/gid policy.
 
-A session ends -- and its registrations are reclaimed -- on the first of:
-- its pidfd turns readable: the worker exited, however it died (milliseconds after SIGKILL);
-- its fd-channel link closes while the pidfd says the worker still runs (a client that closed),
-  after ``LINK_GRACE_S`` -- a dying process closes its sockets a moment before its pidfd fires;
-- it never verified within ``auth_timeout_s`` of its HELLO. At most ``max_pending_auth``
-  unverified sessions hold a slot; newer ones displace the oldest, which is *parked*: the server
-  keeps nothing of it, but its token still verifies until then (a token carries its session's
-  number, HELLO time and connection, sealed with a key only the server knows), so no flood of
-  HELLOs, however fast, can void the proof an honest worker is about to give;
-- it cannot be watched (no pidfd) and was silent for ``reap_timeout_s``.
-A pid-watched worker is never reclaimed for being slow or silent: its pidfd decides.
-
-The easy thing to get wrong: only an *exited* owner's names may be unlinked (``orphaned``);
-a live worker that merely closed its client keeps its segments.
+The trap: only an *exited* owner's names may be unlinked (``orphaned``); a live worker that
+merely closed its client keeps its segments.
 """
 
 from __future__ import annotations
@@ -36,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
-from lmshm.multiprocess.config import ServerConfig
-from lmshm.multiprocess.fdchannel import UNKNOWN_TOKEN, Credentials, FdChannelError
 from lmshm.platform.base.peer import Peer, namespace_view
 from lmshm.quoting import quote
+from lmshm.settings import ServerConfig
+from lmshm.transport.fdchannel import UNKNOWN_TOKEN, Credentials, FdChannelError
 
 logger = logging.getLogger("lmshm.server")
 
@@ -293,3 +283,27 @@ class Sessions:
                 self._unwatch(session.pidfd)
                 os.close(session.pidfd)
                 session.pidfd = None
+
+
+def admission_refusal(config: ServerConfig, creds: Credentials) -> Optional[str]:
+    """The uid policy of the fd channel: None (admitted) for the server's uid, root, an
+    ``--allow-uid`` or a member of an ``--allow-gid``; else why the peer is refused."""
+    if creds.uid in (os.geteuid(), 0) or creds.uid in config.allowed_uids:
+        return None
+    if config.allowed_gids and _groups_of(creds) & set(config.allowed_gids):
+        return None
+    return (f"peer uid {creds.uid} is not admitted: the server runs as uid {os.geteuid()}; "
+            "admit others with --allow-uid / --allow-gid")
+
+
+def _groups_of(creds: Credentials) -> set[int]:
+    groups = {creds.gid}
+    try:
+        with open(f"/proc/{creds.pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    groups.update(int(g) for g in line.split()[1:])
+                    break
+    except (OSError, ValueError):
+        pass
+    return groups

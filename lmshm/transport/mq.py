@@ -1,33 +1,16 @@
-"""ZeroMQ transport: the server's endpoint and poll loop, and the worker's DEALER with timeouts.
+"""ZeroMQ transport: the server's ROUTER loop over ``zmtp.ZmtpListener``, and the worker's DEALER.
 
-Frames. A request is ``[request_id, body]`` (the server adds the peer's routing id in front,
-as a ROUTER does); the reply is ``[request_id, body]``. ``request_id`` is 8 bytes chosen by the
-client; the client ignores any reply whose id is not the one it waits for, so a late answer to
-a request it gave up on can never be taken for the answer to the next one. This module moves
-bytes and knows nothing of msgpack or the protocol.
+A request is ``[request_id, body]`` (8-byte id chosen by the client), its reply the same id and
+a body; the client drops a reply whose id it no longer waits for. This module moves bytes and
+knows nothing of msgpack. The server loop is one thread over one epoll set: the listener, every
+connection, and the raw fds the server adds (fd channel, pidfds, wake-up pipe). Requests run in
+slices of ``SLICE_S``; requests of peers without a verified session take a bounded share of the
+loop's time (``UnverifiedShare``). ``ipc://`` endpoints are bound mode 0600 and only the file
+this process created is removed.
 
-The server side speaks ZeroMQ's wire protocol itself (``zmtp.ZmtpListener``) on ``tcp://`` and
-``ipc://``; workers use libzmq's DEALER. libzmq's own listeners accept in libzmq's I/O thread
-whenever a connection waits -- the ipc one aborts the process on EMFILE, and the tcp one fills
-the fd table to its last slot, so that the fd channel, mappings and the loop itself find none.
-Here the loop accepts, and only while ``fd_reserve`` fds stay free (``RouterServer``).
-
-The server loop is single-threaded: one epoll set (no fd-number limit) watches
-the listening socket, every connection, and the raw fds the server adds (the fd channel's
-sockets, pidfds of watched workers, the signal wake-up pipe), and calls back. Requests run in
-slices of ``SLICE_S``; between two slices every readable fd is served. Requests of peers
-without a verified session wait their turn in ``UnverifiedShare`` and may use a bounded share
-of the loop's time. Nothing here blocks for longer than one request.
-
-Limits. A frame larger than ``max_message_bytes`` closes its connection before its bytes are
-buffered (lmshm's client checks the limit before sending and fails with a clear error
-instead). A message that is malformed -- wrong number of frames, an id that is not 8 bytes,
-more bytes in total than the limit -- is handed to the server as a *problem* so that it still
-gets an ``INVALID_ARG`` reply.
-
-``ipc://`` endpoints are bound here, mode 0600, so that a live endpoint is never taken over;
-on close only the file this process created is removed. ``tcp://HOST:0`` binds a free port;
-``url`` then reports the real one.
+One file, over 600 lines: the loop, its fairness between peers and the client that must match
+its framing change together. docs/design/transport.md has the details. The trap: a malformed
+message must still reach the server as a *problem*, so that it is answered ``INVALID_ARG``.
 """
 
 from __future__ import annotations
@@ -45,8 +28,8 @@ from typing import Any, Callable, Optional
 import zmq
 
 from lmshm.core.logs import Throttle
-from lmshm.multiprocess import zmtp
 from lmshm.platform.base.files import unlink_if_same
+from lmshm.transport import zmtp
 
 logger = logging.getLogger(__name__)
 _reply_log = Throttle(logger)       # peers cause these: at most a line every 10 s each
@@ -289,7 +272,7 @@ class RouterServer:
             return sock
         # The kernel's bind refuses an existing path (libzmq's own bind would first unlink it,
         # and with it a live server's endpoint).
-        from lmshm.multiprocess.fdchannel import FdChannelError, bind_unix
+        from lmshm.transport.fdchannel import FdChannelError, bind_unix
 
         try:
             sock, self._ipc_inode = bind_unix(path, socket.SOCK_STREAM, "ipc endpoint")

@@ -1,1 +1,0 @@
-"""The service: wire protocol, transport, registry, server and worker client."""
