@@ -26,7 +26,7 @@ from valkey_servers import command, secret_file
 
 from lmshm.core import kv_events
 from lmshm.core.kv_events import BlockStored, EventLog, KvIndex, check_advert
-from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
+from lmshm.core.tiers.disk.format import HEADER_BYTES, file_bytes
 from lmshm.integrations.adapter import packed_tokens
 from lmshm.multiprocess import protocol
 from lmshm.multiprocess.client import InvalidArgument, MPClient

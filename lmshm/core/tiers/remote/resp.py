@@ -165,7 +165,7 @@ class Connection:
         received) when the value is of another length, ``ErrorReply`` for an error reply.
         ``progress(filled)``, if given, is called as the value arrives, with how many bytes of
         ``buf`` are filled (last with ``len(buf)``), a ``PIECE`` at most between calls: a
-        checksum taken there reads each piece from the cache (``remote._Streamed``)."""
+        checksum taken there reads each piece from the cache (``value.Streamed``)."""
         self._start()
         try:
             line = self._line(SMALL_RECV)
