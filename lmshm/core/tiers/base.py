@@ -1,7 +1,7 @@
 """The tier interface: where a chunk may live below the server's pool, and what each tier counts.
 
 The pool (``core/pool.py``) is tier 1: the only place a RETRIEVE copies from. Every other tier
-(the local disk, ``disk.py``; later a remote store) implements ``Tier`` and is reached only
+(the local disk, ``disk/``; the remote, ``remote/``) implements ``Tier`` and is reached only
 through ``TierStack`` (``stack.py``): STOREs are written through to it in the background, and
 LOOKUP promotes what it holds back into the pool before it answers.
 
