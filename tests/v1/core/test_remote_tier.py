@@ -958,3 +958,27 @@ def test_a_run_a_cluster_spreads_over_nodes_is_read_chunk_by_chunk(valkey_cluste
         assert [bytes(f) for f in frames] == datas
     finally:
         tier.close()
+
+
+def test_the_slot_map_routes_by_hash_tag_notes_a_moved_slot_at_once_and_rereads_at_most_each_second():
+    """``SlotMap`` alone, with a fake ``CLUSTER SLOTS``: a key goes to its slot's node (a hash
+    tag decides the slot), a seed until the map is read; a MOVED is noted before the map is
+    read again, and the map is read at most once per ``SLOTS_REFRESH_S``."""
+    from lmshm.core.tiers.remote.slots import SlotMap, key_slot
+
+    seeds = (("10.0.0.1", 7000), ("10.0.0.2", 7000))
+    asked = []
+
+    def ask(node):
+        asked.append(node)
+        if node == seeds[0]:
+            return None                                 # the first seed is down
+        return {s: ("" if s < 8192 else "10.0.0.3", 7000) for s in range(16384)}
+    slots = SlotMap(seeds, ask)
+    assert key_slot(b"{user1}:a") == key_slot(b"{user1}:b") == key_slot(b"user1")
+    low = next(k for k in (b"k%d" % i for i in range(100)) if key_slot(k) < 8192)
+    high = next(k for k in (b"k%d" % i for i in range(100)) if key_slot(k) >= 8192)
+    assert slots.node(low) == seeds[1]                  # "" is the node that answered
+    assert slots.node(high) == ("10.0.0.3", 7000) and asked == list(seeds)
+    assert slots.moved((key_slot(low), "10.0.0.9", 7001), seeds[1]) == ("10.0.0.9", 7001)
+    assert slots.node(low) == ("10.0.0.9", 7001) and len(asked) == 2, "read again within a second"
