@@ -32,7 +32,8 @@ from _server import empty_pool
 
 from lmshm.core.pool import Pool, cost_of
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.disk import DiskTier, file_bytes
+from lmshm.core.tiers.disk import DiskTier
+from lmshm.core.tiers.disk.format import file_bytes
 from lmshm.core.tiers.stack import TierStack
 
 

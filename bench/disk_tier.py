@@ -30,7 +30,7 @@ Prints medians of:
 4. ``ops``: small chunks (``--ops-kib``, default 64) through ``DiskTier`` itself, put (O_DIRECT
    from page-aligned memory) and read back (page cache): microseconds per operation, the cost
    of reaching each file from the tier's directory fds; ``--compare-with FILE`` runs another
-   ``disk.py`` (e.g. ``git show HEAD:lmshm/core/tiers/disk.py > /tmp/old.py``) alternately, for
+   ``disk/tier.py`` (e.g. ``git show HEAD:lmshm/core/tiers/disk/tier.py > /tmp/old.py``) alternately, for
    a before/after on the same host at the same time;
 5. ``start`` (only when named in ``--parts``): ``--start-files N`` chunk files (8 KiB payloads,
    sparse: ``ftruncate``; valid headers under the directory's key) are made, the page cache is
@@ -63,17 +63,9 @@ import torch
 from _server import BenchServer
 
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.disk import (
-    CHECKSUMS,
-    HEADER_BYTES,
-    DiskTier,
-    checksum_algorithm,
-    direct_ok,
-    encode_header,
-    file_bytes,
-    read_file,
-    write_file,
-)
+from lmshm.core.tiers.disk import DiskTier
+from lmshm.core.tiers.disk.format import HEADER_BYTES, direct_ok, encode_header, file_bytes, read_file, write_file
+from lmshm.core.tiers.integrity import CHECKSUMS, checksum_algorithm
 from lmshm.platform.cpu import empty_shared
 from lmshm.transport.client import MPClient
 
@@ -362,7 +354,7 @@ def end_to_end(where: str, request_bytes: int, reps: int, chunk_bytes: int = 0,
 
 
 def load_tier(path: str):
-    """``DiskTier`` of another copy of disk.py (for a before/after)."""
+    """``DiskTier`` of another copy of disk/tier.py (for a before/after)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("lmshm_disk_compared", path)
@@ -474,7 +466,7 @@ def main() -> None:
                     help="comma-separated, of checksums, files, end-to-end, ops, start (default: all but start)")
     ap.add_argument("--ops-kib", type=int, default=64, help="chunk size of the ops part (default 64 KiB)")
     ap.add_argument("--ops-count", type=int, default=2000, help="operations per run of the ops part")
-    ap.add_argument("--compare-with", default="", help="ops part: another disk.py to run alternately")
+    ap.add_argument("--compare-with", default="", help="ops part: another disk/tier.py to run alternately")
     ap.add_argument("--chunk-kib", default="0",
                     help="end-to-end part: chunks of one block of this many KiB, a multiple of 64, or a "
                          "comma-separated list of sizes run one after the other (default 0: 16-block chunks of 32 MiB)")

@@ -45,7 +45,8 @@ from _server import empty_pool, valkey_url
 
 from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import HEADER_BYTES, RemoteTier
+from lmshm.core.tiers.remote import RemoteTier
+from lmshm.core.tiers.remote.value import HEADER_BYTES
 from lmshm.core.tiers.stack import HEAD_BATCH, READ_GROUP_CHUNKS, TierStack
 
 RUN = READ_GROUP_CHUNKS

@@ -18,7 +18,7 @@ bench did those steps itself, without the pool's reservations, commits and pins.
 ``--readers 1,2,4`` compares reader counts; ``--no-waitall`` adds each tier once more with
 its reader's ``MSG_WAITALL`` for long values off (``resp.WAITALL_FROM``, set per read);
 ``--whole-check`` adds each tier once more with values received whole and checked after they
-arrived, as before 2026-12-05 (``resp.PIECE`` past any value: no ``_Streamed``);
+arrived, as before 2026-12-05 (``resp.PIECE`` past any value: no ``Streamed``);
 ``--signed-copy`` adds the signed tier read as before 2026-12-04 (into the reader thread's
 buffer, copied into the slot after the MAC checks: a job without ``framed``). Before that, unless ``--no-clients``, one thread
 reads the same values with each bare client (no header read, no check, runs of 16 where it
@@ -64,9 +64,8 @@ from _server import empty_pool, valkey_url
 
 from lmshm.core import dataplane
 from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of
-from lmshm.core.tiers import resp
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import RemoteTier
+from lmshm.core.tiers.remote import RemoteTier, resp
 from lmshm.core.tiers.stack import TierStack
 
 #: the server's reader threads: TierStack's default, shared by every request's promotion
@@ -160,7 +159,7 @@ def bare_clients(url: str, side: "LmshmSide", reps: int) -> dict[str, tuple[floa
     check. ``(GB/s, CPU ms per GB)`` per client, medians over ``reps`` rounds in shuffled order."""
     import glide_sync as g
 
-    from lmshm.core.tiers import resp
+    from lmshm.core.tiers.remote import resp
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     tier = side.tiers["lmshm unsigned"]
     resp.WAITALL_FROM, resp.PIECE = WAITALL, PIECE

@@ -127,9 +127,9 @@ def run(url: str, host: str, port: int, sizes: list[int], reps: int, per_thread:
     signed = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret)
     blake3 = RemoteTier(url, prefix="bench:", timeout_s=10, secret=secret, mac="blake3")
     tiers = {"tier (checksum)": plain, "tier (AES-GMAC)": signed, "tier (BLAKE3 MAC)": blake3}
-    from lmshm.core.tiers import resp
+    from lmshm.core.tiers.remote import resp
     resp_conn = resp.Connection(host, port, timeout_s=10)
-    from lmshm.core.tiers.disk import CHECKSUMS
+    from lmshm.core.tiers.integrity import CHECKSUMS
     print(f"server {url}; {reps} repetitions; medians; tier checksum {CHECKSUMS[plain.algorithm][0]}; "
           f"redis-py with {parser or '-'}; load average {os.getloadavg()[0]:.2f} at the start")
     keys = []
@@ -283,7 +283,7 @@ def reads_alone(glide, tier: RemoteTier, sizes: list[int], reps: int, keys: list
     """Part 5: reads alone, nothing else between them: glide's ``GET``, the tier's reader
     (``resp``) bare, a ``GET`` into a buffer, and the tier's read with the header ahead
     (``get_into`` into a slot with its room, the checksum)."""
-    from lmshm.core.tiers import resp
+    from lmshm.core.tiers.remote import resp
     print("\nreads alone (no writes between them): GB/s (median)")
     for size in sizes:
         value = os.urandom(size)

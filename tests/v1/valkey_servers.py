@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-SLOTS = 16384
+from lmshm.core.tiers.remote.slots import SLOTS, key_slot
 
 
 def server_binary() -> str:
@@ -207,18 +207,3 @@ class ValkeyCluster:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
-
-
-def key_slot(key: bytes) -> int:
-    start = key.find(b"{")
-    if start >= 0:
-        end = key.find(b"}", start + 1)
-        if end > start + 1:
-            key = key[start + 1:end]
-    crc = 0
-    for byte in key:
-        crc ^= byte << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021) if crc & 0x8000 else crc << 1
-            crc &= 0xFFFF
-    return crc % SLOTS

@@ -1,3 +1,3 @@
-"""Storage tiers below the server's pool (issue 17): the interface (``base.Tier``), the local
-disk (``disk.DiskTier``) and how the data plane uses them (``stack.TierStack``). See
-docs/design/tiers.md."""
+"""Storage tiers below the server's pool: the interface (``base.Tier``), the checksums both
+formats use (``integrity``), the local disk (``disk.DiskTier``), the remote (``remote.RemoteTier``)
+and how the data plane uses them (``stack.TierStack``). See docs/design/tiers.md."""

@@ -1,22 +1,17 @@
 """The tier interface: where a chunk may live below the server's pool, and what each tier counts.
 
-The pool (``core/pool.py``) is tier 1: the only place a RETRIEVE copies from. Every other tier
-(the local disk, ``disk.py``; later a remote store) implements ``Tier`` and is reached only
-through ``TierStack`` (``stack.py``): STOREs are written through to it in the background, and
-LOOKUP promotes what it holds back into the pool before it answers.
-
-A chunk in a tier is addressed exactly as the pool addresses it: ``(uid, key)``. A tier never
-answers a uid with another uid's chunk, and stores with each chunk the facts the pool needs to
-take it back (``ChunkMeta``: its length, layout digest and blocks per chunk), so a chunk read
-from a tier is served only into a registration of the same layout, as a pooled one is.
+The pool is tier 1: the only place a RETRIEVE copies from. Every other tier (``disk/``,
+``remote/``) implements ``Tier`` and is reached only through ``TierStack`` (``stack.py``). A
+chunk in a tier is addressed as in the pool, ``(uid, key)``, and stored with what the pool needs
+to take it back (``ChunkMeta``: length, layout digest, blocks per chunk), so it is served only
+to the same uid and into a registration of the same layout, as a pooled one is.
 
 Rules every implementation keeps (the one thing easy to get wrong is the first):
 - ``get_into`` writes only into ``dest``, and returns True only when every byte of it is the
   chunk's, checked (length and checksum); on any doubt it returns False (a miss), never raises;
 - ``put`` never raises for a full or failing medium: it returns False and counts a drop;
-- every call is bounded in time by the tier's own means or the caller's deadline (``stack.py``
-  waits at most ``timeout_s`` for promotions); a tier never blocks an endpoint's loop;
-- usage (``used``) stays within ``capacity``.
+- every call is bounded in time (the tier's own means, or ``stack.py``'s deadline); a tier
+  never blocks an endpoint's loop; usage (``used``) stays within ``capacity``.
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """The tiers below the pool, as the data plane uses them: write-through and promotion.
 
-``TierStack(pool, tiers, queue_limit=..., timeout_s=...)``:
+``write_through(objs)``, after a STORE committed them: each object is pinned in the pool
+(``Pool.hold``) and queued for each tier, put by two writer threads per tier
+(``lmshm-<tier>-writer``), then unpinned. A queue holds at most ``queue_limit`` chunks and its
+share of half the pool's bytes; past either the chunk is dropped for that tier and counted
+(``drops``): STORE never waits for a tier, and write-through never pins the whole pool.
 
-- ``write_through(objs)``, after a STORE committed them to the pool: each object is pinned in
-  the pool (``Pool.hold``) and queued for each tier; two writer threads per tier
-  (``lmshm-<tier>-writer``) put it and unpin it. A queue holds at most its ``queue_limit``
-  chunks and its share of half the pool's capacity in bytes; past either the chunk is dropped for
-  that tier and counted (``drops``). STORE never waits for a tier. A pinned object cannot be
-  evicted, so those limits also bound what write-through keeps pinned: STOREs faster than the
-  disk cost dropped writes, never a full pool.
-- ``promote(uid, keys, deadline)``, for a LOOKUP (on a promoter thread, never on an endpoint's
-  loop or a copier thread): the leading chunks that every rank has in the pool or in some tier; the ones only in
-  a tier are read into fresh pool objects (reserve, ``Tier.get_into`` on a reader thread,
-  commit; up to ``READ_GROUP_CHUNKS`` consecutive chunks per reader task, so that 256 KiB
-  chunks do not pay a future and a thread wake-up each) and kept pinned until the LOOKUP has
-  pinned them under its lease. It waits for the reads at most until ``deadline``: a chunk not
-  read by then ends the promoted prefix (a ``timeouts`` count); its read finishes in the
-  background and is committed then (or dropped), so a slow tier costs misses, never a stalled
-  request. RETRIEVE only ever sees the pool, so it never waits on a tier and never returns
-  part of a chunk.
+``promote(uid, keys, deadline)``, for a LOOKUP on a promoter thread: the leading chunks every
+rank has in the pool or in some tier; those only in a tier are read into fresh pool objects
+(reserve, ``Tier.get_into`` on a reader thread, commit; up to ``READ_GROUP_CHUNKS`` per reader
+task). A chunk not read by ``deadline`` ends the prefix (``timeouts``); its read finishes in the
+background. RETRIEVE only ever sees the pool, so it never waits on a tier.
 
-The easy thing to get wrong: a promotion reserves pool space, and reserving may evict. The
-LOOKUP's own chunks must not be evicted by its later promotions, so every chunk of the prefix
-is held (pinned) from the moment it is found or committed until ``release`` runs after the
-LOOKUP has pinned them under its lease.
+The one trap: reserving may evict, and a LOOKUP's later promotions must not evict its own
+chunks; so every chunk of the prefix stays pinned from when it is found or committed until
+``release`` runs, after the LOOKUP has pinned them under its lease.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import pytest
 from lmshm.core.pool import KEY as OBJ_KEY
 from lmshm.core.pool import NBYTES, OFFSET, Pool, Reservation
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.disk import HEADER_BYTES, BadFile, DiskTier, file_bytes, read_file, write_file
+from lmshm.core.tiers.disk import DiskTier
+from lmshm.core.tiers.disk.format import HEADER_BYTES, BadFile, file_bytes, read_file, write_file
 from lmshm.core.tiers.stack import TierStack
 
 KEY = bytes(range(32))       # a MAC key for the file functions used without a tier
@@ -482,3 +483,28 @@ def test_seen_once_remembers_the_last_items_in_bounded_memory_and_forgets_older_
     for i in range(1001):                                    # more than it remembers
         seen.check_and_add(b"newer-%d" % i)
     assert sum(seen.check_and_add(x) for x in first) <= 20   # forgotten: bounded memory
+
+
+def test_two_different_disk_warnings_in_the_same_ten_seconds_are_both_logged(disk_dir, caplog):
+    """Each kind of warning has its own throttle: a failed read does not hide a failed write
+    that follows it (one global timestamp for every message did, for 10 s); a second failed
+    read in that time is left out and counted, and the next such line says how many."""
+    tier = DiskTier(str(disk_dir), 1 << 20)
+    try:
+        first, second, third = (bytes.fromhex("abcd") + bytes([i]) * 14 for i in range(3))
+        assert tier.put(0, first, META, memoryview(payload(1)))
+        assert tier.put(0, third, META, memoryview(payload(3)))
+        leaf = disk_dir / "0" / "ab" / "cd"
+        os.rename(leaf, disk_dir / "moved")
+        leaf.symlink_to(disk_dir / "moved")       # never followed: reads and writes there fail
+        dest = bytearray(META.nbytes)
+        with caplog.at_level("WARNING", logger="lmshm.tiers.disk"):
+            assert not tier.get_into(0, first, META, memoryview(dest))
+            assert not tier.put(0, second, META, memoryview(payload(2)))
+            assert not tier.get_into(0, third, META, memoryview(dest))
+        said = [r.getMessage() for r in caplog.records]
+        assert len(said) == 2, said
+        assert "cannot read" in said[0] and "a write to" in said[1]
+        assert tier._warn_read.left_out == 1
+    finally:
+        tier.close()

@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 from test_disk_tier import META, disk_dir, payload, wait_for  # noqa: F401  (disk_dir: a fixture)
 
-import lmshm.core.tiers.disk as disk
+import lmshm.core.tiers.disk.tier as disk
 from lmshm.core.pool import NBYTES, OFFSET, Pool
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.disk import HEADER_BYTES, LOW_WATERMARK, DiskTier, file_bytes
+from lmshm.core.tiers.disk import DiskTier
+from lmshm.core.tiers.disk.format import HEADER_BYTES, encode_header, file_bytes
+from lmshm.core.tiers.disk.tier import LOW_WATERMARK
 from lmshm.core.tiers.stack import TierStack
 
 NOBODY = 65534
@@ -270,7 +272,7 @@ def test_a_planted_file_with_a_correct_old_style_header_and_crc_is_a_miss(disk_d
         planted.write_bytes(v1_file(0, b"planted", META, payload(67)))
         forged = Path(tier.path_of(0, b"guess"))   # format 2, but a MAC under a key the forger guessed
         forged.parent.mkdir(parents=True, exist_ok=True)
-        forged.write_bytes(disk.encode_header(0, b"guess", META, 3, memoryview(payload(68)), mac_key=os.urandom(32))
+        forged.write_bytes(encode_header(0, b"guess", META, 3, memoryview(payload(68)), mac_key=os.urandom(32))
                            + payload(68))
     finally:
         tier.close()

@@ -1,4 +1,4 @@
-"""The remote tier alone (lmshm/core/tiers/remote.py) against real Valkey servers started by the
+"""The remote tier alone (lmshm/core/tiers/remote/) against real Valkey servers started by the
 fixtures (tests/v1/conftest.py): standalone and a 3-master cluster, with real faults (SIGKILL,
 SIGSTOP) and values written directly to the server by a hostile writer. A tier signs with
 ``SECRET`` unless a test is about the unsigned format (``--remote-insecure-unsigned``)."""
@@ -13,17 +13,10 @@ import pytest
 from valkey_servers import command, flip_byte, free_port
 
 from lmshm.core.tiers.base import ChunkMeta
-from lmshm.core.tiers.remote import (
-    BREAKER_FAILURES,
-    HEADER_BYTES,
-    MACS,
-    SECRET_HOWTO,
-    RemoteTier,
-    check_value,
-    parse_url,
-    read_ca_file,
-    read_secret_file,
-)
+from lmshm.core.tiers.remote import RemoteTier
+from lmshm.core.tiers.remote.breaker import BREAKER_FAILURES
+from lmshm.core.tiers.remote.target import SECRET_HOWTO, parse_url, read_ca_file, read_secret_file
+from lmshm.core.tiers.remote.value import HEADER_BYTES, MACS, check_value
 
 TIMEOUT_S = 0.3
 META = ChunkMeta(nbytes=64 << 10, layout=b"L" * 16, blocks=2)
@@ -430,7 +423,7 @@ def test_two_writers_of_one_key_never_give_a_reader_a_torn_value(valkey):
 
 def test_check_value_refuses_a_value_for_another_key_without_a_secret():
     tier_meta = ChunkMeta(16, b"x", 1)
-    from lmshm.core.tiers.remote import BadValue, encode_header
+    from lmshm.core.tiers.remote.value import BadValue, encode_header
     body = b"p" * 16
     value = encode_header(1, b"k1", tier_meta, 3, None, memoryview(body)) + body
     assert bytes(check_value(value, 1, b"k1", None)[1]) == body
@@ -511,7 +504,7 @@ def old_format_value(uid: int, k: bytes, data: bytes, secret: bytes | None) -> b
     import hmac
     import struct
 
-    from lmshm.core.tiers.disk import CHECKSUMS, checksum_algorithm
+    from lmshm.core.tiers.integrity import CHECKSUMS, checksum_algorithm
     head = struct.Struct("<8sHBBIIQBBxx64s64s32s")
     algo = checksum_algorithm("auto")
     if secret is None:
@@ -726,8 +719,8 @@ def test_a_large_value_reads_back_equal_and_damage_anywhere_or_another_length_is
 
 @pytest.mark.parametrize("how", ["xxh3", "blake2b", "crc32", "aes-gmac", "blake3"])
 def test_a_mac_or_checksum_taken_piece_by_piece_is_the_one_taken_whole_and_damage_still_fails(how):
-    from lmshm.core.tiers.disk import checksum_algorithm
-    from lmshm.core.tiers.remote import MACS, BadValue, _Streamed, encode_header
+    from lmshm.core.tiers.integrity import checksum_algorithm
+    from lmshm.core.tiers.remote.value import MACS, BadValue, Streamed, encode_header
     secret = SECRET if how in MACS else None
     data = memoryview(os.urandom((3 << 20) + 17))
     meta = ChunkMeta(len(data), b"L" * 16, 1)
@@ -735,16 +728,16 @@ def test_a_mac_or_checksum_taken_piece_by_piece_is_the_one_taken_whole_and_damag
                          mac=MACS.get(how, MACS["aes-gmac"]))
     value = memoryview(bytearray(head + bytes(data)))
     for step in (1000, 400 << 10, len(value)):              # pieces of any size, the header's included
-        stream = _Streamed(value, secret)
+        stream = Streamed(value, secret)
         for filled in [*range(0, len(value), step), len(value)]:
             stream(filled)
         assert stream.taken is not None, "the header named a MAC or checksum that was not taken"
         assert bytes(check_value(value, 1, key(1), secret, stream.taken)[1]) == bytes(data)
-    half = _Streamed(value, secret)
+    half = Streamed(value, secret)
     half(len(value) // 2)
     assert half.taken is None                               # cut short: nothing to compare
     value[len(value) // 2] ^= 1
-    stream = _Streamed(value, secret)
+    stream = Streamed(value, secret)
     stream(len(value))
     with pytest.raises(BadValue):
         check_value(value, 1, key(1), secret, stream.taken)
@@ -755,11 +748,11 @@ def test_a_run_of_large_values_is_checked_a_piece_at_a_time_as_it_arrives(valkey
     """Values longer than ``resp.PIECE`` are received in pieces, and their MAC or checksum is
     taken on each piece right after it arrived (still in the CPU's cache), not over the whole
     value afterwards; damage in any piece is still refused."""
-    from lmshm.core.tiers import remote, resp
+    from lmshm.core.tiers.remote import resp, value
     tier = tier_for(valkey.url, timeout_s=5, **signing(signed))
     meta = ChunkMeta(nbytes=3 * resp.PIECE + 100, layout=b"L" * 16, blocks=2)
     updates: list[int] = []
-    real = remote._Streamed._start
+    real = value.Streamed._start
 
     def counting(self):
         real(self)
@@ -771,7 +764,7 @@ def test_a_run_of_large_values_is_checked_a_piece_at_a_time_as_it_arrives(valkey
             assert tier.put(1, key(70 + i), meta, memoryview(data))
         frames = [memoryview(bytearray(HEADER_BYTES + meta.nbytes)) for _ in range(3)]
         jobs = [(key(70 + i), meta, f[HEADER_BYTES:], f) for i, f in enumerate(frames)]
-        remote._Streamed._start = counting
+        value.Streamed._start = counting
         assert tier.get_run_into(1, jobs) == 3
         assert [bytes(f[HEADER_BYTES:]) for f in frames] == datas
         assert len(updates) >= 3 * 4 and max(updates) <= resp.PIECE, updates
@@ -780,7 +773,7 @@ def test_a_run_of_large_values_is_checked_a_piece_at_a_time_as_it_arrives(valkey
         assert tier.get_run_into(1, jobs) == 1              # stops at the damage in its third piece
         assert tier.stats.snapshot()["corrupt"] == 1
     finally:
-        remote._Streamed._start = real
+        value.Streamed._start = real
         tier.close()
 
 
@@ -795,15 +788,15 @@ def test_a_cluster_slot_map_gone_stale_is_followed_by_moved_and_reread(valkey_cl
         real_moved = tier._moved
         tier._moved = lambda m, asked: moved.append(m) or real_moved(m, asked)
         wrong = valkey_cluster.nodes[0]
-        tier._slots = {s: ("127.0.0.1", wrong.port) for s in range(16384)}    # every slot on one node
-        tier._slots_at = 0
+        tier.slots.by_slot = {s: ("127.0.0.1", wrong.port) for s in range(16384)}    # every slot on one node
+        tier.slots.read_at = 0
         assert tier.heads(1, keys) == [META] * len(keys)        # each MOVED key asked again at its node
-        tier._slots = {s: ("127.0.0.1", wrong.port) for s in range(16384)}
-        tier._slots_at = 0
+        tier.slots.by_slot = {s: ("127.0.0.1", wrong.port) for s in range(16384)}
+        tier.slots.read_at = 0
         assert all(read(tier, 1, k) is not None for k in keys)
         s = tier.stats.snapshot()
         assert s["errors"] == 0 and s["corrupt"] == 0, s
-        assert len(set(tier._slots.values())) == 3, "the slot map was not read again"
+        assert len(set(tier.slots.by_slot.values())) == 3, "the slot map was not read again"
         assert moved, "no MOVED was seen: the test did not exercise a stale map"
     finally:
         tier.close()
@@ -897,7 +890,7 @@ def test_a_large_value_cut_short_is_a_miss_within_the_timeout(close):
     timeout (SO_RCVTIMEO bounds the wait), counted, the connection closed."""
     import tracemalloc
 
-    from lmshm.core.tiers import resp
+    from lmshm.core.tiers.remote import resp
     meta = ChunkMeta(nbytes=4 * resp.WAITALL_FROM, layout=b"L" * 16, blocks=8)
     size = HEADER_BYTES + meta.nbytes
     server = HostileServer(b"$%d\r\n" % size + b"x" * (resp.WAITALL_FROM + 12345), close)
@@ -922,7 +915,7 @@ def test_a_large_value_cut_short_is_a_miss_within_the_timeout(close):
 @pytest.mark.parametrize("signed", [False, True], ids=["checksum", "mac"])
 @pytest.mark.parametrize("framed", [False, True], ids=["slot", "framed"])
 def test_a_run_of_chunks_is_asked_for_at_once_and_read_up_to_the_first_unsound_one(valkey, signed, framed):
-    from lmshm.core.tiers import resp
+    from lmshm.core.tiers.remote import resp
     tier = tier_for(valkey.url, **signing(signed))
     try:
         datas = [payload(i) for i in range(6)]
@@ -965,3 +958,27 @@ def test_a_run_a_cluster_spreads_over_nodes_is_read_chunk_by_chunk(valkey_cluste
         assert [bytes(f) for f in frames] == datas
     finally:
         tier.close()
+
+
+def test_the_slot_map_routes_by_hash_tag_notes_a_moved_slot_at_once_and_rereads_at_most_each_second():
+    """``SlotMap`` alone, with a fake ``CLUSTER SLOTS``: a key goes to its slot's node (a hash
+    tag decides the slot), a seed until the map is read; a MOVED is noted before the map is
+    read again, and the map is read at most once per ``SLOTS_REFRESH_S``."""
+    from lmshm.core.tiers.remote.slots import SlotMap, key_slot
+
+    seeds = (("10.0.0.1", 7000), ("10.0.0.2", 7000))
+    asked = []
+
+    def ask(node):
+        asked.append(node)
+        if node == seeds[0]:
+            return None                                 # the first seed is down
+        return {s: ("" if s < 8192 else "10.0.0.3", 7000) for s in range(16384)}
+    slots = SlotMap(seeds, ask)
+    assert key_slot(b"{user1}:a") == key_slot(b"{user1}:b") == key_slot(b"user1")
+    low = next(k for k in (b"k%d" % i for i in range(100)) if key_slot(k) < 8192)
+    high = next(k for k in (b"k%d" % i for i in range(100)) if key_slot(k) >= 8192)
+    assert slots.node(low) == seeds[1]                  # "" is the node that answered
+    assert slots.node(high) == ("10.0.0.3", 7000) and asked == list(seeds)
+    assert slots.moved((key_slot(low), "10.0.0.9", 7001), seeds[1]) == ("10.0.0.9", 7001)
+    assert slots.node(low) == ("10.0.0.9", 7001) and len(asked) == 2, "read again within a second"

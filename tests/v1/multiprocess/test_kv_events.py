@@ -26,7 +26,7 @@ from valkey_servers import command, secret_file
 
 from lmshm.core.kv_events import BlockStored, KvIndex, check_advert, packed_tokens
 from lmshm.core.kv_events import index as index_module
-from lmshm.core.tiers.disk import HEADER_BYTES, file_bytes
+from lmshm.core.tiers.disk.format import HEADER_BYTES, file_bytes
 from lmshm.transport.client import InvalidArgument, MPClient
 from lmshm.wire import protocol
 from lmshm.wire.protocol import StoreResult

@@ -313,7 +313,8 @@ def test_servers_signing_with_either_mac_serve_each_other_and_an_unknown_mac_is_
     b = start_worker(new.url)
     assert lookup_and_retrieve(b, [key(0), key(1)], [5, 6]) == (2, want)
     assert tiers(b)["remote"]["corrupt"] == 0
-    from lmshm.core.tiers.remote import MAC_BLAKE3, MAC_GMAC, RemoteTier
+    from lmshm.core.tiers.remote import RemoteTier
+    from lmshm.core.tiers.remote.value import MAC_BLAKE3, MAC_GMAC
     probe = RemoteTier(valkey.url, prefix="it:", insecure_unsigned=True)
     try:
         uid = os.getuid()
@@ -348,7 +349,8 @@ def test_the_opt_out_is_a_setting_in_help_environment_and_toml(tmp):
 def forge(url: str, uid: int, victim: str, source: str) -> None:
     """What anyone who can write to the Valkey can do: overwrite ``victim``'s value with
     ``source``'s payload under a valid header and checksum (format 3 unsigned), no secret."""
-    from lmshm.core.tiers.remote import HEADER_BYTES, RemoteTier, decode_header
+    from lmshm.core.tiers.remote import RemoteTier
+    from lmshm.core.tiers.remote.value import HEADER_BYTES, decode_header
     forger = RemoteTier(url, prefix="it:", insecure_unsigned=True)
     try:
         src = bytes.fromhex(source)

@@ -14,7 +14,7 @@ import pytest
 from harness import wait_for
 
 from lmshm.core.pool import cost_of
-from lmshm.core.tiers.disk import HEADER_BYTES, PAGE, file_bytes
+from lmshm.core.tiers.disk.format import HEADER_BYTES, PAGE, file_bytes
 from lmshm.wire.protocol import StoreResult
 
 CHUNK_BYTES = 2 * 2 * 16 * 8 * 4      # two layers of [2, 16, 8] float32, one block per chunk

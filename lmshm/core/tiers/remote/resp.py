@@ -1,20 +1,17 @@
 """The remote tier's read path: RESP2 over a plain or TLS socket, replies read into given buffers.
 
-Why not the client library for reads: valkey-glide (the tier's client for writes and
-administration) returns or fills a buffer only after it has received the whole reply, so a value
-costs the kernel's copy into its buffers, its copy into ours, and, to keep a planted huge value
-from being allocated, a bounded ``GETRANGE`` that the server copies once more. Here a ``GET``
-reply's length comes first (``$N``): a value of another length than the header said is refused
-right there, before a byte of it is received, and the connection is closed (nothing is
-allocated for it); a value of the right length goes from the kernel straight into the buffer
-with ``recv_into``, one copy in all (docs/benchmarks.md, "Valkey read-back"). A long value is
-received in pieces (``PIECE``) when the caller takes its checksum as it arrives (``progress``).
+Why not glide for reads: it hands a reply over only once it has received all of it, into its
+own buffers. Here a ``GET`` reply's length comes first (``$N``): a value of another length than
+the header said is refused before a byte of it is received, and the connection is closed; a
+value of the right length goes from the kernel straight into the buffer with ``recv_into``, one
+copy in all (docs/design/tiers.md). A long value is received in pieces (``PIECE``) when the
+caller takes its checksum as it arrives (``progress``).
 
-Only what the tier needs: ``AUTH``, ``SELECT``, pipelined bounded ``GETRANGE``s of headers,
-``GET`` into a buffer, and ``CLUSTER SLOTS``. Every reply is bounded (``MAX_REPLY`` bytes, and
-a buffer's length for ``GET``), every call by a deadline, and any surprise (an error reply
-aside) closes the connection: the next call opens a new one. One connection is used by one
-thread at a time (``RemoteTier`` keeps one per thread and node).
+Only ``AUTH``, ``SELECT``, pipelined bounded ``GETRANGE``s, ``GET`` into a buffer and ``CLUSTER
+SLOTS``. Every reply is bounded (``MAX_REPLY``, or the buffer's length for ``GET``), every call
+by a deadline, and any surprise but an error reply closes the connection (the next call opens a
+new one). The one trap: a connection is used by one thread at a time (``RemoteTier`` keeps one
+per thread and node).
 """
 
 from __future__ import annotations
@@ -165,7 +162,7 @@ class Connection:
         received) when the value is of another length, ``ErrorReply`` for an error reply.
         ``progress(filled)``, if given, is called as the value arrives, with how many bytes of
         ``buf`` are filled (last with ``len(buf)``), a ``PIECE`` at most between calls: a
-        checksum taken there reads each piece from the cache (``remote._Streamed``)."""
+        checksum taken there reads each piece from the cache (``value.Streamed``)."""
         self._start()
         try:
             line = self._line(SMALL_RECV)
