@@ -50,6 +50,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lmshm.integrations.adapter import KEY_BYTES, Link, LinkConfig, Namespace
+from lmshm.platform.cpu import segments
 
 try:  # SGLang's loader checks issubclass(cls, HiCacheStorage)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -146,8 +147,6 @@ def reback_pool(pool: Any) -> tuple[Any, torch.Tensor]:
     """Move SGLang's memfd host pool into a sealed lmshm memfd at the same addresses; return the
     segment and a uint8 tensor over it (this process's own second mapping, which is what gets
     registered). See the module docstring."""
-    from lmshm.platform.cpu import segments
-
     buf = pool.kv_buffer
     if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
         raise PoolNotRegistrable(f"{type(pool).__name__}.kv_buffer is not one contiguous CPU tensor; lmshm "

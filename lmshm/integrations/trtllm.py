@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lmshm.core.cuda_sync import WorkerCudaSync
 from lmshm.integrations.adapter import (
     Link,
     LinkConfig,
@@ -33,6 +34,9 @@ from lmshm.integrations.adapter import (
     chunk_block_ids,
     chunk_keys,
 )
+from lmshm.platform.cuda import devices
+from lmshm.platform.cuda.driver import get_driver
+from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
 
 
 class UnsupportedPoolMemory(ValueError):
@@ -58,10 +62,6 @@ class PoolPointer:
 
 def wrap_device_pool(pool: PoolPointer, name: str = "kv_pool") -> Any:
     """One ``RawCudaIPCWrapper`` for the whole pool, after refusing memory it cannot share."""
-    from lmshm.platform.cuda import devices
-    from lmshm.platform.cuda.driver import get_driver
-    from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
-
     drv = get_driver()
     ordinal = devices.ordinal_of(pool.device)
     if drv.is_managed(pool.ptr, ordinal):
@@ -105,8 +105,6 @@ class TrtllmKVPool:
         device = pool.device if isinstance(pool, torch.Tensor) else torch.device("cuda", pool.device) \
             if isinstance(pool.device, int) else torch.device(pool.device)
         if device.type == "cuda":
-            from lmshm.core.cuda_sync import WorkerCudaSync
-
             self._cuda = WorkerCudaSync(device.index or 0, client=self.link.client)   # isolated: a flag page
         self.cuda_errors = 0          # CUDA ordering steps that failed: a failed load, a dropped store
 
@@ -191,7 +189,7 @@ class TrtllmKVPool:
             return self._cuda.ready()
         except Exception as exc:
             self.cuda_errors += 1
-            self.link._warn.warn("cuda-ready", "lmshm: cannot make a CUDA ordering token (%s)", str(exc))
+            self.link.warn("cuda-ready", "cannot make a CUDA ordering token (%s)", str(exc))
             return None
 
     def _wait(self, handle: bytes) -> bool:
@@ -202,7 +200,7 @@ class TrtllmKVPool:
             return True
         except Exception as exc:
             self.cuda_errors += 1
-            self.link._warn.warn("cuda-wait", "lmshm: cannot wait for the server's CUDA event (%s)", str(exc))
+            self.link.warn("cuda-wait", "cannot wait for the server's CUDA event (%s)", str(exc))
             return False
 
     def release(self, lease: bytes) -> None:

@@ -48,6 +48,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from lmshm.core.copier import LayoutError, check_movable
+from lmshm.core.cuda_sync import WorkerCudaSync
 from lmshm.integrations.adapter import (
     EventFeed,
     Group,
@@ -57,9 +59,10 @@ from lmshm.integrations.adapter import (
     SchedulerSide,
     StepPlan,
     WorkerSide,
-    _RateLimited,
     packed_tokens,
 )
+from lmshm.platform.contiguity import is_dense
+from lmshm.platform.cpu import move_to_shared
 
 try:  # vLLM >= 0.32
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -310,9 +313,6 @@ def registration_groups(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     Layer-outermost layouts register each layer's view. Block-outermost ones register, per
     ``KVCacheTensor``, one view of all its layers (see ``_combined``), under the first layer's
     name with a ``+N`` suffix."""
-    from lmshm.core.copier import LayoutError, check_movable
-    from lmshm.platform.contiguity import is_dense
-
     num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
     if num_blocks <= 0:
         raise LayoutRefused("vLLM's kv_cache_config has no num_blocks")
@@ -460,7 +460,6 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         self._world = world
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._refused = ""
-        self._warn = _RateLimited()
         events_config = getattr(vllm_config, "kv_events_config", None)
         self._events = s.get("lmshm.kv_events", bool(getattr(events_config, "enable_kv_cache_events", False)))
         self._hash_block = hash_block
@@ -500,8 +499,6 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         if cpu:
             # Now, in the engine's thread: the registration itself may run later, in the
             # background, while the engine writes its caches (see move_to_shared).
-            from lmshm.platform.cpu import move_to_shared
-
             move_to_shared(cpu)
         try:
             groups, block_dim = self._layer_groups(kv_caches)
@@ -513,8 +510,6 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         self._kv_caches = dict(kv_caches)
         first = next(iter(self._kv_caches.values()), None)
         if first is not None and first.is_cuda:
-            from lmshm.core.cuda_sync import WorkerCudaSync
-
             # Isolated mode registers a flag page through the link's client, once it is up.
             self._worker.cuda = WorkerCudaSync(first.device.index or 0, client=self._link.client)
         self._link.register_groups(groups, model_name=self._model_name, world_size=self._world, rank=self._rank,
@@ -633,9 +628,9 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
             return True, True
         if not isinstance(mine, dict) or set(mine) - set(_REQUEST_KEYS) or \
                 not all(isinstance(v, bool) for v in mine.values()):
-            self._warn.warn("params", "request %s: kv_transfer_params['lmshm'] must be a dict of %s to booleans, "
-                            "got %r; ignored", str(request.request_id)[:64], " and ".join(_REQUEST_KEYS),
-                            str(mine)[:200])
+            self._link.warn("params", "request %s: kv_transfer_params['lmshm'] must be a dict of %s to booleans, "
+                                      "got %r; ignored", str(request.request_id)[:64], " and ".join(_REQUEST_KEYS),
+                                      str(mine)[:200])
             return True, True
         return mine.get("load", True), mine.get("store", True)
 
