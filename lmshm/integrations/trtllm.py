@@ -1,22 +1,18 @@
 """TensorRT-LLM: register one KV pool and store, look up and retrieve its blocks through lmshm.
 
-TensorRT-LLM keeps the KV cache of every layer in one pool, ``[blocks, layers, 2, ...]``
-(block dim 0), allocated with cudaMalloc. ``TrtllmKVPool`` registers that pool as *one*
-``RawCudaIPCWrapper.from_pointer`` (base + offset over the whole allocation; no torch tensor
-needs to describe it), and moves blocks with the same engine-neutral adapter as the vLLM
-connector (``adapter.py``: keys, chunk math, a ``Link`` that never stalls the engine).
-
-Unified memory (cudaMallocManaged) and VMM pools (cuMemCreate) have no legacy IPC handle; they
-are refused with a message that says so. A CPU pool (a torch tensor) is registered as CPU shared
-memory, which is how the CPU tests drive this adapter.
-
-Use::
+TensorRT-LLM keeps every layer's KV in one cudaMalloc'ed pool, ``[blocks, layers, 2, ...]``
+(block dim 0). ``TrtllmKVPool`` registers it as *one* ``RawCudaIPCWrapper.from_pointer`` and
+moves blocks with the engine-neutral adapter (keys chained over token ids plus a per-request
+salt, a ``Link`` that never stalls the engine). A CPU pool is CPU shared memory (the tests'). Use::
 
     pool = TrtllmKVPool(kv_pool_tensor, model="llama-3-8b", tokens_per_block=64, url="tcp://...")
     pool.register()
     matched, lease = pool.lookup(prompt_tokens)            # tokens lmshm can supply
     pool.load(prompt_tokens, matched, block_ids, lease)    # before the forward pass
     pool.store(prompt_tokens, block_ids)                   # after it
+
+The trap: unified (cudaMallocManaged) and VMM (cuMemCreate) pools have no legacy IPC handle:
+``wrap_device_pool`` refuses them, saying what to allocate instead.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The engine-neutral half of every lmshm connector: keys, the link, and the two sides.
 
-Nothing here imports an engine. A connector (``vllm.py``, ``trtllm.py``, ``sglang.py``)
+Nothing here imports an engine. A connector (``vllm/``, ``trtllm.py``, ``sglang.py``)
 translates its engine's objects into these calls, one module per job:
 
 - ``keys``: ``Namespace`` and the chained chunk keys (``chunk_keys``, ``chunk_keys_from_hashes``);
