@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Sequence
+from typing import Optional, Sequence, Union
 
-from lmshm.core.kv_events import BlockRemoved
+from lmshm.core.kv_events import BlockRemoved, BlockStored
 from lmshm.integrations.adapter.link import Link
 from lmshm.multiprocess import protocol
+from lmshm.multiprocess.client import Pending
 
 logger = logging.getLogger("lmshm.connector")
+
+#: What a feed passes on: ``AllBlocksCleared`` never (see ``EventFeed``).
+Event = Union[BlockStored, BlockRemoved]
 
 
 class EventFeed:
@@ -43,14 +47,14 @@ class EventFeed:
         self.limit = limit
         self.cursor = -1
         self.epoch = ""
-        self._pending: Any = None
+        self._pending: Optional[Pending] = None
         self._next_at = 0.0
         self._advertised: dict[tuple, set] = {}
         self._tracked = 0
         self.received = self.resets = 0
 
-    def take(self) -> list[Any]:
-        out: list[Any] = []
+    def take(self) -> list[Event]:
+        out: list[Event] = []
         p = self._pending
         if p is not None and p.done():
             self._pending = None
@@ -73,8 +77,8 @@ class EventFeed:
                     logger.debug("lmshm: sending KV_EVENTS failed: %s", exc)
         return out
 
-    def _apply(self, reply: Any) -> list[Any]:
-        out: list[Any] = []
+    def _apply(self, reply: protocol.KvEventsReply) -> list[Event]:
+        out: list[Event] = []
         if not self.epoch and self.cursor == -1:
             self.epoch = reply.epoch        # the first read: from the start of this server's log
         if reply.epoch != self.epoch:
@@ -112,7 +116,7 @@ class EventFeed:
         self.received += len(out)
         return out
 
-    def forget_all(self) -> list[Any]:
+    def forget_all(self) -> list[Event]:
         """``BlockRemoved`` for every block advertised so far (and forget them)."""
         out = [BlockRemoved(block_hashes=sorted(hashes, key=repr), medium=medium, group_idx=group, locality=locality)
                for (medium, locality, group), hashes in self._advertised.items() if hashes]
