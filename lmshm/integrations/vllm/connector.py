@@ -12,9 +12,11 @@ or wait without a bound: a server that is down costs misses, never a stalled or 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from typing import TYPE_CHECKING, Any, Optional
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -313,7 +315,6 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
         (block_pool.py): the hash-block size, block hashes, parent hash, token ids (packed:
         ``packed_tokens``), LoRA name and per-block extra keys (cache salt, multimodal ids,
         prompt-embeds digests)."""
-        import msgspec
         from vllm.v1.core.kv_cache_utils import (
             generate_block_hash_extra_keys,
             maybe_convert_block_hash,
@@ -388,14 +389,11 @@ class LmshmConnector(KVConnectorBase_V1, SupportsHMA):
 def _pod_name(events_config: Any) -> str:
     """The name lmshm-server uses for this engine in per-engine topics (``kv@<pod>@<model>``):
     ``lmshm.kv_events_pod``, else the host name (one engine per pod, as llm-d deploys them)."""
-    import socket
-
     return socket.gethostname()
 
 
 def _to_vllm_event(event: Any) -> Any:
     """lmshm's copy of a KV event as vLLM's own struct (the same fields and wire format)."""
-    import msgspec
     from vllm.distributed import kv_events as vk
 
     cls = getattr(vk, type(event).__name__)
