@@ -58,8 +58,7 @@ from kv_router import Router
 from lmshm.transport.client import query_status
 
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
-# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 HOSTS = ("a", "b")
 
 

@@ -67,8 +67,7 @@ from lmshm.integrations.adapter import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
 PROMPT = 4096
 BLOCK = 32          # vLLM's block size here, and lmshm's chunk

@@ -4,7 +4,7 @@
         [--hybrid-lengths 4096] [--chunk-tokens 32]
 
 Needs .venv-vllm (scripts/bootstrap-vllm). Starts one lmshm-server and builds two tiny random
-models with ``lmshm.integrations.vllm_engine build``: the Llama of the real-engine tests, served
+models with ``tools/vllm_engine.py build``: the Llama of the real-engine tests, served
 with tensor parallel 2 (vLLM's multiprocess executor, one core per rank), and the Gemma-3-style
 hybrid model (three sliding-window layers, one full-attention layer), served with TP=1. vLLM's
 own prefix caching is off, so every cached token came through lmshm.
@@ -47,8 +47,7 @@ from _server import BenchServer
 from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
 MISS = {"lmshm": {"load": False, "store": False}}
 WARMUP_TOKENS = 300

@@ -49,8 +49,7 @@ from _server import BenchServer
 from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
 
 

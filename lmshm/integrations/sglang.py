@@ -1,38 +1,17 @@
 """SGLang HiCache: an L3 storage backend (``HiCacheStorage``, interface v1) over lmshm-server.
 
-SGLang's hierarchical cache keeps a host (CPU) copy of its KV pool and moves pages between that
-host pool and a storage backend. This backend registers the *whole host pool* with lmshm-server
-once, so a page moves between SGLang's host pool and the server's pool (tier 1, with its disk
-and Valkey tiers below) with one ``memmove`` inside the server and no KV byte on the socket:
+It registers SGLang's *whole host pool* once, so a page moves between the host pool and the
+server's pool with one ``memmove`` inside the server and no KV byte on the socket:
+``batch_exists`` is one LOOKUP, ``batch_set_v1`` one STORE, ``batch_get_v1`` one RETRIEVE. Each
+kind of page region (``get_page_buffer_meta``), over all pages, is registered as one layer,
+block dimension 0, so lmshm block ``p`` is page ``p``. Keys are ``H(namespace, SGLang's key)``.
+Every call goes through ``adapter.Link``: a dead server costs misses, never a stall.
 
-- ``batch_exists(keys)`` is one LOOKUP (leading pages held); ``batch_set_v1`` one STORE and
-  ``batch_get_v1`` one RETRIEVE of the batch's pages, each page one lmshm chunk of one block.
-- Blocks: ``pool.get_page_buffer_meta`` describes where a page's bytes lie (K and V per page in
-  the page-first layouts, one region per page for MLA, K and V per layer in ``layer_first``).
-  Each kind of region, taken over all pages, is a dense ``[pages, bytes]`` run of the pool: it
-  is registered as one layer, block dimension 0, so block ``p`` of every layer is page ``p``.
-- Memory: the server maps only memfds sealed against shrinking (a page its owner could take away
-  would SIGBUS the server). SGLang's ``"allocator": "shm"`` makes the host pool a memfd, but one
-  created without ``MFD_ALLOW_SEALING``, which no one can seal. So at registration the backend
-  *re-backs the pool in place*: it copies the pool into a sealed lmshm memfd and maps that memfd
-  over the pool's own addresses (``MAP_FIXED``). Every pointer SGLang holds (views, kernels'
-  pointer tables) stays valid and now reads and writes the memory the server maps; SGLang's
-  old pages are released. Without ``"allocator": "shm"`` the pool is private ``torch.empty``
-  memory that need not start or end on a page, and the backend refuses with that setting named.
-  The easy mistake: the re-backing must happen before SGLang moves pages (it does: the backend is
-  registered before the controller's threads start), and a pinned pool must be unpinned and
-  pinned again around it (done here for CUDA; verified on CPU only, see docs/sglang.md).
-- Keys: SGLang's page keys already chain the whole prefix and the request's ``extra_key`` /
-  ``cache_salt``; they are the same on every rank. lmshm's key is ``H(namespace, SGLang key)``,
-  the namespace covering model, dtype, pool class, layout, page size, head geometry, and the
-  TP/PP/CP rank and size (MLA: no TP rank, every rank reads what rank 0 wrote).
-- Never stalling: every call goes through ``adapter.Link``: a slow or dead server costs misses
-  (``False`` per page, 0 hits), never an exception or a wait past the configured timeouts.
-- Thread safety: SGLang calls from three storage threads at once; ``Link`` and ``MPClient``
-  serialise what must be. A page set twice is stored once (the server answers PRESENT).
-
-This module imports without SGLang: ``HiCacheStorage`` is its base class only when SGLang is
-installed (SGLang's loader requires it), ``object`` otherwise.
+The trap: the server maps only sealed memfds, and SGLang's ``"allocator": "shm"`` memfd cannot
+be sealed, so at registration the backend *re-backs the pool in place* (``reback_pool``), before
+SGLang moves a page; a pinned pool is unpinned and pinned again around it. Imports without
+SGLang (``HiCacheStorage`` is the base class only where SGLang is installed). docs/sglang.md has
+the layouts, what a key covers, and what is verified where.
 """
 
 from __future__ import annotations
@@ -50,6 +29,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lmshm.integrations.adapter import KEY_BYTES, Link, LinkConfig, Namespace
+from lmshm.platform.cpu import segments
 
 try:  # SGLang's loader checks issubclass(cls, HiCacheStorage)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -146,8 +126,6 @@ def reback_pool(pool: Any) -> tuple[Any, torch.Tensor]:
     """Move SGLang's memfd host pool into a sealed lmshm memfd at the same addresses; return the
     segment and a uint8 tensor over it (this process's own second mapping, which is what gets
     registered). See the module docstring."""
-    from lmshm.platform.cpu import segments
-
     buf = pool.kv_buffer
     if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
         raise PoolNotRegistrable(f"{type(pool).__name__}.kv_buffer is not one contiguous CPU tensor; lmshm "

@@ -1,22 +1,18 @@
 """TensorRT-LLM: register one KV pool and store, look up and retrieve its blocks through lmshm.
 
-TensorRT-LLM keeps the KV cache of every layer in one pool, ``[blocks, layers, 2, ...]``
-(block dim 0), allocated with cudaMalloc. ``TrtllmKVPool`` registers that pool as *one*
-``RawCudaIPCWrapper.from_pointer`` (base + offset over the whole allocation; no torch tensor
-needs to describe it), and moves blocks with the same engine-neutral adapter as the vLLM
-connector (``adapter.py``: keys, chunk math, a ``Link`` that never stalls the engine).
-
-Unified memory (cudaMallocManaged) and VMM pools (cuMemCreate) have no legacy IPC handle; they
-are refused with a message that says so. A CPU pool (a torch tensor) is registered as CPU shared
-memory, which is how the CPU tests drive this adapter.
-
-Use::
+TensorRT-LLM keeps every layer's KV in one cudaMalloc'ed pool, ``[blocks, layers, 2, ...]``
+(block dim 0). ``TrtllmKVPool`` registers it as *one* ``RawCudaIPCWrapper.from_pointer`` and
+moves blocks with the engine-neutral adapter (keys chained over token ids plus a per-request
+salt, a ``Link`` that never stalls the engine). A CPU pool is CPU shared memory (the tests'). Use::
 
     pool = TrtllmKVPool(kv_pool_tensor, model="llama-3-8b", tokens_per_block=64, url="tcp://...")
     pool.register()
     matched, lease = pool.lookup(prompt_tokens)            # tokens lmshm can supply
     pool.load(prompt_tokens, matched, block_ids, lease)    # before the forward pass
     pool.store(prompt_tokens, block_ids)                   # after it
+
+The trap: unified (cudaMallocManaged) and VMM (cuMemCreate) pools have no legacy IPC handle:
+``wrap_device_pool`` refuses them, saying what to allocate instead.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from lmshm.core.cuda_sync import WorkerCudaSync
 from lmshm.integrations.adapter import (
     Link,
     LinkConfig,
@@ -33,6 +30,9 @@ from lmshm.integrations.adapter import (
     chunk_block_ids,
     chunk_keys,
 )
+from lmshm.platform.cuda import devices
+from lmshm.platform.cuda.driver import get_driver
+from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
 
 
 class UnsupportedPoolMemory(ValueError):
@@ -58,10 +58,6 @@ class PoolPointer:
 
 def wrap_device_pool(pool: PoolPointer, name: str = "kv_pool") -> Any:
     """One ``RawCudaIPCWrapper`` for the whole pool, after refusing memory it cannot share."""
-    from lmshm.platform.cuda import devices
-    from lmshm.platform.cuda.driver import get_driver
-    from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
-
     drv = get_driver()
     ordinal = devices.ordinal_of(pool.device)
     if drv.is_managed(pool.ptr, ordinal):
@@ -105,8 +101,6 @@ class TrtllmKVPool:
         device = pool.device if isinstance(pool, torch.Tensor) else torch.device("cuda", pool.device) \
             if isinstance(pool.device, int) else torch.device(pool.device)
         if device.type == "cuda":
-            from lmshm.core.cuda_sync import WorkerCudaSync
-
             self._cuda = WorkerCudaSync(device.index or 0, client=self.link.client)   # isolated: a flag page
         self.cuda_errors = 0          # CUDA ordering steps that failed: a failed load, a dropped store
 
@@ -191,7 +185,7 @@ class TrtllmKVPool:
             return self._cuda.ready()
         except Exception as exc:
             self.cuda_errors += 1
-            self.link._warn.warn("cuda-ready", "lmshm: cannot make a CUDA ordering token (%s)", str(exc))
+            self.link.warn("cuda-ready", "cannot make a CUDA ordering token (%s)", str(exc))
             return None
 
     def _wait(self, handle: bytes) -> bool:
@@ -202,7 +196,7 @@ class TrtllmKVPool:
             return True
         except Exception as exc:
             self.cuda_errors += 1
-            self.link._warn.warn("cuda-wait", "lmshm: cannot wait for the server's CUDA event (%s)", str(exc))
+            self.link.warn("cuda-wait", "cannot wait for the server's CUDA event (%s)", str(exc))
             return False
 
     def release(self, lease: bytes) -> None:

@@ -43,8 +43,6 @@ TOP_LEVEL = {
     "lmshm": "top",             # lazy public names over every layer
     "lmshm.server": "top",      # lmshm.Server and lmshm-server's command line
     "lmshm.cli": "top",         # the lmshm command
-    "lmshm.demo": "top",
-    "lmshm.demo_vllm": "top",
     "lmshm.quoting": "base",
     "lmshm._version": "base",   # lmshm.__version__
 }

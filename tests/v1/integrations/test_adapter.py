@@ -60,6 +60,17 @@ def test_a_link_to_no_server_never_stalls():
     link.close()
 
 
+def test_a_links_warnings_are_rate_limited_per_kind_and_count_what_they_left_out(caplog):
+    link = Link(LinkConfig(url="tcp://127.0.0.1:9", warn_every_s=30), connect_now=False)
+    with caplog.at_level("WARNING", logger="lmshm.connector"):
+        for _ in range(3):
+            link.warn("store", "STORE failed: %s", "boom")
+        link.warn("lookup", "LOOKUP failed: %s", "boom")     # another kind: not hidden by the stores
+    assert [r.getMessage() for r in caplog.records] == ["lmshm: STORE failed: boom", "lmshm: LOOKUP failed: boom"]
+    assert link._warnings["store"].left_out == 2 and link._warnings["lookup"].left_out == 0
+    link.close()
+
+
 def test_waiting_for_a_link_to_no_server_ends_when_its_connection_attempt_fails():
     link = Link(LinkConfig(url="tcp://127.0.0.1:9", timeout_s=0.5, retry_s=30))
     t0 = time.perf_counter()

@@ -145,7 +145,7 @@ import json, sys
 import torch
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
                                         SlidingWindowSpec)
-from lmshm.integrations.vllm import _groups
+from lmshm.integrations.vllm import cache_groups
 
 full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
 window = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32, sliding_window=128)
@@ -153,11 +153,11 @@ mamba = MambaSpec(block_size=32, shapes=((4, 64),), dtypes=(torch.float32,))
 out = {}
 hybrid = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["w.0", "w.1"], window), KVCacheGroupSpec(["f.0"], full)])
-groups, names = _groups(hybrid)
+groups, names = cache_groups(hybrid)
 out["hybrid"] = [[g.window for g in groups], names]
 try:
-    _groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                          kv_cache_groups=[KVCacheGroupSpec(["f.0"], full), KVCacheGroupSpec(["m.0"], mamba)]))
+    cache_groups(KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(["f.0"], full), KVCacheGroupSpec(["m.0"], mamba)]))
     out["mamba"] = ""
 except ValueError as exc:
     out["mamba"] = str(exc)

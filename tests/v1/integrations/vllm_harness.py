@@ -1,6 +1,6 @@
 """Helpers of the real-vLLM tests: engine processes in .venv-vllm, tiny models built on the spot.
 
-The engines run ``lmshm.integrations.vllm_engine`` in ``.venv-vllm`` (``scripts/bootstrap-vllm``;
+The engines run ``tools/vllm_engine.py`` in ``.venv-vllm`` (``scripts/bootstrap-vllm``;
 ``scripts/test`` makes it), with vLLM's own prefix caching off, so every cached token came through
 lmshm. The fixtures (``conftest.py``): ``model`` (a tiny random Llama), ``hybrid_model`` (a tiny
 Gemma-3-style model with sliding-window and full-attention layers), ``server``, ``tmp``, ``sockets``.
@@ -22,8 +22,7 @@ from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = Path(os.environ.get("LMSHM_VLLM_VENV", ROOT / ".venv-vllm")) / "bin" / "python"
-# Run as a module: as a script, its directory would shadow the vllm package with lmshm's vllm.py.
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 #: lmshm's own source directory, as a traceback names its frames: the engine's venv holds lmshm
 #: editable, so its frames are here. Only this may not appear in an engine's log; a bare
 #: "/lmshm/" would also match every path of a clone named lmshm (its .venv-vllm included).
@@ -49,7 +48,7 @@ def _env(tmpdir: str, multiprocess: bool = False, tp: int = 1) -> dict:
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
     if tp > 1:  # one core per rank; vLLM's "auto" binding asserts on a single-NUMA 2-core machine
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(tp))
-    env.pop("PYTHONPATH", None)
+    env["PYTHONPATH"] = str(ROOT)    # the engines run this checkout's lmshm, whatever .venv-vllm installed
     return env
 
 
@@ -62,7 +61,7 @@ def prompts() -> dict[str, list[int]]:
 
 
 class Engine:
-    """One engine process serving batches of prompts (see lmshm/integrations/vllm_engine.py)."""
+    """One engine process serving batches of prompts (see tools/vllm_engine.py)."""
 
     def __init__(self, model: str, url: str, tmp: Path, *batches: list, name: str = "engine",
                  multiprocess: bool = False, extra: tuple[str, ...] = (), tp: int = 1) -> None:

@@ -1,13 +1,16 @@
-"""The README's main job, scripts/demo, end to end (its Python part: python -m lmshm.demo)."""
+"""The README's main job, scripts/demo, end to end (its Python part: examples/demo.py)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+
+DEMO = Path(__file__).resolve().parents[3] / "examples" / "demo.py"
 
 
 def test_demo_registers_two_workers_proves_zero_copy_and_shuts_down_cleanly():
-    proc = subprocess.run([sys.executable, "-m", "lmshm.demo"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(DEMO)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "demo-worker-0" in out and "demo-worker-1" in out and "OWNER PID" in out

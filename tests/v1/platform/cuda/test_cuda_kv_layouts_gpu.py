@@ -5,7 +5,7 @@ The CUDA twin of ``tests/v1/multiprocess/test_kv_layouts.py`` (its ``LAYOUTS`` t
 allocate on cuda:0 exactly as vLLM's model runner does: one flat ``torch.int8`` buffer, viewed
 as the logical ``[L, B, H, N, C bytes]`` with the layout's strides, each layer
 ``view_5d[l].view(dtype)``. Each registers what ``LmshmConnector`` would (``registration_groups``
-in lmshm/integrations/vllm.py): per-layer ``[B, H, N, C]`` views for layer-outermost layouts,
+in lmshm/integrations/vllm/layout.py): per-layer ``[B, H, N, C]`` views for layer-outermost layouts,
 one combined ``[B, L, H, N, C]`` view for block-outermost ones, block_dim 0; a kernel block
 smaller than the block is regrouped as ``block_view`` does. Worker A STOREs shuffled blocks,
 worker B RETRIEVEs them into other blocks; B compares, on the GPU, K and V of every layer of

@@ -1,9 +1,10 @@
 """A tiny real vLLM engine with LmshmConnector, for ``scripts/demo-vllm``, the real-engine tests
-and ``bench/vllm_ttft.py``. Runs inside .venv-vllm (``scripts/bootstrap-vllm``)::
+and the vLLM benchmarks. Not part of lmshm: a tool the scripts and tests run, inside .venv-vllm
+(``scripts/bootstrap-vllm``), as a script (its folder holds nothing that shadows a package)::
 
-    python -m lmshm.integrations.vllm_engine build DIR [--hybrid]
-    python -m lmshm.integrations.vllm_engine serve-stdin DIR URL [--pump-s S] [the options of serve]
-    python -m lmshm.integrations.vllm_engine serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
+    python tools/vllm_engine.py build DIR [--hybrid]
+    python tools/vllm_engine.py serve-stdin DIR URL [--pump-s S] [the options of serve]
+    python tools/vllm_engine.py serve DIR URL OUT.json --batch PROMPTS.json [--batch ...]
         [--sync DIR] [--salt S] [--corrupt] [--fail-loads] [--fail-loads-rank R] [--no-connector]
         [--block-size N] [--chunk-tokens N] [--tp N] [--metrics] [--extra KEY=JSON ...]
         [--kv-events ENDPOINT [--kv-events-topic TOPIC]]
@@ -244,7 +245,7 @@ def main(argv: list[str]) -> int:
         build(argv[1], hybrid="--hybrid" in argv[2:])
         return 0
     stdin = bool(argv) and argv[0] == "serve-stdin"
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python tools/vllm_engine.py")
     ap.add_argument("cmd", choices=["serve-stdin" if stdin else "serve"])
     ap.add_argument("model")
     ap.add_argument("url")

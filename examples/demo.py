@@ -1,5 +1,8 @@
 """The end-to-end demo behind ``scripts/demo``: one server, two workers, zero copies.
 
+Run it with ``scripts/demo`` (which builds .venv first) or ``python examples/demo.py`` in a
+venv that has lmshm installed. It starts its workers and engines as this same script.
+
 1. starts ``lmshm-server`` as a subprocess on a free port;
 2. starts two worker processes; each allocates 8 layers of [2, 64, 16, 8, 64] fp16 KV cache
    with ``empty_shared`` (in shared memory from birth) and registers them with ``MPClient``;
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 
+SELF = os.path.abspath(__file__)     # workers and engines are this script too
 LAYERS = 8
 SHAPE = (2, 64, 16, 8, 64)  # [k/v, blocks, block size, kv heads, head dim]
 PROBE_LAYER = "model.layers.3.self_attn"
@@ -171,7 +175,7 @@ def engine_main(url: str, name: str, question: int) -> int:
 def _engines(py: str, url: str) -> None:
     print(f"== two engines share a {PREFIX}-token prompt prefix (a toy model on the CPU, {ENGINE_LAYERS} layers)")
     for name, question in (("A", 1), ("B", 2)):
-        proc = subprocess.Popen([py, "-m", "lmshm.demo", "engine", "--url", url, "--name", name,
+        proc = subprocess.Popen([py, SELF, "engine", "--url", url, "--name", name,
                                  "--question", str(question)], stdout=subprocess.PIPE, text=True)
         try:
             r = json.loads(_readline(proc, f"engine {name}", 180))
@@ -212,7 +216,7 @@ def main() -> int:
 
         print(f"== starting 2 workers: {LAYERS} layers of {list(SHAPE)} fp16 each, in shared memory")
         for k in range(2):
-            workers.append(subprocess.Popen([py, "-m", "lmshm.demo", "worker", "--url", url, "--index", str(k)],
+            workers.append(subprocess.Popen([py, SELF, "worker", "--url", url, "--index", str(k)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         infos = [json.loads(_readline(w, f"worker {k}")) for k, w in enumerate(workers)]
         for info in infos:
@@ -293,7 +297,7 @@ def _free_port() -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m lmshm.demo")
+    ap = argparse.ArgumentParser(prog="python examples/demo.py")
     sub = ap.add_subparsers(dest="role")
     w = sub.add_parser("worker")
     w.add_argument("--url", required=True)

@@ -11,7 +11,8 @@ through lmshm-server.
 5. prints the tokens saved and ``lmshm status``, stops the server (exit status 0) and checks
    that nothing of lmshm is left in /dev/shm.
 
-Needs ``.venv-vllm`` (``scripts/bootstrap-vllm``). Exit status 0 when every step held.
+Needs ``.venv-vllm`` (``scripts/bootstrap-vllm``); the engines are ``tools/vllm_engine.py``, run
+with the lmshm of this checkout. Exit status 0 when every step held.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = ["-m", "lmshm.integrations.vllm_engine"]
+ENGINE = [str(ROOT / "tools" / "vllm_engine.py")]
 CONTEXT, QUESTION = 2048, 200
 
 
@@ -45,7 +46,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="lmshm-demo-", dir="/tmp"))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": str(tmp),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "WARNING", "PYTHONPATH": str(ROOT)}
     r = random.Random(2026)
     context = [r.randrange(1, 500) for _ in range(CONTEXT)]
     prompts = [context + [r.randrange(1, 500) for _ in range(QUESTION)] for _ in range(2)]
