@@ -35,6 +35,7 @@ import ctypes
 import enum
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -42,6 +43,10 @@ import time
 from typing import Any
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 
 from lmshm.core.copier import BlockLayout, _runs, _split, pieces, plan_cuda_copies
 from lmshm.core.cuda_sync import submit_copies
@@ -176,7 +181,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="1,4,16,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
-    a = ap.parse_args()
+    a = parse_args(ap, smoke={"chunks": "1,4", "reps": 2})
     chunks = [int(x) for x in a.chunks.split(",")]
     rows = [r for lay in ORDERS for r in measure(lay, chunks, a.reps)]
     if a.json:

@@ -60,6 +60,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.core.tiers.base import ChunkMeta
@@ -484,7 +485,7 @@ def main() -> None:
                     help="end-to-end part: also promote through a server of this tree restarted with these extra "
                          "arguments (after the others'), e.g. --restart-args=--prefault-pool")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"request_mib": 4, "reps": 1, "chunk_kib": "64", "ops_count": 20, "start_files": 50, "parts": "checksums,files,end-to-end,ops,start"})
     parts = set(args.parts.split(","))
     n = args.request_mib << 20
     where = tempfile.mkdtemp(prefix="lmshm-disk-bench-", dir=args.dir)

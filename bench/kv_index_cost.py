@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import msgspec
+from _common import parse_args
 
 from lmshm.integrations.adapter import packed_tokens
 from lmshm.multiprocess import protocol
@@ -103,7 +104,7 @@ def main() -> None:
     ap.add_argument("--stores", type=int, default=1000, help="STOREs of 16 chunks per run (default 1000)")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--compare-with", default="", metavar="FILE", help="another kv_events.py, run alternately")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"stores": 20, "runs": 1})
     here = os.path.join(os.path.dirname(__file__), "..", "lmshm", "core", "kv_events.py")
     modules = {"this tree": load(here, "kv_events_this")}
     if args.compare_with:

@@ -49,6 +49,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 from _server import BenchServer
 
 KEYS_PER_STORE = 65536
@@ -532,7 +534,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="alternating rounds (listener)")
     ap.add_argument("--block", type=int, default=100, help="requests of each kind per round (listener)")
     ap.add_argument("--latency-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    # smoke: every section but listener (it needs --against)
+    args = parse_args(ap, smoke={"sections": "lookup,copy,registry,pool", "objects": "1000", "runs": 20, "pool_objects": "1000", "lookup_capacity": "64MiB", "sizes": "1", "copy_reps": 2, "copy_capacity": "64MiB", "registrations": "10", "reg_runs": 5, "cli_runs": 1})
     if args.latency_child:
         latency_child()
         return

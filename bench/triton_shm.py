@@ -45,6 +45,10 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import shared_memory as triton_shm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
 from lmshm import MPClient, empty_shared
 from lmshm.multiprocess.client import query_status
 
@@ -172,7 +176,7 @@ def main() -> int:
                     help="GET /metrics with and without the regions, each (default 50)")
     ap.add_argument("--regions", type=int, default=1000,
                     help="regions registered over HTTP for the scrapes with regions (default 1000)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"rounds": 1, "cycles": 5, "scrapes": 2, "regions": 10})
     if args.regions > REGION_BYTES:
         ap.error(f"--regions is at most {REGION_BYTES} (one byte each of the {REGION_BYTES >> 10} KiB object)")
 
