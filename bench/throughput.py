@@ -237,7 +237,7 @@ def main() -> int:
                     help="lmshm-server --log-level (default WARNING; INFO logs every registration)")
     ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=True,
                     help="MPClient heartbeat thread in the workers (default on, as MPClient(url))")
-    args = parse_args(ap, smoke={"workers": "2", "seconds": 0.5, "warmup": 1})
+    args = parse_args(ap, smoke={"workers": "1", "seconds": 0.5, "warmup": 1})
     counts = [int(w) for w in args.workers.split(",") if w.strip()]
 
     import torch

@@ -209,7 +209,8 @@ def main() -> int:
                 zmq_c.unregister_kv_caches(zmq_c.register_kv_caches(kv, "bench-zmq", model_name="bench"))
 
             cycles = dict(zip(PROTOCOLS, (http_cycle, grpc_cycle, zmq_cycle)))
-            run_rounds(cycles, 3, 20)  # warm up: connections, code paths, the server's caches
+            # warm up: connections, code paths, the server's caches (3 x 20 unless a smoke run asks fewer)
+            run_rounds(cycles, min(3, args.rounds), min(20, args.cycles))
             fds_before, _ = server_holds(server_pid, key)
             t0 = time.perf_counter()
             means, singles = run_rounds(cycles, args.rounds, args.cycles)

@@ -14,8 +14,12 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -27,15 +31,28 @@ TIMEOUT_S = 120
 FIGURE = re.compile(r"\d")
 
 
-def _run(name: str) -> subprocess.CompletedProcess:
+def _run(name: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """``bench/NAME --smoke``: what it printed, and its wall and CPU seconds (its children's too)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    try:
-        return subprocess.run([sys.executable, str(ROOT / "bench" / name), "--smoke"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout or ""
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        return subprocess.CompletedProcess(exc.cmd, -1, out, err + f"\n(timed out after {TIMEOUT_S} s)")
+    cmd = [sys.executable, str(ROOT / "bench" / name), "--smoke"]
+    started = time.monotonic()
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                                start_new_session=True)
+        timer = threading.Timer(TIMEOUT_S, lambda: os.killpg(proc.pid, signal.SIGKILL))
+        timer.start()
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - started
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if wall >= TIMEOUT_S:
+        stderr += f"\n(killed after {TIMEOUT_S} s)"
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), wall, usage.ru_utime + usage.ru_stime
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +71,9 @@ def test_every_bench_script_is_found():
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_bench_script_smoke_run_prints_its_table(name, smoke_runs):
-    done = smoke_runs[name].result()
-    said = f"{name} --smoke exited {done.returncode}\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n" \
+    done, wall, cpu = smoke_runs[name].result()
+    print(f"{name} --smoke: {wall:.1f} s, {cpu:.1f} s of CPU")
+    said = f"{name} --smoke exited {done.returncode} after {wall:.1f} s\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n" \
            f"{done.stderr[-4000:]}"
     if done.returncode == SKIPPED:
         reason = next((line for line in done.stdout.splitlines() if line.startswith("skipped: ")), "")
