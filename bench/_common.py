@@ -50,6 +50,12 @@ def skip_slow(why: str) -> None:
         skip(f"{why} (LMSHM_BENCH_SMOKE_ALL=1 runs it anyway)")
 
 
+def no_cuda_device() -> bool:
+    """True when this machine shows no NVIDIA device node: a smoke run then skips before it
+    pays for importing torch to ask."""
+    return not os.path.exists("/dev/nvidiactl")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as s:

@@ -33,7 +33,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parse_args, skip
+from _common import no_cuda_device, parse_args, skip
 
 L, H, N, C, ITEM = 32, 8, 16, 256, 2          # C: K and V (128 each), bf16: 64 KiB per layer per block
 CHUNK_BLOCKS = 16
@@ -65,6 +65,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--table")
     a = parse_args(ap, smoke={"chunks": "1,4", "reps": 1, "extent_mib": 64})
+    if a.smoke and no_cuda_device():
+        skip("no CUDA device visible (gpu_copy measures copies between a GPU and the pool)")
 
     import torch
 

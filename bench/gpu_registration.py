@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.normpath(_HELPERS))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import parse_args, skip
+from _common import no_cuda_device, parse_args, skip
 
 
 def log(msg: str) -> None:
@@ -176,6 +176,8 @@ def main() -> int:
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--table", help="also write the table here")
     args = parse_args(ap, smoke={"layers": 4, "layer_mib": 2, "reclaim_gib": 1})
+    if args.smoke and no_cuda_device():
+        skip("no CUDA device visible (gpu_registration registers GPU memory)")
 
     import torch
 
