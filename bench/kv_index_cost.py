@@ -105,8 +105,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--compare-with", default="", metavar="FILE", help="another kv_events.py, run alternately")
     args = parse_args(ap, smoke={"stores": 20, "runs": 1})
-    here = os.path.join(os.path.dirname(__file__), "..", "lmshm", "core", "kv_events.py")
-    modules = {"this tree": load(here, "kv_events_this")}
+    # this tree's by its package name (a module or a package), another by its file
+    modules = {"this tree": importlib.import_module("lmshm.core.kv_events")}
     if args.compare_with:
         modules[os.path.basename(args.compare_with)] = load(args.compare_with, "kv_events_other")
     stores = workload(args.stores)
