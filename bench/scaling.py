@@ -178,19 +178,20 @@ def section_pool(args: argparse.Namespace) -> None:
     with ``--against``, another's (its ``lmshm/core/pool.py`` loaded by path), interleaved; and
     64 ``move_to_end`` calls on the LRU (the refresh a pin does) on their own."""
     import collections
+    import importlib
     import importlib.util
 
     import lmshm
 
-    paths = {"this": os.path.join(os.path.dirname(lmshm.__file__), "core", "pool.py")}
+    # this checkout's pool by its package name (a module or a package), another's by its file
+    modules = {"this": importlib.import_module("lmshm.core.pool")}
+    paths = {"this": os.path.dirname(lmshm.__file__)}
     if args.against:
         paths["against"] = os.path.join(os.path.abspath(args.against), "lmshm", "core", "pool.py")
-    modules = {}
-    for name, path in paths.items():
-        spec = importlib.util.spec_from_file_location(f"_pool_{name}", path)
+        spec = importlib.util.spec_from_file_location("_pool_against", paths["against"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        modules[name] = module
+        modules["against"] = module
     print(f"\n== Pool.lookup of {LOOKUP_KEYS} keys in one process (CPU time, medians of {args.runs}): "
           + ", ".join(f"{n}: {p}" for n, p in paths.items()))
     print(f"{'objects':>9} {'pool':>8} {'hit us':>7} {'release us':>11} {'miss us':>8} {'64 refreshes us':>16}")
