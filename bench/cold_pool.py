@@ -40,6 +40,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 
 DEFAULT_OPTIONS = ["nothing", "thp", "prefault", "ahead-64", "ahead-256", "ahead-512", "ahead-256-4k"]
 
@@ -106,7 +109,7 @@ def child(args: argparse.Namespace) -> None:
     ready = time.perf_counter() - t0
     time.sleep(args.start_gap_ms / 1e3)
     times, stored = [], []
-    for r in range((args.gib << 30) // request):
+    for r in range(int(args.gib * 2**30) // request):
         t0 = time.perf_counter()
         objs = []
         for c in range(request // chunk):
@@ -143,7 +146,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="rounds; every option runs once per round (default 3)")
     ap.add_argument("--capacity-gib", type=int, default=4, help="the pool's capacity (default 4)")
-    ap.add_argument("--gib", type=int, default=1, help="GiB stored, the first requests (default 1)")
+    ap.add_argument("--gib", type=float, default=1, help="GiB stored, the first requests (default 1)")
     ap.add_argument("--request-mib", type=int, default=256, help="bytes per request (default 256)")
     ap.add_argument("--chunk-mib", type=int, default=32, help="bytes per chunk, one pool object (default 32)")
     ap.add_argument("--start-gap-ms", type=float, default=0, help="from the pool's start to the first request")
@@ -152,7 +155,8 @@ def main() -> int:
     ap.add_argument("--step-mib", type=int, default=0, help="populate_ahead's step (default: the pool's POPULATE_STEP)")
     ap.add_argument("--options", nargs="+", default=DEFAULT_OPTIONS)
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"runs": 1, "capacity_gib": 1, "gib": 1 / 16, "request_mib": 32, "chunk_mib": 8,
+                                 "settle_s": 0, "options": ["nothing", "ahead-64"]})
     if args.child:
         child(args)
         return 0
@@ -170,8 +174,8 @@ def main() -> int:
     load1 = os.getloadavg()
     memcpy = statistics.median(r["memcpy"] for rs in results.values() for r in rs)
     request = args.request_mib << 20
-    n = (args.gib << 30) // request
-    print(f"pool {args.capacity_gib} GiB, the first {args.gib} GiB stored in {n} requests of {args.request_mib} MiB "
+    n = int(args.gib * 2**30) // request
+    print(f"pool {args.capacity_gib} GiB, the first {args.gib:g} GiB stored in {n} requests of {args.request_mib} MiB "
           f"({args.chunk_mib} MiB chunks, 2 copy threads), first request {args.start_gap_ms:g} ms after start, "
           f"{args.idle_ms:g} ms between requests; medians of {args.runs} runs; {os.cpu_count()} CPUs, load average "
           f"{load0[0]:.2f} before, {load1[0]:.2f} after")

@@ -35,6 +35,7 @@ import ctypes
 import enum
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -43,7 +44,11 @@ from typing import Any
 
 import torch
 
-from lmshm.core.copier import BlockLayout, _runs, _split, pieces, plan_cuda_copies
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
+from lmshm.core.copier import BlockLayout, pieces, plan_cuda_copies
 from lmshm.core.cuda_sync import submit_copies
 from lmshm.platform.cuda.driver import CudaDriver
 
@@ -118,6 +123,29 @@ def cache(layout: str, blocks: int) -> tuple[list[str], list[torch.Tensor], int]
     return [f"model.layers.{i}.self_attn.attn" for i in range(L)], [v[i] for i in range(L)], 0
 
 
+def _split(obj: torch.Tensor, layout: BlockLayout, chunk_blocks: int) -> list[torch.Tensor]:
+    """An object's bytes as one flat uint8 tensor per layer (the copier's split, kept here with
+    the path before issue 42 so that this comparison needs no private helper of the copier)."""
+    out, at = [], 0
+    for plan in layout.layers:
+        n = plan.block_bytes * chunk_blocks
+        out.append(obj[at:at + n])
+        at += n
+    return out
+
+
+def _runs(block_ids) -> list[tuple[int, int, int]]:
+    """``(position in the list, first block, count)`` for each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            pos, first, n = runs[-1]
+            runs[-1] = (pos, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
 def cuda_copies_before(layout: BlockLayout, block_ids, obj: torch.Tensor, chunk_blocks: int, *, store: bool,
                        copy: Any, stream: Any) -> None:
     """lmshm's CUDA copy path before issue 42 (then ``copier.cuda_copies``), for the comparison."""
@@ -176,7 +204,7 @@ def main() -> int:
     ap.add_argument("--chunks", default="1,4,16,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json")
-    a = ap.parse_args()
+    a = parse_args(ap, smoke={"chunks": "1,4", "reps": 2})
     chunks = [int(x) for x in a.chunks.split(",")]
     rows = [r for lay in ORDERS for r in measure(lay, chunks, a.reps)]
     if a.json:

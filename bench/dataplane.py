@@ -30,6 +30,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.platform.cpu import empty_shared
@@ -120,7 +121,7 @@ def main() -> int:
                          "segment's file) and mapping (--copy-through-mapping, memmove)")
     ap.add_argument("--shuffled", action="store_true",
                     help="block ids in random order (every block its own run), as a long-running engine has them")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"request_mib": 32, "reps": 2, "lookups": 20, "capacity": "128MiB"})
 
     request_bytes = args.request_mib << 20
     blocks_per_request = request_bytes // (LAYERS * BLOCK_LAYER_BYTES)

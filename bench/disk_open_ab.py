@@ -28,6 +28,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import parse_args
 from _server import empty_pool
 
 from lmshm.core.pool import Pool, cost_of
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--sizes-kib", default="256,2048")
     ap.add_argument("--total-mib", type=int, default=256)
     ap.add_argument("--reps", type=int, default=12)
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_kib": "256", "total_mib": 2, "reps": 1})
     print(f"# {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; {args.total_mib} MiB per size, "
           f"{args.reps} repetitions, medians")
     print("| chunk | step by step: GB/s (CPU ms/GB) | openat2 | openat2 / step by step: rate | CPU |")

@@ -60,6 +60,7 @@ from typing import Optional
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.core.tiers.base import ChunkMeta
@@ -396,7 +397,7 @@ def ops(where: str, kib: int, count: int, reps: int, compare_with: str = "") -> 
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def start(where: str, files: int) -> dict[str, float]:
+def start(where: str, files: int, drop: bool = True) -> dict[str, float]:
     """Seconds from opening a DiskTier on ``files`` chunk files until it answers, and until its
     index is rebuilt (the files made first, sparse, with valid headers; page cache dropped)."""
     d = os.path.join(where, "start")
@@ -429,6 +430,8 @@ def start(where: str, files: int) -> dict[str, float]:
     os.umask(umask)
     os.sync()
     try:
+        if not drop:                               # a smoke run leaves the machine's page cache alone
+            raise PermissionError
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
         cold = 1.0
@@ -476,7 +479,7 @@ def main() -> None:
                     help="end-to-end part: also promote through a server of this tree restarted with these extra "
                          "arguments (after the others'), e.g. --restart-args=--prefault-pool")
     ap.add_argument("--start-files", type=int, default=1_000_000, help="files for the start part (default 1M)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"request_mib": 4, "reps": 1, "chunk_kib": "64", "ops_count": 20, "start_files": 50, "parts": "checksums,files,end-to-end,ops,start"})
     parts = set(args.parts.split(","))
     n = args.request_mib << 20
     where = tempfile.mkdtemp(prefix="lmshm-disk-bench-", dir=args.dir)
@@ -507,7 +510,7 @@ def main() -> None:
             for name, v in ops(where, args.ops_kib, args.ops_count, args.reps, args.compare_with).items():
                 print(f"  ops, {name:<56} {v:8.1f}")
         if "start" in parts:
-            for name, v in start(where, args.start_files).items():
+            for name, v in start(where, args.start_files, drop=not args.smoke).items():
                 print(f"  start, {name:<54} {v:10.2f}" if isinstance(v, float) else f"  start, {name:<54} {v:10d}")
     finally:
         shutil.rmtree(where, ignore_errors=True)

@@ -37,7 +37,6 @@ import re
 import resource
 import select
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -50,6 +49,11 @@ from typing import Any, Callable, Optional
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import shared_memory as triton_shm
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+from _server import terminate
 
 READY = re.compile(r"listening on (\S+) \(fd socket (\S+), HTTP on [^:\s]+:(\d+), gRPC on [^:\s]+:(\d+),"
                    r".* pid (\d+)\)")
@@ -104,15 +108,9 @@ class Server:
         return self.proc.poll() is None
 
     def stop(self) -> Optional[int]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        returncode = terminate(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
-        return self.proc.returncode
+        return returncode
 
 
 def connect(port: int, first: bytes) -> Optional[socket.socket]:
@@ -274,7 +272,8 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated scenario names")
     p.add_argument("--cost", type=int, default=0, metavar="ROUNDS",
                    help="no attack: the cost of a register + unregister cycle, this checkout against --checkout")
-    args = p.parse_args()
+    # smoke: one held and one renewed flood, one per protocol
+    args = parse_args(p, smoke={"seconds": 0.5, "only": "grpc-stall,http-renew"})
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192) if hard != resource.RLIM_INFINITY else 8192, hard))
 

@@ -46,6 +46,7 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.core.pool import OBJECT_COST
@@ -83,7 +84,8 @@ def main() -> int:
     ap.add_argument("--modes", nargs="+", default=DEFAULT_MODES)
     ap.add_argument("--fresh-pages", type=int, default=0, metavar="N",
                     help="also time memcpy into fresh pages: 4 KiB, huge, pre-faulted huge (N each)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"request_mib": 8, "reps": 3, "cold_reps": 1, "layers": 4,
+                                 "modes": ["default=memfd", "shm-mapping=shm,--copy-through-mapping"]})
 
     modes = [Mode(m) for m in args.modes]
     if any("PYTHONPATH" in m.env for m in modes) and os.path.isdir(os.path.join(os.getcwd(), "lmshm")):

@@ -31,6 +31,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 from _server import BenchServer
 
 POOL_SHAPE = (32, 2, 4, 16, 8, 8)
@@ -145,7 +148,7 @@ def main() -> int:
                     help="stop the cycles after this many seconds whatever the count (default 150)")
     ap.add_argument("--same-pool", action="store_true",
                     help="register the same pool every cycle under a new id (default: a fresh pool per cycle)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"cycles": 20, "every": 10, "seconds": 10.0})
     if args.cycles < 1 or args.every < 1:
         ap.error("--cycles and --every must be positive")
 

@@ -24,6 +24,10 @@ import time
 import zlib
 from typing import Callable
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
 
 def functions() -> dict[str, Callable[[memoryview], object]]:
     """The value checks the disk and remote tiers run, where their packages are installed."""
@@ -71,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-kib", default="16,64,96,256,2048")
     ap.add_argument("--seconds", type=float, default=0.3, help="per function, size and case")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_kib": "16,256", "seconds": 0.02})
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     buf = memoryview(os.urandom(max(sizes) << 10))
     fns = functions()

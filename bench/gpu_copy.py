@@ -25,10 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import no_cuda_device, parse_args, skip
 
 L, H, N, C, ITEM = 32, 8, 16, 256, 2          # C: K and V (128 each), bf16: 64 KiB per layer per block
 CHUNK_BLOCKS = 16
@@ -59,11 +64,15 @@ def main() -> int:
     ap.add_argument("--extent-mib", type=int, default=256)
     ap.add_argument("--json")
     ap.add_argument("--table")
-    a = ap.parse_args()
+    a = parse_args(ap, smoke={"chunks": "1,4", "reps": 1, "extent_mib": 64})
+    if a.smoke and no_cuda_device():
+        skip("no CUDA device visible (gpu_copy measures copies between a GPU and the pool)")
 
     import torch
 
     if not torch.cuda.is_available():
+        if a.smoke:
+            skip("no CUDA device visible (gpu_copy measures copies between a GPU and the pool)")
         log("no CUDA device visible")
         return 2
     from lmshm.core.copier import BlockLayout, plan_cuda_copies

@@ -35,6 +35,10 @@ import time
 _HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests", "v1", "platform", "cuda")
 sys.path.insert(0, os.path.normpath(_HELPERS))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import no_cuda_device, parse_args, skip
+
 
 def log(msg: str) -> None:
     print(f"[gpu-bench] {msg}", file=sys.stderr, flush=True)
@@ -171,11 +175,15 @@ def main() -> int:
     ap.add_argument("--kinds", default="cuda-torch,cuda-raw,cuda-vmm")
     ap.add_argument("--json", help="write the raw figures here")
     ap.add_argument("--table", help="also write the table here")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"layers": 4, "layer_mib": 2, "reclaim_gib": 1})
+    if args.smoke and no_cuda_device():
+        skip("no CUDA device visible (gpu_registration registers GPU memory)")
 
     import torch
 
     if not torch.cuda.is_available():
+        if args.smoke:
+            skip("no CUDA device visible (gpu_registration registers GPU memory)")
         print("gpu_registration: no CUDA device visible", file=sys.stderr)
         return 2
     torch.cuda.init()

@@ -78,6 +78,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.transport.client import MPClient
@@ -446,7 +447,7 @@ def main() -> None:
                          "(e.g. \"--kv-events-hold 0\")")
     ap.add_argument("--threads", action="store_true", help="also print server CPU per STORE by kind of thread")
     ap.add_argument("--sizes", default=",".join(CASES), help="chunk sizes to run (default all: %(default)s)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sessions": 1, "rounds": 1, "stores": 2, "lookups": 2, "sizes": "64 KiB", "threads": True})
     if args.on_index == 0:
         args.reader = False         # such a server answers no KV_EVENTS
     for name in list(CASES):

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,26 +38,14 @@ import msgspec
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import free_port, parse_args, rss
 from _server import BenchServer
 
 from lmshm.transport.client import MPClient
 from lmshm.wire import protocol
 
 SPACE = b"bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def forked(work: Callable[[], Any]) -> int:
@@ -137,7 +124,7 @@ def measure(python_path: str, args: argparse.Namespace) -> dict[str, str]:
     if args.parts == "rss":
         return out
     # ---- flood: one STORE, 65,536 adverts, stores nothing ----
-    n = 1 << 16
+    n = args.flood_adverts
     floods = [(protocol.pack_adverts([protocol.Advert(b"f%d-%d" % (s, i), 0, 4, [(s << 20) | i], None, [1, 2, 3, 4])
                                       for i in range(n)]), [b"f%d-%08d" % (s, i) for i in range(n)])
               for s in range(args.flood)]        # built before the clock starts (the client's own CPU)
@@ -203,13 +190,14 @@ def main() -> None:
     ap.add_argument("--control-tree", default="", metavar="DIR", help="a checkout to compare with (before)")
     ap.add_argument("--adverts", type=int, default=240, help="largest adverts STOREd for the rss figure")
     ap.add_argument("--flood", type=int, default=10, help="STOREs of 65,536 adverts for the flood figure")
+    ap.add_argument("--flood-adverts", type=int, default=1 << 16, help="adverts per STORE of the flood (default 65,536)")
     ap.add_argument("--chunks", type=int, default=200_000, help="chunks indexed for the readers and get figures")
     ap.add_argument("--readers", type=int, default=4, help="KV_EVENTS readers from the log's start")
     ap.add_argument("--seconds", type=float, default=6.0, help="how long PINGs and readers run")
     ap.add_argument("--parts", choices=("all", "rss"), default="all")
     ap.add_argument("--rss-args", default="", help="more server flags for the rss part "
                     "(e.g. '--kv-events-index 16384': a 64 MiB index, to see the bound)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"adverts": 4, "flood": 1, "flood_adverts": 1024, "chunks": 2000, "readers": 1, "seconds": 0.3})
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     trees = [("after", here)] + ([("before", args.control_tree)] if args.control_tree else [])
     results = {name: measure(tree, args) for name, tree in trees}

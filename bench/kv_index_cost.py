@@ -32,8 +32,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import msgspec
+from _common import parse_args
 
-from lmshm.core import kv_events
 from lmshm.core.kv_events import packed_tokens
 from lmshm.wire import protocol
 
@@ -104,8 +104,9 @@ def main() -> None:
     ap.add_argument("--stores", type=int, default=1000, help="STOREs of 16 chunks per run (default 1000)")
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--compare-with", default="", metavar="FILE", help="another kv_events.py, run alternately")
-    args = ap.parse_args()
-    modules = {"this tree": kv_events}
+    args = parse_args(ap, smoke={"stores": 20, "runs": 1})
+    # this tree's by its package name (a module or a package), another by its file
+    modules = {"this tree": importlib.import_module("lmshm.core.kv_events")}
     if args.compare_with:
         modules[os.path.basename(args.compare_with)] = load(args.compare_with, "kv_events_other")
     stores = workload(args.stores)

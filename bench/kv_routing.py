@@ -52,6 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "examples"))
+
+from _common import parse_args, skip, skip_slow
 from _server import BenchServer
 from kv_router import Router
 
@@ -220,7 +222,11 @@ def main() -> int:
                     help="the router reads each engine's vLLM KV-event stream (default), or each "
                          "lmshm-server's own (lmshm-server --kv-events)")
     ap.add_argument("--verbose", action="store_true", help="print every request's host, cached tokens and TTFT")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"requests": 4, "prompts": 2, "prefix": "64,96", "suffix": "8,16", "max_objects": "4096"})
+    if args.smoke:
+        if not VLLM_PYTHON.exists():
+            skip(f"{VLLM_PYTHON} is missing (scripts/bootstrap-vllm)")
+        skip_slow("two real vLLM engines per policy: minutes on CPU, too long for a smoke run")
     if not VLLM_PYTHON.exists():
         print(f"{VLLM_PYTHON} is missing: run scripts/bootstrap-vllm", file=sys.stderr)
         return 2

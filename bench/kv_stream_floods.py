@@ -44,22 +44,18 @@ import zmq
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
+from _common import free_port, open_fds, parse_args, raise_nofile, rss
 from _server import BenchServer
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SCALE = 1.0     # --smoke: counts and waits scaled down (at least 1 of each)
 
 
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+def _n(count: int) -> int:
+    return max(1, round(count * SCALE))
 
 
-def _fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def _wait(seconds: float) -> None:
+    time.sleep(seconds * SCALE)
 
 
 def _metric(port: int, name: str) -> float:
@@ -72,7 +68,7 @@ class Target:
 
     def __init__(self, checkout: Path, *args: str) -> None:
         self.scratch = tempfile.mkdtemp(prefix="lmshm-kvflood-")
-        self.pub_port, self.replay_port, self.http = _free_port(), _free_port(), _free_port()
+        self.pub_port, self.replay_port, self.http = free_port(), free_port(), free_port()
         self.server = BenchServer("--capacity", "64MiB", "--max-objects", "4", "--kv-events-buffer", "1024",
                                   "--kv-events", f"tcp://*:{self.pub_port}",
                                   "--kv-events-replay", f"tcp://127.0.0.1:{self.replay_port}",
@@ -86,8 +82,11 @@ class Target:
         self.kv = torch.zeros(64, 4, 64)
         self.iid = self.client.register_kv_caches({"l0": self.kv}, "bench", model_name="m")
         self.k = 0
-        self.store(40)          # warm up: the pool's pages, the log's ring, the allocator
-        time.sleep(0.5)
+        self.store(_n(40))      # warm up: the pool's pages, the log's ring, the allocator
+        _wait(0.5)
+
+    def rss(self) -> int:
+        return rss(self.server.pid)
 
     def store(self, n: int = 1) -> None:
         from lmshm.wire import protocol
@@ -100,73 +99,85 @@ class Target:
             self.client.store(self.iid, [a.chunk for a in adverts], list(range(64)), 1, adverts=adverts,
                               space=b"S", pod="p")
 
+    def paced(self) -> int:
+        """The 30 STOREs of subs and peers, 0.1 s apart; the server's RSS growth over them."""
+        before = self.rss()
+        for _ in range(_n(30)):
+            self.store()
+            _wait(0.1)
+        return self.rss() - before
+
+    def burst(self, sub: zmq.Socket) -> tuple[int, float]:
+        """``sub`` subscribes to everything; 20 STOREs settle, then the 180 of stuck: the
+        server's RSS growth and the bytes published over those."""
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.store(_n(20))
+        _wait(0.5)
+        before, sent = self.rss(), _metric(self.http, "lmshm_kv_events_published_bytes")
+        self.store(_n(180))
+        _wait(0.5)
+        return self.rss() - before, _metric(self.http, "lmshm_kv_events_published_bytes") - sent
+
     def close(self) -> None:
         self.client.close()
         self.server.stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
 
-def _sub(port: int, *, stuck: bool = False) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.SUB)
+def _socket(kind: int, *, stuck: bool = False) -> zmq.Socket:
+    """A socket that closes at once; ``stuck``: one that holds 1 message and 4 KiB, never read."""
+    sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)      # every subscription goes out
     if stuck:
         sock.setsockopt(zmq.RCVHWM, 1)
         sock.setsockopt(zmq.RCVBUF, 4096)
+    return sock
+
+
+def _sub(port: int, *, stuck: bool = False) -> zmq.Socket:
+    sock = _socket(zmq.SUB, stuck=stuck)
+    sock.setsockopt(zmq.SNDHWM, 0)      # every subscription goes out
     sock.connect(f"tcp://127.0.0.1:{port}")
     return sock
 
 
 def part_none(t: Target) -> str:
-    before = _rss(t.server.pid)
-    for _ in range(30):
-        t.store()
-        time.sleep(0.1)
-    grown = _rss(t.server.pid) - before
+    grown = t.paced()
     s = _sub(t.pub_port)
-    s.setsockopt(zmq.SUBSCRIBE, b"")
-    t.store(20)
-    time.sleep(0.5)
-    before = _rss(t.server.pid)
-    t.store(180)
-    time.sleep(0.5)
+    read, _ = t.burst(s)
     s.close()
-    return f"+{grown / 2**20:.0f} MiB for the 30 STOREs of subs/peers alone; +{(_rss(t.server.pid) - before) / 2**20:.0f} " \
+    return f"+{grown / 2**20:.0f} MiB for the 30 STOREs of subs/peers alone; +{read / 2**20:.0f} " \
            f"MiB for stuck's 180 with a subscriber that reads"
 
 
 def part_subs(t: Target) -> str:
-    before = _rss(t.server.pid)
+    before = t.rss()
     peers = []
     for _ in range(3):
         s = _sub(t.pub_port)
-        for i in range(8000):
+        for i in range(_n(8000)):
             s.setsockopt(zmq.SUBSCRIBE, i.to_bytes(4, "big") * 250)
         peers.append(s)
-    for _ in range(30):
-        t.store()
-        time.sleep(0.1)
-    grown = _rss(t.server.pid) - before
+    t.paced()
+    grown = t.rss() - before
     for s in peers:
         s.close()
     t.store()
-    time.sleep(1)
-    return f"+{grown / 2**20:.0f} MiB under 24 MB of subscriptions; +{(_rss(t.server.pid) - before) / 2**20:.0f} MiB " \
+    _wait(1)
+    return f"+{grown / 2**20:.0f} MiB under 24 MB of subscriptions; +{(t.rss() - before) / 2**20:.0f} MiB " \
            f"after the peers left"
 
 
 def part_peers(t: Target) -> str:
-    before = _rss(t.server.pid)
+    before = t.rss()
     peers = []
-    for p in range(100):
+    for p in range(_n(100)):
         s = _sub(t.pub_port)
         for i in range(3):
             s.setsockopt(zmq.SUBSCRIBE, (p * 3 + i).to_bytes(4, "big") * 250)
         peers.append(s)
-    for _ in range(30):
-        t.store()
-        time.sleep(0.1)
-    grown, fds = _rss(t.server.pid) - before, _metric(t.http, "lmshm_kv_events_connections")
+    t.paced()
+    grown, fds = t.rss() - before, _metric(t.http, "lmshm_kv_events_connections")
     for s in peers:
         s.close()
     return f"+{grown / 2**20:.1f} MiB with 100 peers of 3 KB each; connections counted (refused ones until libzmq closes them): " \
@@ -174,21 +185,18 @@ def part_peers(t: Target) -> str:
 
 
 def part_replay(t: Target) -> str:
-    t.store(48)
-    time.sleep(1)
+    t.store(_n(48))
+    _wait(1)
     buffered = _metric(t.http, "lmshm_kv_events_published_bytes")
-    before = _rss(t.server.pid)
+    before = t.rss()
     stuck = []
     for _ in range(16):
-        s = zmq.Context.instance().socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.RCVHWM, 1)
-        s.setsockopt(zmq.RCVBUF, 4096)
+        s = _socket(zmq.DEALER, stuck=True)
         s.connect(f"tcp://127.0.0.1:{t.replay_port}")
         s.send_multipart([b"", (0).to_bytes(8, "big")])
         stuck.append(s)
-    time.sleep(3)
-    grown = _rss(t.server.pid) - before
+    _wait(3)
+    grown = t.rss() - before
     for s in stuck:
         s.close()
     return f"+{grown / 2**20:.0f} MiB with 16 requesters that never read ({buffered / 2**20:.0f} MiB buffered)"
@@ -196,21 +204,15 @@ def part_replay(t: Target) -> str:
 
 def part_stuck(t: Target) -> str:
     s = _sub(t.pub_port, stuck=True)
-    s.setsockopt(zmq.SUBSCRIBE, b"")
-    t.store(20)
-    time.sleep(0.5)
-    before, sent = _rss(t.server.pid), _metric(t.http, "lmshm_kv_events_published_bytes")
-    t.store(180)
-    time.sleep(0.5)
-    grown, sent = _rss(t.server.pid) - before, _metric(t.http, "lmshm_kv_events_published_bytes") - sent
+    grown, sent = t.burst(s)
     s.close()
     return f"+{grown / 2**20:.0f} MiB while {sent / 2**20:.0f} MiB went out to a subscriber that never reads"
 
 
 def part_idle(t: Target) -> str:
-    base = _fds(t.server.pid)
+    base = open_fds(t.server.pid)
     held = []
-    for _ in range(1100):
+    for _ in range(_n(1100)):
         c = socket.socket()
         c.setblocking(False)
         try:
@@ -218,8 +220,8 @@ def part_idle(t: Target) -> str:
         except BlockingIOError:
             pass
         held.append(c)
-    time.sleep(2)
-    fds = _fds(t.server.pid)
+    _wait(2)
+    fds = open_fds(t.server.pid)
     for c in held:
         c.close()
     return f"{base} fds open before, {fds} with 1,100 idle connections to the replay port"
@@ -232,19 +234,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="also run every part on a server from this checkout")
     parser.add_argument("--parts", default=",".join(PARTS))
-    args = parser.parse_args()
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    parser.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
+    parser.add_argument("--one-server", action="store_true", help=argparse.SUPPRESS)
+    # smoke: every part, with a twentieth of the counts and waits, all on one server
+    args = parse_args(parser, smoke={"scale": 0.05, "one_server": True})
+    global SCALE
+    SCALE = args.scale
+    raise_nofile(4096)
     trees = [("this", ROOT)] + ([("before", args.before.resolve())] if args.before else [])
-    for name in args.parts.split(","):
-        for label, tree in trees:
-            t = Target(tree)
-            try:
-                print(f"{name:7s} {label:7s} {PARTS[name](t)}", flush=True)
-            finally:
-                t.close()
+    shared = {label: Target(tree) for label, tree in trees} if args.one_server else {}
+    try:
+        for name in args.parts.split(","):
+            for label, tree in trees:
+                t = shared.get(label) or Target(tree)
+                try:
+                    print(f"{name:7s} {label:7s} {PARTS[name](t)}", flush=True)
+                finally:
+                    if t is not shared.get(label):
+                        t.close()
+    finally:
+        for t in shared.values():
+            t.close()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,11 @@ sys.path.insert(0, str(ROOT / "tests" / "v1" / "multiprocess"))
 from attacks import DEALER_GREETING, RawZmtp, zmtp_frame, zmtp_ping
 from harness import raw_reply, server_rss_kb
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args, raise_nofile
+from _server import terminate
+
 from lmshm.wire import codec, protocol
 
 LIMIT = 16 << 20
@@ -72,12 +77,7 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc, 20)
         self.proc.stdout.close()
         self._log.close()
 
@@ -194,17 +194,16 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=64, help="connections of the long-header part")
     parser.add_argument("--seconds", type=float, default=4.0, help="how long the pong part sends")
     parser.add_argument("--only", default="", help="comma-separated parts: " + ", ".join(PARTS))
-    args = parser.parse_args()
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    parser.add_argument("--one-server", action="store_true", help=argparse.SUPPRESS)
+    args = parse_args(parser, smoke={"connections": 4, "seconds": 0.3, "one_server": True})
+    raise_nofile(4096)
     parts = [p for p in args.only.split(",") if p] or list(PARTS)
     scratch = Path(tempfile.mkdtemp(prefix="listener-floods."))
     print(f"server from {args.checkout}")
+    shared = Server(args.checkout.resolve(), scratch) if args.one_server else None
     try:
         for name in parts:
-            server = Server(args.checkout.resolve(), scratch)
+            server = shared or Server(args.checkout.resolve(), scratch)
             try:
                 raw_reply(server.url, codec.encode(protocol.Ping()))
                 pings = HonestPings(server.url)
@@ -212,8 +211,11 @@ def main() -> None:
                 alive = server.proc.poll() is None
                 print(f"{name:12s} {result}; {pings.done()}{'' if alive else '; THE SERVER DIED'}", flush=True)
             finally:
-                server.stop()
+                if server is not shared:
+                    server.stop()
     finally:
+        if shared is not None:
+            shared.stop()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

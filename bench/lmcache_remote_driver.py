@@ -47,12 +47,16 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args, skip
+
 BATCH = 32
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", required=True, help="redis://HOST:PORT of a running Valkey")
+    ap.add_argument("--url", help="redis://HOST:PORT of a running Valkey (required)")
     ap.add_argument("--sizes-kib", default="256,2048,16384")
     ap.add_argument("--total-mib", type=int, default=256)
     ap.add_argument("--concurrency", default="1,8")
@@ -60,7 +64,17 @@ def main() -> None:
     ap.add_argument("--adapters", default="valkey,resp")
     ap.add_argument("--serve", action="store_true",
                     help="one size, a repetition per 'rep' line on stdin, until 'end' (bench/remote_readback.py)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_kib": "256", "total_mib": 2, "concurrency": "1", "reps": 1})
+    if args.smoke:
+        try:
+            import lmcache  # noqa: F401 - only whether it is there
+        except ImportError:
+            skip("lmcache is not installed in this interpreter: the driver runs in an LMCache venv "
+                 "(see its docstring; bench/remote_readback.py --lmcache-python starts it there)")
+        if not args.url:
+            skip("no --url: the driver reads from a running Valkey (bench/remote_readback.py starts one)")
+    if not args.url:
+        ap.error("--url is required")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
     host, port = args.url.split("://", 1)[1].rsplit(":", 1)
     sizes = [int(s) for s in args.sizes_kib.split(",")]

@@ -53,7 +53,9 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+
 import torch
+from _common import parse_args
 from _server import BenchServer
 from vllm_parallel import engine_env
 
@@ -205,7 +207,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=32, help="M, output tokens per request of the step engine")
     ap.add_argument("--no-engine", action="store_true", help="lookups only, no vLLM step")
     ap.add_argument("--quick", action="store_true", help="500 runs, step at TP=1 only, 8 prompts")
-    args = ap.parse_args()
+    # smoke: the lookups alone: the vLLM step needs .venv-vllm and a minute
+    args = parse_args(ap, smoke={"runs": 50, "rounds": 2, "no_engine": True})
     if args.quick:
         args.runs, args.step_tp, args.step_prompts = 500, "1", 8
     step_tps = [] if args.no_engine else [int(x) for x in args.step_tp.split(",") if x]

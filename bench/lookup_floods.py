@@ -28,7 +28,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,10 @@ from typing import Any, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+from _common import parse_args
+from _server import terminate
 
 from lmshm.transport.client import MPClient
 
@@ -63,12 +66,7 @@ class Server:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
     def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        terminate(self.proc)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -157,7 +155,7 @@ def main() -> None:
     p.add_argument("--burst", type=int, default=48)
     p.add_argument("--max-body", type=int, default=16 << 20)
     p.add_argument("--checkout", default=None, help="also run the server from this checkout (PYTHONPATH)")
-    args = p.parse_args()
+    args = parse_args(p, smoke={"seconds": 0.3, "clients": 1, "burst": 2})
     data = body()
     print(f"lookup body {len(data) / 2**20:.1f} MiB ({TOKENS} token ids), --http-max-body-bytes {args.max_body}, "
           f"{args.clients} clients, {args.seconds:g} s, {os.cpu_count()} CPUs")

@@ -40,6 +40,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import parse_args
 from _server import BenchServer
 
 KEYS_PER_STORE = 65536
@@ -131,7 +133,8 @@ def main() -> None:
     ap.add_argument("--max-objects", help="pass --max-objects to the server (a server that knows it)")
     ap.add_argument("--churn", type=int, help="time the pool alone, in this process, at this many objects")
     ap.add_argument("--json", help="also write the figures to this file")
-    args = ap.parse_args()
+    ap.add_argument("--flood-s", type=float, default=2.0, help="seconds of PINGs under each STATUS flood (default 2)")
+    args = parse_args(ap, smoke={"objects": 2000, "checkpoints": "1000", "capacity": "64MiB", "flood_s": 0.2})
     if args.churn:
         out = churn(args.churn)
         if args.json:
@@ -158,7 +161,7 @@ def main() -> None:
         def point(objects_asked: int) -> dict:
             pool = client.status().pool
             smin, smed = status_ms(server.url)
-            p50, pmax, flood = pings_under_status_flood(server.url, client)
+            p50, pmax, flood = pings_under_status_flood(server.url, client, args.flood_s)
             p = {"objects_asked": objects_asked, "objects": pool.objects, "used": pool.used,
                  "rss_kb": rss_kb(server.pid), "status_ms_min": round(smin, 2), "status_ms_median": round(smed, 2),
                  "ping_under_status_flood_ms_p50": round(p50, 2), "ping_under_status_flood_ms_max": round(pmax, 2),

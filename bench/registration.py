@@ -24,10 +24,16 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
 from lmshm.core.registry import Registry
+from lmshm.platform.base.peer import local_peer
 from lmshm.platform.cpu import empty_shared
 from lmshm.platform.kv_wrap import release_wrappers, wrap_kv_caches
 from lmshm.transport.client import MPClient, layer_groups, query_status
@@ -48,11 +54,11 @@ sys.stdin.read()
 """.format(shape=SHAPE)
 
 
-def _layers(n: int, layout: str) -> dict[str, torch.Tensor]:
+def _layers(n: int, layout: str, kind: Optional[str] = None) -> dict[str, torch.Tensor]:
     if layout == "one":
-        pool = empty_shared((n, *SHAPE), torch.float16)
+        pool = empty_shared((n, *SHAPE), torch.float16, kind=kind)
         return {f"model.layers.{i}.attn": pool[i] for i in range(n)}
-    return {f"model.layers.{i}.attn": empty_shared(SHAPE, torch.float16) for i in range(n)}
+    return {f"model.layers.{i}.attn": empty_shared(SHAPE, torch.float16, kind=kind) for i in range(n)}
 
 
 def _median_us(samples: list[float]) -> float:
@@ -75,22 +81,23 @@ def bench_register(client: MPClient, n: int, layout: str, reps: int) -> tuple[fl
 
 def bench_server_cost(n: int, layout: str, reps: int) -> tuple[float, float, float]:
     """Per-layer microseconds, in this process: decode + register (maps every group, checks
-    every layer's bounds); building every layer's server-side tensor; release."""
-    layers = _layers(n, layout)
+    every layer's bounds); building every layer's server-side tensor; release. The layers are
+    named shm segments: a memfd's fd reaches a registry only over a server's fd channel."""
+    layers = _layers(n, layout, kind="shm")
     wrappers = wrap_kv_caches(layers)
     body = codec.encode(protocol.RegisterKVCache("bench", "m", 1, 0, layer_groups(list(layers), wrappers)))
-    registry = Registry()
+    registry, peer = Registry(), local_peer("bench")
     reg_t, view_t, rel_t = [], [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         req = codec.decode_request(body)
-        reg, _ = registry.register(owner=1, owner_pid=os.getpid(), instance_id="bench", model_name="m",
+        reg, _ = registry.register(peer=peer, instance_id="bench", model_name="m",
                                    world_size=1, worker_rank=0, groups=req.groups)
         t1 = time.perf_counter()
         for name in layers:  # every layer's server-side tensor, as a first data operation would
             reg.tensor(name)
         t2 = time.perf_counter()
-        registry.unregister("bench", owner=1)
+        registry.unregister("bench")
         t3 = time.perf_counter()
         reg_t.append(t1 - t0)
         view_t.append(t2 - t1)
@@ -124,7 +131,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--pings", type=int, default=1000)
     ap.add_argument("--kills", type=int, default=5)
-    args = ap.parse_args()
+    ap.add_argument("--layer-counts", default=",".join(map(str, LAYER_COUNTS)), help="layers per registration")
+    args = parse_args(ap, smoke={"reps": 2, "pings": 20, "kills": 1, "layer_counts": "8"})
 
     server = subprocess.Popen([sys.executable, "-m", "lmshm.server", "--port", "0",
                                "--log-level", "WARNING"], stdout=subprocess.PIPE, text=True)
@@ -142,7 +150,7 @@ def main() -> int:
                   "interleaved with those registrations; server columns: per layer, in-process\n")
             print(f"{'layers':>6}  {'layout':<13} {'register us':>11}  {'PING us':>7}  {'x PING':>6}  "
                   f"{'server us/layer':>15}  {'views us/layer':>14}  {'release us/layer':>16}")
-            for n in LAYER_COUNTS:
+            for n in (int(x) for x in args.layer_counts.split(",")):
                 for layout, label in (("one", "one segment"), ("per-layer", "per layer")):
                     reg, row_ping = bench_register(client, n, layout, args.reps)
                     srv, views, rel = bench_server_cost(n, layout, args.reps)

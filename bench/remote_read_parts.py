@@ -41,6 +41,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import parse_args
 from _server import empty_pool, valkey_url
 
 from lmshm.core.pool import KEY, NBYTES, OFFSET, Pool, cost_of
@@ -171,7 +172,7 @@ def main() -> None:
     ap.add_argument("--total-mib", type=int, default=256, help="values read back per size, in MiB")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_kib": "256", "total_mib": 2, "reps": 1})
     import logging
     logging.getLogger("lmshm.tiers.remote").setLevel(logging.ERROR)     # the unsigned tier's warnings
     sizes = [int(s) for s in args.sizes_kib.split(",")]

@@ -60,6 +60,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _common import parse_args
 from _server import empty_pool, valkey_url
 
 from lmshm.core import dataplane
@@ -101,7 +102,7 @@ def main() -> None:
     ap.add_argument("--signed-copy", action="store_true",
                     help="also read signed values through the reader's buffer and a copy (no framed slot): the A/B of reading them into the slot")
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_kib": "256", "total_mib": 2, "concurrency": "1,2", "reps": 1, "readers": "1"})
     sizes = [int(s) for s in args.sizes_kib.split(",")]
     concs = [int(c) for c in args.concurrency.split(",")]
     readers = [int(r) for r in args.readers.split(",")]

@@ -63,6 +63,10 @@ from typing import Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "v1"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
 from lmshm.core.tiers.base import ChunkMeta
 from lmshm.core.tiers.remote import RemoteTier
 
@@ -81,7 +85,7 @@ def main() -> None:
     ap.add_argument("--remote", default="", help="an existing redis://HOST:PORT (default: start a Valkey here)")
     ap.add_argument("--no-cluster", action="store_true",
                     help="skip part 4 on a 3-master cluster (started here unless --remote is given)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"sizes_mib": "1", "reps": 1, "per_thread": 1})
     sizes = [int(s) << 20 for s in args.sizes_mib.split(",")]
 
     server = None

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch
+from _common import parse_args
 from _server import BenchServer
 
 from lmshm.transport.client import MPClient
@@ -74,7 +75,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10, help="STOREs (and RETRIEVEs) per case, server and round")
     ap.add_argument("--pace-ms", type=float, default=5.0, help="sleep before each request pair (default 5)")
     ap.add_argument("--capacity", default="1GiB")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"cases": "64x1,256x4", "rounds": 1, "requests": 2, "pace_ms": 0.0, "capacity": "64MiB"})
     try:
         cases = [(int(kib), int(n)) for kib, n in (c.strip().split("x") for c in args.cases.split(","))]
     except ValueError:

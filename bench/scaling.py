@@ -49,6 +49,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 from _server import BenchServer
 
 KEYS_PER_STORE = 65536
@@ -176,21 +178,20 @@ def section_pool(args: argparse.Namespace) -> None:
     with ``--against``, another's (an older checkout's ``lmshm/core/pool.py`` loaded by path), interleaved; and
     64 ``move_to_end`` calls on the LRU (the refresh a pin does) on their own."""
     import collections
+    import importlib
     import importlib.util
 
     import lmshm.core.pool
 
-    paths = {"this": os.path.dirname(lmshm.core.pool.__file__)}
-    modules = {"this": lmshm.core.pool}
-    if args.against:    # a checkout from before lmshm/core/pool/ was a package (one file, no lmshm imports)
+    # this checkout's pool by its package name (a module or a package), another's by its file
+    modules = {"this": importlib.import_module("lmshm.core.pool")}
+    paths = {"this": os.path.dirname(lmshm.__file__)}
+    if args.against:
         paths["against"] = os.path.join(os.path.abspath(args.against), "lmshm", "core", "pool.py")
-    for name, path in paths.items():
-        if name in modules:
-            continue
-        spec = importlib.util.spec_from_file_location(f"_pool_{name}", path)
+        spec = importlib.util.spec_from_file_location("_pool_against", paths["against"])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        modules[name] = module
+        modules["against"] = module
     print(f"\n== Pool.lookup of {LOOKUP_KEYS} keys in one process (CPU time, medians of {args.runs}): "
           + ", ".join(f"{n}: {p}" for n, p in paths.items()))
     print(f"{'objects':>9} {'pool':>8} {'hit us':>7} {'release us':>11} {'miss us':>8} {'64 refreshes us':>16}")
@@ -535,7 +536,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="alternating rounds (listener)")
     ap.add_argument("--block", type=int, default=100, help="requests of each kind per round (listener)")
     ap.add_argument("--latency-child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    # smoke: every section but listener (it needs --against)
+    args = parse_args(ap, smoke={"sections": "lookup,copy,registry,pool", "objects": "1000", "runs": 20, "pool_objects": "1000", "lookup_capacity": "64MiB", "sizes": "1", "copy_reps": 2, "copy_capacity": "64MiB", "registrations": "10", "reg_runs": 5, "cli_runs": 1})
     if args.latency_child:
         latency_child()
         return

@@ -35,6 +35,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from _common import parse_args, skip, skip_slow
+
 BATCH = 128
 
 
@@ -173,14 +177,17 @@ def main() -> None:
     p.add_argument("--file-dir", default="")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--url", default="", help=argparse.SUPPRESS)
-    a = p.parse_args()
+    a = parse_args(p, smoke={"reps": 1, "layers": 2, "heads": 2, "head_dim": 64})
     if a.inner:
         inner(a)
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _server import BenchServer
 
     venv = Path(os.environ.get("LMSHM_SGLANG_VENV", ROOT / ".venv-sglang"))
+    if a.smoke:
+        if not (venv / "bin" / "python").exists():
+            skip(f"{venv} is missing (scripts/bootstrap-sglang)")
+        skip_slow("SGLang's import and its HiCache controller in .venv-sglang: too long for a smoke run")
     batch_mib = 2 * BATCH * a.page_size * a.layers * a.heads * a.head_dim * 2 / 2**20
     with tempfile.TemporaryDirectory(prefix="hicache-file-") as file_dir, \
             BenchServer("--capacity", f"{int(3 * batch_mib) + 64}MiB", quiet=True) as server:

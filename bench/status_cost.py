@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 from _server import BenchServer
 
 
@@ -47,7 +50,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-n", type=int, default=20, help="runs of each command (default 20)")
     parser.add_argument("--python", default=sys.executable, help="interpreter for the children")
-    args = parser.parse_args()
+    args = parse_args(parser, smoke={"n": 2})
 
     import lmshm  # say which checkout is measured; the children resolve it the same way
 

@@ -37,6 +37,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
 from _server import BenchServer
 
 SHAPE = (2, 16, 16, 8, 64)
@@ -234,7 +237,7 @@ def main() -> int:
                     help="lmshm-server --log-level (default WARNING; INFO logs every registration)")
     ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=True,
                     help="MPClient heartbeat thread in the workers (default on, as MPClient(url))")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"workers": "1", "seconds": 0.5, "warmup": 1})
     counts = [int(w) for w in args.workers.split(",") if w.strip()]
 
     import torch
@@ -281,12 +284,13 @@ def main() -> int:
         print(f"WARNING: lmshm-server exited with status {server_rc} after SIGTERM")
         ok = False
     new = sorted(_shm_entries() - shm_before)
-    # Other processes on the machine (a test run) may create and remove lmshm segments meanwhile;
-    # only names created by this run's pids count as leaks here.
-    leaked = [n for n in new if _entry_pid(n) in our_pids or _entry_pid(n) is None]
+    # Other processes on the machine (a test run) may create and remove lmshm segments meanwhile,
+    # some under names of their own (lmshm_test_...): only names created by this run's pids count
+    # as leaks here.
+    leaked = [n for n in new if _entry_pid(n) in our_pids]
     foreign = len(new) - len(leaked)
     if foreign:
-        print(f"note: {foreign} new /dev/shm/lmshm-* entries belong to other processes on this machine (ignored)")
+        print(f"note: {foreign} new /dev/shm/lmshm* entries are not this run's (ignored)")
     if leaked:
         print(f"WARNING: {len(leaked)} lmshm entries left in /dev/shm: {', '.join(leaked[:5])}"
               f"{' ...' if len(leaked) > 5 else ''}")

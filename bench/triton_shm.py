@@ -45,6 +45,10 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton_http
 from tritonclient.utils import shared_memory as triton_shm
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import parse_args
+
 from lmshm import MPClient, empty_shared
 from lmshm.transport.client import query_status
 
@@ -172,7 +176,7 @@ def main() -> int:
                     help="GET /metrics with and without the regions, each (default 50)")
     ap.add_argument("--regions", type=int, default=1000,
                     help="regions registered over HTTP for the scrapes with regions (default 1000)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"rounds": 1, "cycles": 5, "scrapes": 2, "regions": 10})
     if args.regions > REGION_BYTES:
         ap.error(f"--regions is at most {REGION_BYTES} (one byte each of the {REGION_BYTES >> 10} KiB object)")
 
@@ -205,7 +209,8 @@ def main() -> int:
                 zmq_c.unregister_kv_caches(zmq_c.register_kv_caches(kv, "bench-zmq", model_name="bench"))
 
             cycles = dict(zip(PROTOCOLS, (http_cycle, grpc_cycle, zmq_cycle)))
-            run_rounds(cycles, 3, 20)  # warm up: connections, code paths, the server's caches
+            # warm up: connections, code paths, the server's caches (3 x 20 unless a smoke run asks fewer)
+            run_rounds(cycles, min(3, args.rounds), min(20, args.cycles))
             fds_before, _ = server_holds(server_pid, key)
             t0 = time.perf_counter()
             means, singles = run_rounds(cycles, args.rounds, args.cycles)

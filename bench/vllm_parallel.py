@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import parse_args, skip, skip_slow
 from _server import BenchServer
 
 from lmshm.transport.client import query_status
@@ -144,7 +146,11 @@ def main() -> int:
     ap.add_argument("--hybrid-lengths", default="4096", help="prompt lengths for the hybrid model")
     ap.add_argument("--chunk-tokens", type=int, default=32,
                     help="lmshm chunk (the hybrid model needs the block size, 32)")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"prompts": 1, "lengths": "64", "hybrid_lengths": "64"})
+    if args.smoke:
+        if not VLLM_PYTHON.exists():
+            skip(f"{VLLM_PYTHON} is missing (scripts/bootstrap-vllm)")
+        skip_slow("real vLLM engines at TP=2 and a hybrid model: minutes on CPU, too long for a smoke run")
     if not VLLM_PYTHON.exists():
         print(f"{VLLM_PYTHON} is missing: run scripts/bootstrap-vllm", file=sys.stderr)
         return 2

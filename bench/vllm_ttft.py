@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from _common import parse_args, skip, skip_slow
 from _server import BenchServer
 
 from lmshm.transport.client import query_status
@@ -150,7 +152,11 @@ def main() -> int:
                          "0: vLLM's own binding, one thread per core")
     ap.add_argument("--verbose", action="store_true", help="print every prompt's TTFT too")
     ap.add_argument("--no-baseline", action="store_true", help="leave out the vLLM-alone row")
-    args = ap.parse_args()
+    args = parse_args(ap, smoke={"reps": 1, "lengths": "64", "chunk_tokens": 32})
+    if args.smoke:
+        if not VLLM_PYTHON.exists():
+            skip(f"{VLLM_PYTHON} is missing (scripts/bootstrap-vllm)")
+        skip_slow("real vLLM engines, one per row: minutes on CPU, too long for a smoke run")
     if not VLLM_PYTHON.exists():
         print(f"{VLLM_PYTHON} is missing: run scripts/bootstrap-vllm", file=sys.stderr)
         return 2

@@ -7,10 +7,13 @@ came through lmshm. One lmshm-server per test, in the project's venv.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
-from harness import ServerProcess, lmshm_segments, wait_for
+from harness import ServerProcess, lmshm_segments, scratch_dir, wait_for
 from vllm_harness import CHUNK, Engine, assert_torn_down, prompts, run
 
 from lmshm.transport.client import query_status
@@ -36,23 +39,37 @@ def test_a_second_engine_reuses_the_first_engines_kv(model, server, tmp, multipr
     assert_torn_down(server, before)
 
 
-def test_corrupted_loaded_kv_changes_the_output(model, server, tmp):
-    """The control: the same hits, but the loaded blocks overwritten with noise in the engine."""
+@pytest.fixture(scope="module")
+def stored_by_a(model):
+    """One server holding what engine A stored of ``[long, other]``, with A's results: the
+    corrupted-load and failed-load tests both read it (each checks only its own engine's
+    effect, so their order does not matter), instead of each running A on a server of its own."""
     p = prompts()
     batch = [p["long"], p["other"]]
-    a = run(model, server.url, tmp, batch, name="A")
+    with scratch_dir() as sockets:
+        tmp = Path(tempfile.mkdtemp(prefix="lmshm-v-", dir="/tmp"))
+        server = ServerProcess(sockets, "--capacity", "256MiB", "--reap-timeout", "5")
+        try:
+            yield server, batch, run(model, server.url, tmp, batch, name="A")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if server.alive:
+                assert server.stop() == 0, server.log()
+
+
+def test_corrupted_loaded_kv_changes_the_output(model, stored_by_a, tmp):
+    """The control: the same hits, but the loaded blocks overwritten with noise in the engine."""
+    server, batch, a = stored_by_a
     c = run(model, server.url, tmp, batch, name="C", extra=("--corrupt",))
     assert all(r["cached"] >= 0.8 * r["prompt"] for r in c), c
     for ra, rc in zip(a, c):
         assert ra["output"] != rc["output"], "outputs unchanged although every loaded block was noise"
 
 
-def test_a_failed_load_is_recomputed_never_served_wrong(model, server, tmp):
+def test_a_failed_load_is_recomputed_never_served_wrong(model, stored_by_a, tmp):
     """Every RETRIEVE fails in engine F: vLLM must recompute those blocks (kv_load_failure_policy
     "recompute", which the connector sets) and answer exactly as engine A did."""
-    p = prompts()
-    batch = [p["long"], p["other"]]
-    a = run(model, server.url, tmp, batch, name="A")
+    server, batch, a = stored_by_a
     before = query_status(server.url).pool
     f = Engine(model, server.url, tmp, batch, name="F", extra=("--fail-loads",)).results(warnings=True)[0]
     assert query_status(server.url).pool.hits >= before.hits + 2 * 6  # F was offered the loads...
