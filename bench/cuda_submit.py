@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from lmshm.core.copier import BlockLayout, _runs, _split, pieces, plan_cuda_copies
 from lmshm.core.cuda_sync import submit_copies
+from lmshm.core.dataplane.layout import BlockLayout, _runs, _split, pieces, plan_cuda_copies
 from lmshm.platform.cuda.driver import CudaDriver
 
 L, H, N, C, ITEM = 32, 8, 16, 256, 2          # C: K (128) and V (128) along the last dim, bf16

@@ -70,8 +70,6 @@ from typing import Any, Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 
-from lmshm.core.copier import PoolBytes
-
 logger = logging.getLogger(__name__)
 
 ALIGN = 64  # bytes; every object starts on a cache line
@@ -311,13 +309,25 @@ class _Lease:
         self.objects = objects    # distinct objects, one pin each
 
 
+class PoolBytes:
+    """The pool as a memoryview, for ``preadv``/``pwritev`` into and out of it."""
+
+    def __init__(self, view: memoryview, addr: int) -> None:
+        self.view, self.addr = view, addr
+
+    def at(self, addr: int, n: int) -> memoryview:
+        return self.view[addr - self.addr:addr - self.addr + n]
+
+
 class Pool:
     """See the module docstring. ``capacity`` 0 makes a pool that stores nothing; 0 for
     ``max_objects`` means no cap beside the capacity."""
 
     def __init__(self, capacity: int, *, max_objects: int = 0, max_pinned_fraction_per_uid: float = 1.0,
                  max_pins_per_uid: int = 1 << 30, huge_pages: bool = True, prefault: bool = False,
-                 populate_ahead: int = 0, head_room: int = 0, align: int = ALIGN) -> None:
+                 populate_ahead: int = 0, head_room: int = 0, align: int = ALIGN,
+                 on_resident: Optional[Callable[[int, bytes, bool], None]] = None,
+                 on_committed: Optional[Callable[[list], None]] = None) -> None:
         self.capacity = capacity
         #: where objects start: a multiple of ``ALIGN`` (a cache line), or of what a tier below
         #: asks (``Tier.align``: the disk's 4 KiB, for writes with ``O_DIRECT`` from the object)
@@ -348,10 +358,10 @@ class Pool:
         self.pins_capped = 0      # chunks LOOKUP found but did not pin: a per-uid cap
         #: ``(uid, key, present)`` when an object becomes visible or is dropped (KV events:
         #: core/kv_events.KvIndex.note); called under the pool's lock, so it must not call back
-        self.on_resident: Optional[Callable[[int, bytes, bool], None]] = None
+        self.on_resident = on_resident
         #: ``([(uid, key), ...])``: the objects one ``commit`` made visible, in one call (a STORE's
         #: chunks; its ``on_resident`` reports, batched); None: ``on_resident`` for each
-        self.on_committed: Optional[Callable[[list], None]] = None
+        self.on_committed = on_committed
         self._addr = 0
         self.huge_pages = False   # the kernel took MADV_HUGEPAGE for the pool
         self._buf: Any = None

@@ -310,7 +310,7 @@ def registration_groups(kv_caches: dict[str, torch.Tensor], kv_cache_config: Any
     Layer-outermost layouts register each layer's view. Block-outermost ones register, per
     ``KVCacheTensor``, one view of all its layers (see ``_combined``), under the first layer's
     name with a ``+N`` suffix."""
-    from lmshm.core.copier import LayoutError, check_movable
+    from lmshm.core.dataplane import LayoutError, check_movable
     from lmshm.platform.contiguity import is_dense
 
     num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
