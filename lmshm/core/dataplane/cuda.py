@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from lmshm.core.cuda_sync import (
 )
 from lmshm.core.dataplane.checks import Checks, DataPlaneError
 from lmshm.core.dataplane.config import DataPlaneConfig
-from lmshm.core.dataplane.jobs import Answer, Copies, CopyJob, Session, Then, error
+from lmshm.core.dataplane.jobs import Answer, Copies, CopyJob, CopyRequest, Session, Then, error
 from lmshm.core.dataplane.layout import BlockLayout, CopyPlan, plan_cuda_copies
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.pool import Pool
@@ -218,7 +218,7 @@ class CudaCopies(Copies):
         return error(ErrorCode.DATA_LOSS, f"RETRIEVE: {clip(str(exc), 300)}; recompute these blocks")
 
     # ---- ordering, plans, completion -----------------------------------------------------
-    def _order(self, session: Session, req: Any, sync: TorchCudaSync, dev: int, what: str, until: float) -> None:
+    def _order(self, session: Session, req: CopyRequest, sync: TorchCudaSync, dev: int, what: str, until: float) -> None:
         """Wait on the host for the worker's ordering token, until ``until`` at most, and no
         longer than the session lives (``NotSignalled`` otherwise); nothing is queued on the GPU
         before it returns, and nothing queued after it waits on the worker. A worker that died
@@ -333,7 +333,7 @@ class CudaCopies(Copies):
                 for reg in hold:
                     self.registry.let_go(reg)
 
-    def session_ended(self, session_id: Any) -> Optional[Callable[[], None]]:
+    def session_ended(self, session_id: Hashable) -> Optional[Callable[[], None]]:
         """Drop the session's kept events; returns what must run after its queued jobs (drop its
         streams), or None."""
         self.events.drop(session_id)

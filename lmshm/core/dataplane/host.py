@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -149,14 +149,14 @@ def _each_layer(layout: BlockLayout, block_ids: Sequence[int], obj: torch.Tensor
         ids = np.asarray(block_ids, dtype=np.intp)
         pairs = _layer_parts(layout, obj, chunk_blocks)
 
-        def copy(p: LayerPlan, o: Any) -> None:
+        def copy(p: LayerPlan, o: np.ndarray) -> None:
             _take_or_put(p, o, ids, chunk_blocks, store)
         short = True
     else:
         runs = _runs(block_ids)
         pairs = list(zip(layout.layers, _split(obj, layout, chunk_blocks)))
 
-        def copy(p: LayerPlan, o: Any) -> None:
+        def copy(p: LayerPlan, o: torch.Tensor) -> None:
             _copy_layer(p, o, runs, chunk_blocks, store=store, pool=pool)
         # Split what no torch copy parallelises: short runs (memmove; ctypes drops the GIL) and
         # copies through files (preadv/pwritev; the kernel's copy runs on the calling thread).
@@ -293,7 +293,7 @@ class HostCopies(Copies):
         checked = False
         pending: list[tuple[int, tuple]] = []      # reserved, not yet copied: (chunk index, object)
 
-        def flush() -> Any:
+        def flush() -> Optional[protocol.ErrorReply]:
             """Copy the pending chunks in one batch; commit those before the first failure."""
             nonlocal checked, copied
             done, exc = 0, None
