@@ -1,32 +1,18 @@
 """The core: the cache server as a library, with no endpoint -- ``Core``.
 
-One object owns everything that outlives a request: the registry (KV-cache registrations and
-Triton-style regions, one namespace), the data plane (pool, copier threads, leases), the
-metrics, and the clock that runs the core's timed work -- lease expiry and the orphan sweep --
-on a thread of its own (``clock.py``), so that it runs whichever endpoints do, or none.
+``Core`` builds and owns everything that outlives a request: the registry (KV-cache
+registrations and Triton-style regions, one namespace), the pool, the tiers below it, the KV
+event index, the data plane (``core/dataplane/``), the metrics, and the clock that runs lease
+expiry and the orphan sweep whichever endpoints run, or none. Endpoints (``lmshm.multiprocess``,
+``lmshm.endpoints``) call it and keep no registry state; ``lmshm.Server`` composes them. Where
+the core must call up it takes a callback at construction: ``reply``, through which a queued
+data-plane job answers the request that queued it.
 
-Above it, endpoints translate their protocols into calls on it and keep no registry state:
-ZeroMQ (``lmshm.multiprocess.server.ZmqEndpoint``: sessions, the fd channel, and the reclaim
-of a session's registrations when it ends) and Triton's HTTP and gRPC (``lmshm.endpoints``).
-``lmshm.Server`` (``lmshm/server.py``) composes them with this object; nothing here imports
-them. Where the core must call up, it takes a callback at composition: ``reply``, through
-which a copier job answers the request that queued it.
-
-Lifecycle: ``Core(config, reply=...)`` builds the tables and the pool; ``start()`` sweeps
-orphaned segment names once and starts the clock; ``shutdown()`` (idempotent) stops the clock,
-answers queued copies UNAVAILABLE, waits for running ones, and releases every registration and
-region.
-
-Who releases what:
-- a ``View`` holds its registration: an unregister while it is open takes the name out of the
-  namespace at once and releases the mapping when the last view closes (``close()``, the
-  ``with`` block, or garbage collection). The view's tensor keeps the bytes mapped for as long
-  as it lives, even after that, so a tensor never points at unmapped memory;
-- regions are the client's objects: the core never creates, truncates or unlinks them.
-
-Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode`` (``errors.py``), the
-same code that ZeroMQ, HTTP and gRPC callers receive. Every public method is safe from any
-thread.
+Lifecycle: ``Core(config, reply=...)``, ``start()``, ``shutdown()`` (idempotent). Every refusal
+is a ``ServerError`` with an ``ErrorCode``; every public method is safe from any thread. The
+trap: a ``View``'s tensor keeps its bytes mapped after an unregister, until the view closes and
+the tensor is gone; regions are the client's objects, never created or unlinked here.
+docs/design/dataplane.md ("The core") has the full account.
 """
 
 from __future__ import annotations
@@ -42,7 +28,7 @@ from typing import Any, Optional
 from lmshm.core import regions
 from lmshm.core.clock import Clock
 from lmshm.core.config import CoreConfig
-from lmshm.core.dataplane import DataPlane, DataPlaneConfig, Reply
+from lmshm.core.dataplane import Answer, DataPlane, DataPlaneConfig, Reply
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import KvIndex
 from lmshm.core.messages import PoolInfo, unpack_adverts
@@ -347,5 +333,5 @@ class Core:
                                                      f"got {quote(kind, 20)}")
 
 
-def _unanswered(identity: bytes, request_id: bytes, reply: Any) -> None:
+def _unanswered(identity: bytes, request_id: bytes, reply: Answer) -> None:
     logger.warning("lmshm: a copy finished, but no endpoint was composed to send its reply")

@@ -16,7 +16,7 @@ from lmshm.core.dataplane.checks import SENDER_MARGIN_S, DataPlaneError
 from lmshm.core.dataplane.config import DataPlaneConfig
 from lmshm.core.dataplane.executor import OrderedExecutor
 from lmshm.core.dataplane.host import copy_chunks, copy_parallelism, gather, open_checked, scatter
-from lmshm.core.dataplane.jobs import QUEUED, Queued, Reply, ReplyTo, Session
+from lmshm.core.dataplane.jobs import QUEUED, Answer, Queued, Reply, ReplyTo, Session
 from lmshm.core.dataplane.layout import (
     MAX_RUNS,
     BlockLayout,
@@ -30,7 +30,7 @@ from lmshm.core.dataplane.layout import (
 from lmshm.core.dataplane.requests import PROMOTE_THREADS, DataPlane
 
 __all__ = [
-    "MAX_RUNS", "PROMOTE_THREADS", "QUEUED", "SENDER_MARGIN_S", "BlockLayout", "CopyPlan", "DataPlane",
+    "MAX_RUNS", "PROMOTE_THREADS", "QUEUED", "Answer", "SENDER_MARGIN_S", "BlockLayout", "CopyPlan", "DataPlane",
     "DataPlaneConfig", "DataPlaneError", "FileSide", "LayoutError", "OrderedExecutor", "Queued", "Reply", "ReplyTo",
     "Session", "check_movable", "copy_chunks", "copy_parallelism", "gather", "open_checked", "pieces",
     "plan_cuda_copies", "scatter",
