@@ -48,8 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import parse_args
 
-from lmshm.core.copier import BlockLayout, pieces, plan_cuda_copies
 from lmshm.core.cuda_sync import submit_copies
+from lmshm.core.dataplane.layout import BlockLayout, pieces, plan_cuda_copies
 from lmshm.platform.cuda.driver import CudaDriver
 
 L, H, N, C, ITEM = 32, 8, 16, 256, 2          # C: K (128) and V (128) along the last dim, bf16

@@ -1,7 +1,7 @@
 """GPU benchmark of a CUDA STORE's and RETRIEVE's copies against the DMA limit (issue 42, §1).
 
 Run by scripts/gpu-check (needs one CUDA GPU; UNVERIFIED until it has run on one). In one
-process, no server: the data plane's own copy path -- ``copier.plan_cuda_copies`` and
+process, no server: the data plane's own copy path -- ``dataplane.plan_cuda_copies`` and
 ``cuda_sync.TorchCudaSync.submit`` on a session stream, the pool page-locked by
 ``TorchCudaSync.pin`` in ``--extent`` extents -- between a Llama-3-8B-shaped KV cache on the GPU
 (32 layers, 8 KV heads, head size 128, bf16, 16-token blocks, allocated as vLLM 0.32 does) and
@@ -75,8 +75,8 @@ def main() -> int:
             skip("no CUDA device visible (gpu_copy measures copies between a GPU and the pool)")
         log("no CUDA device visible")
         return 2
-    from lmshm.core.copier import BlockLayout, plan_cuda_copies
     from lmshm.core.cuda_sync import TorchCudaSync
+    from lmshm.core.dataplane import BlockLayout, plan_cuda_copies
     from lmshm.platform.cuda.driver import get_driver
 
     torch.cuda.set_device(0)

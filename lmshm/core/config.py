@@ -46,7 +46,7 @@ class CoreConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     lease_ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
     max_inflight_per_session: Count = 256
     max_leases_per_session: Count = 4096
-    # the pool's accounting and per-tenant (uid) caps (lmshm/core/pool.py; docs/design/dataplane.md)
+    # the pool's accounting and per-tenant (uid) caps (lmshm/core/pool/; docs/design/dataplane.md)
     max_objects: Annotated[int, msgspec.Meta(ge=0, le=1 << 40)] = 1 << 18   # 0 = only --capacity bounds them
     max_pinned_fraction_per_uid: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
     max_pins_per_uid: Count = 1 << 20

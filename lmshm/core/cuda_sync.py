@@ -1,67 +1,17 @@
-"""The CUDA ordering leg of the data plane: streams, ordering signals, async copies, pinning.
+"""The CUDA ordering of the data plane: streams, ordering tokens, async copies, pinning.
 
-A STORE or RETRIEVE on a CUDA registration is ordered against the worker's own GPU work
-without a host-side wait in the worker. The request carries the worker's *ordering token*, one
-of two kinds:
+A CUDA STORE or RETRIEVE carries the worker's ordering token: an interprocess CUDA event
+(default mode; the server answers with an event of its own, which the worker's stream waits on)
+or a flag word in a page the worker registered (``FLAG_MAGIC`` tokens, isolated mode; the reply,
+sent once the copies are done, is the ordering). ``TorchCudaSync`` is the server's side (one
+stream per session, the pool page-locked in ``PIN_EXTENT`` extents, one batched copy call per
+request, ``EventKeeper`` for the events it answers with); ``WorkerCudaSync`` the worker's.
 
-- **an interprocess CUDA event** (64 bytes, the default mode): the worker records it on its
-  stream after the work that wrote (STORE) or last used (RETRIEVE) the blocks and keeps it
-  alive until the reply. The server waits on the host for it to complete before it queues its
-  copies. The server then records an interprocess event of its own and answers with its
-  handle; the worker's stream waits on it before it touches the blocks again. Opening an
-  interprocess event needs both processes to share ``/dev/shm`` (the driver keeps the event's
-  state there).
-- **a flag word** (``FLAG_MAGIC`` tokens, isolated mode, ``--isolated-ipc``): the worker owns
-  a page of ``SLOTS`` 64-bit words in cudaMalloc memory, registered with the server like any
-  KV cache, once per connection (a raw IPC wrapper: only what a legacy memory handle needs, no
-  ``/dev/shm``). Per request the worker's stream writes a new sequence number into the
-  request's slot after its work (``cuStreamWriteValue64``, which fences the work before it);
-  the token names the slot and the number; the server reads the word on the host until it
-  reaches the number (cyclic greater-or-equal) before it queues its copies. There is no
-  server-to-worker signal: the server answers only once its copies have completed, so the
-  reply itself is the ordering. A flag token is answered so whatever mode the server was
-  started in, and never with an interprocess event.
-
-The one thing easy to get wrong: **the server's streams never wait on the GPU for a worker's
-signal.** A GPU-side wait (``cuStreamWaitEvent``, ``cuStreamWaitValue64``) looks cheaper, but
-a worker that dies before its signal tears down its queued work and the signal never comes:
-the session's stream blocks for good, its copies never complete, and what they hold (the dead
-worker's mapping, its whole KV cache, and the pool's bytes) stays held until the server
-restarts. A host wait ends at the request's deadline, or as soon as its session ends, with
-nothing queued.
-
-Rules on the server side (``lmshm.core.dataplane``):
-
-- one stream per session (``stream(device, session)``), dropped when the session ends, so a
-  slow or hung worker's signal stalls only its own requests;
-- every host wait is bounded (``poll_until``: a blocking-sync event or the worker's word polled
-  with sleeps, never spinning a core); a STORE or RETRIEVE waits on the host for the worker's
-  token before any copy is queued, until the sender's deadline or ``--cuda-timeout``, and no
-  longer than its session lives, so no copy ever waits on the GPU behind a signal (and a copy
-  to pageable memory, ``--cuda-pin off``, which returns only when done, never blocks a thread
-  on one); a copy that has not completed by its deadline fails its request, and the pool bytes
-  and registration it touches are held until the GPU is done with them (the data plane's
-  quarantine), never handed back under DMA;
-- the server's events for default-mode replies live until their copies completed *and* at
-  least ``EVENT_MIN_AGE_S`` since the reply (``EventKeeper``), so the worker, which opens
-  each reply's event at its next step, never opens a destroyed one; past ``EVENT_CAP`` in a
-  session or ``EVENT_TOTAL_CAP`` in the process the oldest completed ones go early, and when
-  none has completed a new default-mode request is refused;
-- the pool is page-locked (``cudaHostRegister``) in extents of ``--cuda-pin-extent`` bytes
-  (``PIN_EXTENT``) as copies first use them (``--cuda-pin lazy``, the default), or whole at
-  start (``start``, still extent by extent), or never (``off``: copies are staged by the
-  driver, slower). The driver refuses a copy whose host range is registered in part, so copies
-  are cut at extent boundaries; a request pins its objects' extents before its host wait for
-  the worker's signal, so its copies are queued as soon as the signal is seen. A pin that
-  fails is the server's problem, answered ``UNAVAILABLE``;
-- a request's copies are planned with numpy (``copier.plan_cuda_copies``) and go to the driver
-  in one ``cuMemcpyBatchAsync`` (CUDA 12.8+), else one ``cuMemcpyAsync`` per piece
-  (``submit_copies``; ``--cuda-copy-batch off`` forces that), on the session's stream, after
-  the host wait and with no GPU-side wait before them.
-
-``TorchCudaSync`` does this with ``torch.cuda`` and the driver gateway; the logic tests inject
-a fake with the same methods (``tests/v1/platform/cuda/fake_sync.py``). **Unverified on a GPU
-so far**: ``scripts/gpu-check`` runs the real thing when a GPU is lent.
+The trap: **the server's streams never wait on the GPU for a worker's signal.** A worker that
+dies before signalling would block the stream for good, and with it the pool's bytes and the
+dead worker's mapping; the server waits on the host, bounded by the request's deadline and its
+session's life, before it queues anything. docs/design/dataplane.md ("The CUDA ordering") has
+the full rules; the logic tests use a fake (``tests/v1/platform/cuda/fake_sync.py``).
 """
 
 from __future__ import annotations
@@ -72,6 +22,10 @@ import struct
 import threading
 import time
 from typing import Any, Callable, Hashable, Optional
+
+from lmshm.platform import ipc_policy
+from lmshm.platform.cuda import streams
+from lmshm.platform.cuda.driver import get_driver
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +144,6 @@ class TorchCudaSync:
 
     def __init__(self, pin: str = "lazy", pin_extent: int = PIN_EXTENT, copy_batch: bool = True) -> None:
         import torch
-
-        from lmshm.platform.cuda.driver import get_driver
 
         if pin not in PIN_MODES:
             raise ValueError(f"cuda pin mode must be one of {PIN_MODES}, got {pin!r}")
@@ -332,8 +284,6 @@ class TorchCudaSync:
 def _streams_registry() -> Any:
     """``lmshm.platform.cuda.streams``: the process's copy streams, which a consumer's unmap
     waits on (bounded) before it frees memory they may still be copying."""
-    from lmshm.platform.cuda import streams
-
     return streams
 
 
@@ -354,8 +304,6 @@ class WorkerCudaSync:
         self._torch = torch
         self.device = device
         if isolated is None:
-            from lmshm.platform import ipc_policy
-
             isolated = ipc_policy.is_isolated_ipc()
         self.isolated = bool(isolated)
         if self.isolated and client is None:
@@ -370,8 +318,6 @@ class WorkerCudaSync:
         self._lock = threading.Lock()
         self._refused = ""
         if self.isolated:
-            from lmshm.platform.cuda.driver import get_driver
-
             try:
                 usable = get_driver().can_use_64bit_stream_mem_ops(device)
             except Exception as exc:
@@ -422,8 +368,6 @@ class WorkerCudaSync:
             ev = self._torch.cuda.Event(interprocess=True, blocking=False)
             ev.record(stream)
             return ev, bytes(ev.ipc_handle())
-        from lmshm.platform.cuda.driver import get_driver
-
         with self._lock:
             page, iid = self._flag_page()
             self._seq += 1

@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from lmshm.core.copier import FileSide, open_checked
+from lmshm.core.dataplane import FileSide, open_checked
 from lmshm.core.errors import InvalidArgument, NotFound, Unavailable
 from lmshm.core.registry import Registration
 from lmshm.quoting import quote

@@ -1,32 +1,18 @@
 """The core: the cache server as a library, with no endpoint -- ``Core``.
 
-One object owns everything that outlives a request: the registry (KV-cache registrations and
-Triton-style regions, one namespace), the data plane (pool, copier threads, leases), the
-metrics, and the clock that runs the core's timed work -- lease expiry and the orphan sweep --
-on a thread of its own (``clock.py``), so that it runs whichever endpoints do, or none.
+``Core`` builds and owns everything that outlives a request: the registry (KV-cache
+registrations and Triton-style regions, one namespace), the pool, the tiers below it, the KV
+event index, the data plane (``core/dataplane/``), the metrics, and the clock that runs lease
+expiry and the orphan sweep whichever endpoints run, or none. Endpoints (``lmshm.multiprocess``,
+``lmshm.endpoints``) call it and keep no registry state; ``lmshm.Server`` composes them. Where
+the core must call up it takes a callback at construction: ``reply``, through which a queued
+data-plane job answers the request that queued it.
 
-Above it, endpoints translate their protocols into calls on it and keep no registry state:
-ZeroMQ (``lmshm.endpoints.zmq.endpoint.ZmqEndpoint``: sessions, the fd channel, and the reclaim
-of a session's registrations when it ends) and Triton's HTTP and gRPC (``lmshm.endpoints``).
-``lmshm.Server`` (``lmshm/server.py``) composes them with this object; nothing here imports
-them. Where the core must call up, it takes a callback at composition: ``reply``, through
-which a copier job answers the request that queued it.
-
-Lifecycle: ``Core(config, reply=...)`` builds the tables and the pool; ``start()`` sweeps
-orphaned segment names once and starts the clock; ``shutdown()`` (idempotent) stops the clock,
-answers queued copies UNAVAILABLE, waits for running ones, and releases every registration and
-region.
-
-Who releases what:
-- a ``View`` holds its registration: an unregister while it is open takes the name out of the
-  namespace at once and releases the mapping when the last view closes (``close()``, the
-  ``with`` block, or garbage collection). The view's tensor keeps the bytes mapped for as long
-  as it lives, even after that, so a tensor never points at unmapped memory;
-- regions are the client's objects: the core never creates, truncates or unlinks them.
-
-Errors: every refusal is a ``lmshm.ServerError`` with an ``ErrorCode`` (``errors.py``), the
-same code that ZeroMQ, HTTP and gRPC callers receive. Every public method is safe from any
-thread.
+Lifecycle: ``Core(config, reply=...)``, ``start()``, ``shutdown()`` (idempotent). Every refusal
+is a ``ServerError`` with an ``ErrorCode``; every public method is safe from any thread. The
+trap: a ``View``'s tensor keeps its bytes mapped after an unregister, until the view closes and
+the tensor is gone; regions are the client's objects, never created or unlinked here.
+docs/design/dataplane.md ("The core") has the full account.
 """
 
 from __future__ import annotations
@@ -37,16 +23,19 @@ import secrets
 import threading
 import time
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from lmshm.core import regions
 from lmshm.core.clock import Clock
 from lmshm.core.config import CoreConfig
-from lmshm.core.dataplane import DataPlane
+from lmshm.core.dataplane import Answer, DataPlane, DataPlaneConfig, Reply
 from lmshm.core.errors import ErrorCode, ServerError
 from lmshm.core.kv_events import KvIndex
 from lmshm.core.metrics import Metrics
+from lmshm.core.pool import Pool
 from lmshm.core.registry import Registration, Registry
+from lmshm.core.tiers.base import Tier
+from lmshm.core.tiers.stack import TierStack
 from lmshm.platform.shm_orphans import sweep_orphans
 from lmshm.quoting import quote
 from lmshm.wire.protocol import PoolInfo
@@ -56,9 +45,6 @@ logger = logging.getLogger("lmshm.server")
 REGION_KINDS = ("system", "cuda")
 #: How often the clock ends expired LOOKUP leases (a lease lives at most this much past its TTL).
 LEASE_TICK_S = 0.05
-
-#: ``reply(identity, request_id, reply)``: how a copier job answers the request that queued it.
-Reply = Callable[[bytes, bytes, Any], None]
 
 
 class View:
@@ -119,21 +105,34 @@ class Core:
                 tier.close()
             raise
 
-    def _data_plane(self, c: CoreConfig, reply: Optional[Reply], tiers: list) -> DataPlane:
-        return DataPlane(
-            registry=self.registry, capacity=c.capacity, copy_threads=c.copy_threads, lease_ttl_s=c.lease_ttl_s,
-            max_inflight_per_session=c.max_inflight_per_session, max_leases_per_session=c.max_leases_per_session,
-            reply=reply if reply is not None else _unanswered, through_files=not c.copy_through_mapping,
-            max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
-            max_pins_per_uid=c.max_pins_per_uid, max_leases_per_uid=c.max_leases_per_uid,
-            tiers=tiers, tier_queue=[c.disk_queue if t.name == "disk" else c.remote_queue for t in tiers],
-            tier_timeout_s=max(c.disk_timeout_s if c.disk else 0.0, c.remote_timeout_s if c.remote else 0.0),
-            pool_huge_pages=c.pool_huge_pages, prefault_pool=c.prefault_pool,
-            pool_populate_ahead=c.pool_populate_ahead, cuda_pin=c.cuda_pin, cuda_timeout_s=c.cuda_timeout_s,
-            cuda_pin_extent=c.cuda_pin_extent, cuda_copy_batch=c.cuda_copy_batch, kv_index=self.kv_index)
+    def _data_plane(self, c: CoreConfig, reply: Optional[Reply], tiers: list[Tier]) -> DataPlane:
+        """Build the pool and the tier stack, wire them to the KV event index, and hand them to
+        the data plane."""
+        kv = self.kv_index
+        pool = Pool(c.capacity, max_objects=c.max_objects, max_pinned_fraction_per_uid=c.max_pinned_fraction_per_uid,
+                    max_pins_per_uid=c.max_pins_per_uid, huge_pages=c.pool_huge_pages, prefault=c.prefault_pool,
+                    populate_ahead=c.pool_populate_ahead, head_room=max((t.head_room for t in tiers), default=0),
+                    align=max((t.align for t in tiers), default=0),
+                    on_resident=kv.recorder("pool") if kv.enabled else None,
+                    on_committed=kv.batch_recorder("pool") if kv.enabled else None)
+        try:
+            if kv.enabled:
+                for t in tiers:
+                    t.report_to(kv.recorder(t.name))
+            stack = None
+            if tiers:
+                stack = TierStack(pool, tiers, queue_limit=[c.disk_queue if t.name == "disk" else c.remote_queue
+                                                            for t in tiers],
+                                  timeout_s=max(c.disk_timeout_s if c.disk else 0.0,
+                                                c.remote_timeout_s if c.remote else 0.0))
+            return DataPlane(DataPlaneConfig.of(c), registry=self.registry, pool=pool, tiers=stack, kv_index=kv,
+                             reply=reply if reply is not None else _unanswered)
+        except BaseException:
+            pool.release()
+            raise
 
     @classmethod
-    def _open_tiers(cls, c: CoreConfig) -> list:
+    def _open_tiers(cls, c: CoreConfig) -> list[Tier]:
         """The tiers below the pool that the settings ask for, top first (docs/design/tiers.md)."""
         tiers = [] if not c.disk else [cls._open_disk(c)]
         if c.remote:
@@ -146,7 +145,7 @@ class Core:
         return tiers
 
     @staticmethod
-    def _open_disk(c: CoreConfig) -> Any:
+    def _open_disk(c: CoreConfig) -> Tier:
         if not c.capacity:
             raise ServerError(ErrorCode.INVALID_ARG, "--disk needs a pool: it was given with --capacity 0")
         if not c.disk_capacity:
@@ -160,7 +159,7 @@ class Core:
             raise ServerError(ErrorCode.INVALID_ARG, f"cannot open the disk tier: {exc}") from None
 
     @staticmethod
-    def _open_remote(c: CoreConfig) -> Any:
+    def _open_remote(c: CoreConfig) -> Tier:
         """The remote tier; its credentials come from the environment or files, never settings."""
         if not c.capacity:
             raise ServerError(ErrorCode.INVALID_ARG, "--remote needs a pool: it was given with --capacity 0")
@@ -333,5 +332,5 @@ class Core:
                                                      f"got {quote(kind, 20)}")
 
 
-def _unanswered(identity: bytes, request_id: bytes, reply: Any) -> None:
+def _unanswered(identity: bytes, request_id: bytes, reply: Answer) -> None:
     logger.warning("lmshm: a copy finished, but no endpoint was composed to send its reply")

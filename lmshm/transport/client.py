@@ -383,7 +383,7 @@ class MPClient:
 
         ``block_dim`` is the dim of every layer's shape, as passed here, whose index is the block
         id (vLLM FlashAttention's ``(2, num_blocks, ...)``: 1); the data plane moves blocks along
-        it. ``lmshm.core.copier.check_movable`` says beforehand whether it can.
+        it. ``lmshm.core.dataplane.check_movable`` says beforehand whether it can.
 
         CPU tensors not allocated with ``lmshm.empty_shared`` are moved into shared memory
         once (see ``wrap_kv_caches``).

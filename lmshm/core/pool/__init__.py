@@ -10,7 +10,7 @@ The one trap: an object's record is a tuple indexed by ``OFFSET`` ... ``COST``, 
 read it with those names. docs/design/dataplane.md has the mechanism and its figures.
 """
 
-from lmshm.core.pool.memory import Arena, parse_size
+from lmshm.core.pool.memory import Arena, PoolBytes, parse_size
 from lmshm.core.pool.records import (
     ALIGN,
     BLOCKS,
@@ -26,5 +26,5 @@ from lmshm.core.pool.records import (
 )
 from lmshm.core.pool.store import Pool
 
-__all__ = ["ALIGN", "BLOCKS", "COST", "KEY", "LAYOUT", "NBYTES", "OBJECT_COST", "OFFSET", "UID", "Arena", "Pool",
+__all__ = ["ALIGN", "BLOCKS", "COST", "KEY", "LAYOUT", "NBYTES", "OBJECT_COST", "OFFSET", "UID", "Arena", "Pool", "PoolBytes",
            "Reservation", "cost_of", "parse_size"]

@@ -26,8 +26,6 @@ from typing import Any, Optional
 
 import torch
 
-from lmshm.core.copier import PoolBytes
-
 logger = logging.getLogger(__name__)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -138,6 +136,16 @@ class _PopulateAhead:
                 self.populated += end - start
                 self.done = end
         del keep
+
+
+class PoolBytes:
+    """The pool as a memoryview, for ``preadv``/``pwritev`` into and out of it."""
+
+    def __init__(self, view: memoryview, addr: int) -> None:
+        self.view, self.addr = view, addr
+
+    def at(self, addr: int, n: int) -> memoryview:
+        return self.view[addr - self.addr:addr - self.addr + n]
 
 
 class Arena:

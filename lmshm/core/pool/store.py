@@ -25,9 +25,8 @@ from typing import Callable, Hashable, Iterable, Optional, Sequence
 
 import torch
 
-from lmshm.core.copier import PoolBytes
 from lmshm.core.pool.extents import Extents
-from lmshm.core.pool.memory import Arena
+from lmshm.core.pool.memory import Arena, PoolBytes
 from lmshm.core.pool.records import ALIGN, COST, KEY, LAYOUT, NBYTES, OBJECT_COST, OFFSET, UID, Reservation, cost_of
 from lmshm.core.pool.tenants import Lease, Tenant
 

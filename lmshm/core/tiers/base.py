@@ -126,6 +126,12 @@ class Tier(abc.ABC):
         #: one, so a chunk is never announced after its removal.
         self.held: Optional[Callable[[int, bytes], None]] = None
 
+    def report_to(self, on_resident: Callable[[int, bytes, bool], None]) -> None:
+        """Tell ``on_resident(uid, key, present)`` what ``held`` and ``gone`` would be told (KV
+        events: ``KvIndex.recorder(self.name)``). ``Core`` calls it once, before the first chunk."""
+        self.held = lambda uid, key: on_resident(uid, key, True)
+        self.gone = lambda uid, key: on_resident(uid, key, False)
+
     def _gone(self, uid: int, key: bytes) -> None:
         if self.gone is not None:
             self.gone(uid, key)

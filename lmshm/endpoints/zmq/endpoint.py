@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import msgspec
 
-from lmshm.core.dataplane import Deferred
+from lmshm.core.dataplane import QUEUED
 from lmshm.core.errors import ServerError
 from lmshm.core.logs import Throttle
 from lmshm.core.peek import read_layer
@@ -108,6 +108,7 @@ class ZmqEndpoint:
         self._stopping = False
         self._deferred_t0: dict[tuple[bytes, bytes], tuple[str, float]] = {}
         self._active_at = 0.0       # when the loop last took a request other than KV_EVENTS
+        self._request_id = b""      # the request being dispatched (the data plane answers queued ones by it)
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
             protocol.Hello: self._hello,
             protocol.RegisterKVCache: self._register,
@@ -220,9 +221,6 @@ class ZmqEndpoint:
     def complete(self, identity: bytes, request_id: bytes, reply: Any) -> None:
         """A copier thread's answer: queued here, sent by the loop (ZeroMQ sockets are not
         thread-safe)."""
-        started = self._deferred_t0.pop((identity, request_id), None)
-        if started is not None:
-            self.metrics.observe("zmq", started[0], _code_of(reply), time.monotonic() - started[1])
         self._completions.append((identity, request_id, reply))
         try:
             os.write(self._wake_w, b"!")
@@ -232,6 +230,9 @@ class ZmqEndpoint:
     def _send_completions(self) -> None:
         while self._completions and self.router is not None:
             identity, request_id, reply = self._completions.popleft()
+            started = self._deferred_t0.pop((identity, request_id), None)   # on the loop: set before the job ran
+            if started is not None:
+                self.metrics.observe("zmq", started[0], _code_of(reply), time.monotonic() - started[1])
             try:
                 data = codec.encode(reply)
             except Exception as exc:
@@ -353,12 +354,11 @@ class ZmqEndpoint:
     def _on_request(self, identity: bytes, request_id: bytes, body: Optional[bytes], problem: Optional[str]) -> None:
         started = time.monotonic()
         self._request_name = "invalid"
+        self._request_id = request_id
         try:
             reply = self._dispatch(identity, body, problem)
-            if isinstance(reply, Deferred):
+            if reply is QUEUED:   # the data plane answers it later, through complete()
                 self._deferred_t0[(identity, request_id)] = (self._request_name, started)
-                (reply.executor or self.dataplane.copier).submit(reply.session, lambda: reply.job(identity, request_id),
-                                                                 lambda: reply.cancel(identity, request_id))
                 return
             self.metrics.observe("zmq", self._request_name, _code_of(reply), time.monotonic() - started)
             data = codec.encode(reply)
@@ -530,13 +530,13 @@ class ZmqEndpoint:
 
     # ---- the data plane (lmshm.core.dataplane) -----------------------------------------
     def _store(self, identity: bytes, req: protocol.Store) -> Any:
-        return self.dataplane.store(self._verified(identity, "STORE"), req)
+        return self.dataplane.store(self._verified(identity, "STORE"), req, (identity, self._request_id))
 
     def _retrieve(self, identity: bytes, req: protocol.Retrieve) -> Any:
-        return self.dataplane.retrieve(self._verified(identity, "RETRIEVE"), req)
+        return self.dataplane.retrieve(self._verified(identity, "RETRIEVE"), req, (identity, self._request_id))
 
     def _lookup(self, identity: bytes, req: protocol.Lookup) -> Any:
-        return self.dataplane.lookup(self._verified(identity, "LOOKUP"), req)
+        return self.dataplane.lookup(self._verified(identity, "LOOKUP"), req, (identity, self._request_id))
 
     def _release(self, identity: bytes, req: protocol.Release) -> Any:
         return self.dataplane.release(self._verified(identity, "RELEASE"), req)

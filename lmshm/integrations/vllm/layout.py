@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lmshm.core.copier import LayoutError, check_movable
+from lmshm.core.dataplane import LayoutError, check_movable
 from lmshm.integrations.adapter import Group
 from lmshm.platform.contiguity import is_dense
 

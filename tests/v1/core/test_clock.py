@@ -144,7 +144,7 @@ session = types.SimpleNamespace(id=1, peer=types.SimpleNamespace(uid=uid))
 outcome, obj = core.dataplane.pool.reserve(uid, b"key", 64, b"L", 1)
 assert outcome == Reservation.STORED
 core.dataplane.pool.commit([obj])
-reply = core.dataplane.lookup(session, Lookup([[b"key"]], ttl_s=0.3))
+reply = core.dataplane.lookup(session, Lookup([[b"key"]], ttl_s=0.3), (b"id", b"rid"))
 out["hits"], out["leases_held"] = reply.hits, core.pool_info().leases
 t0 = time.monotonic()
 while core.pool_info().leases and time.monotonic() - t0 < 5:

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from lmshm.core.copier import (
+from lmshm.core.dataplane import (
     MAX_RUNS,
     BlockLayout,
     FileSide,
@@ -237,7 +237,7 @@ def test_the_ordered_executor_keeps_each_keys_order_starts_its_workers_with_jobs
     import threading
     import time
 
-    from lmshm.core.copier import OrderedExecutor
+    from lmshm.core.dataplane import OrderedExecutor
 
     ex = OrderedExecutor(2, "test-ordered")
 

@@ -1,7 +1,7 @@
-"""``copier.plan_cuda_copies``: a request's CUDA copies as address arrays, computed with numpy.
+"""``dataplane.layout.plan_cuda_copies``: a request's CUDA copies as address arrays, computed with numpy.
 
 Pure arithmetic on layouts of CPU tensors (no copy is made): the plan must move exactly the bytes
-the per-piece plan (``copier.pieces``, which the CPU path copies with) moves, in no more pieces,
+the per-piece plan (``layout.pieces``, which the CPU path copies with) moves, in no more pieces,
 and, with pin extents, in pieces none of which crosses an extent's edge on the pool side.
 """
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from lmshm.core.copier import BlockLayout, _runs, pieces, plan_cuda_copies
+from lmshm.core.dataplane.layout import BlockLayout, _runs, pieces, plan_cuda_copies
 
 L, B, H, N, C = 3, 10, 2, 4, 8                # float16
 

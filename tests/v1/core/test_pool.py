@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmshm.core.copier import BlockLayout, LayoutError
+from lmshm.core.dataplane import BlockLayout, LayoutError
 from lmshm.core.pool import ALIGN, KEY, OBJECT_COST, OFFSET, Pool, Reservation, cost_of, parse_size
 from lmshm.core.pool.extents import Extents
 
@@ -203,7 +203,7 @@ def test_a_copy_through_a_file_truncated_under_it_fails_instead_of_killing_the_p
 
     import torch
 
-    from lmshm.core.copier import FileSide, gather, scatter
+    from lmshm.core.dataplane import FileSide, gather, scatter
     from lmshm.platform.cpu import empty_shared, segment_of
 
     t = empty_shared((8, 4096), torch.uint8, kind="shm")

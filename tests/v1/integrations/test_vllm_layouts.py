@@ -29,7 +29,7 @@ import torch
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         compute_layout_strides, create_kv_cache_views)
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from lmshm.core.copier import LayoutError, check_movable
+from lmshm.core.dataplane import LayoutError, check_movable
 from lmshm.integrations.vllm import LayoutRefused, block_view, registration_groups
 from lmshm.transport.client import MPClient
 from lmshm.platform.cpu import move_to_shared

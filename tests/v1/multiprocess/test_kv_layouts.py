@@ -138,7 +138,7 @@ def cases():
 
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.name)
 def test_each_layout_moves_in_its_number_of_byte_runs(row):
-    from lmshm.core.copier import BlockLayout, check_movable
+    from lmshm.core.dataplane import BlockLayout, check_movable
 
     tensors = vllm_kv_caches(row.spec())
     check_movable(list(tensors), list(tensors.values()), row.block_dim)
@@ -153,7 +153,7 @@ def test_each_layout_moves_in_its_number_of_byte_runs(row):
 
 
 def test_layouts_of_one_logical_shape_have_different_digests():
-    from lmshm.core.copier import BlockLayout
+    from lmshm.core.dataplane import BlockLayout
 
     digests = {}
     for name in ("LBHNC", "LBNHC", "LHBNC"):
@@ -226,7 +226,7 @@ def test_a_block_dim_that_is_not_a_dimension_is_refused_at_register(start_worker
 
 
 def test_a_block_of_too_many_byte_runs_is_refused_with_layout_naming_the_layer(start_worker, shared_server):
-    from lmshm.core.copier import LayoutError, check_movable
+    from lmshm.core.dataplane import LayoutError, check_movable
 
     # head-major with 16 KV heads: 16 runs a block, of each layer
     w, iid = register(start_worker, shared_server, BY_NAME["flash-attn-LHBNC"], heads=16)

@@ -7,13 +7,15 @@ through a real server and a worker process, in ``test_cuda_server_e2e.py``
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 from fake_sync import FakeCudaSync
 
-from lmshm.core.dataplane import DataPlane
+from lmshm.core.dataplane import DataPlane, DataPlaneConfig
+from lmshm.core.pool import Pool
 from lmshm.core.registry import Registry
 from lmshm.platform.base.ipc_wrapper import DeviceIPCWrapper
 from lmshm.platform.base.peer import local_peer
@@ -41,8 +43,9 @@ def gpu_registration(fake_driver, as_consumer):
                       groups=[LayerGroup(wire, ["l0", "l1"], [0, LAYER_BYTES // 2])])
     replies: list = []
     sync = FakeCudaSync()
-    dp = DataPlane(registry=registry, capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
-                   max_leases_per_session=8, reply=lambda i, r, rep: replies.append(rep), cuda_sync=sync)
+    dp = DataPlane(DataPlaneConfig(copy_threads=1, max_inflight_per_session=8, max_leases_per_session=8),
+                   registry=registry, pool=Pool(1 << 20), reply=lambda i, r, rep: replies.append(rep),
+                   cuda_sync=sync)
     session = SimpleNamespace(id="s1", peer=peer, ended=False)
     yield SimpleNamespace(dp=dp, sync=sync, replies=replies, session=session, base=base, fake=fake_driver)
     dp.shutdown()
@@ -51,8 +54,12 @@ def gpu_registration(fake_driver, as_consumer):
 
 
 def run(dp, session, req):
-    d = dp.store(session, req) if isinstance(req, protocol.Store) else dp.retrieve(session, req)
-    d.job(b"id", b"rid")
+    """Queue the request on the data plane's copier thread and wait for its job to end."""
+    (dp.store if isinstance(req, protocol.Store) else dp.retrieve)(session, req, (b"id", b"rid"))
+    deadline = time.monotonic() + 120     # a request whose signal never comes waits --cuda-timeout (30 s)
+    while not dp.copier.idle():
+        assert time.monotonic() < deadline, "the copy job did not end"
+        time.sleep(0.001)
 
 
 def block(fake, base, layer, b) -> bytes:
@@ -80,7 +87,7 @@ def test_a_store_waits_for_the_worker_replies_then_commits_after_the_gpu_is_done
     assert "copies in one cuMemcpyBatchAsync per request (1 driver call(s), 2 piece(s))" in \
         format_status_table(status)
     assert seen_at_sync == [(1, 0)]
-    assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 1
+    assert g.dp.pool.info()["objects"] == 1 and len(g.dp.cuda.events) == 1
 
 
 def test_a_retrieve_writes_the_blocks_and_unpins_only_after_the_gpu_read_them(gpu_registration):
@@ -118,9 +125,9 @@ def test_an_unusable_worker_event_stores_nothing(gpu_registration):
 def test_a_sessions_events_go_with_it(gpu_registration):
     g = gpu_registration
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2))
-    assert "host-wait:W" not in g.sync.log and len(g.dp.events) == 1   # no worker event: nothing to wait on
+    assert "host-wait:W" not in g.sync.log and len(g.dp.cuda.events) == 1   # no worker event: nothing to wait on
     g.dp.session_ended("s1")
-    assert len(g.dp.events) == 0
+    assert len(g.dp.cuda.events) == 0
 
 
 # vLLM 0.32 layouts on a GPU (tests/v1/multiprocess/test_kv_layouts.py has the table): a head-major
@@ -159,8 +166,9 @@ def test_multi_run_and_block_dim_layouts_copy_contiguous_pieces_and_the_right_by
     registry.register(peer=peer, instance_id="gpu", model_name="m", world_size=1, worker_rank=0,
                       groups=groups(wire), block_dim=block_dim)
     replies: list = []
-    dp = DataPlane(registry=registry, capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
-                   max_leases_per_session=8, reply=lambda i, r, rep: replies.append(rep), cuda_sync=sync)
+    dp = DataPlane(DataPlaneConfig(copy_threads=1, max_inflight_per_session=8, max_leases_per_session=8),
+                   registry=registry, pool=Pool(1 << 20), reply=lambda i, r, rep: replies.append(rep),
+                   cuda_sync=sync)
     session = SimpleNamespace(id="s1", peer=peer, ended=False)
 
     def cache() -> torch.Tensor:      # [L, B, H, N, C] as the worker sees it
@@ -218,7 +226,7 @@ def isolated(gpu_registration, fake_driver, as_consumer):
     wire = DeviceIPCWrapper.Deserialize(owner.Serialize())
     g.dp.registry.register(peer=g.session.peer, instance_id="flags-1", model_name=FLAG_LAYER, world_size=1,
                            worker_rank=0, groups=[LayerGroup(wire, [FLAG_LAYER], [0])])
-    g.dp._isolated = True
+    g.dp.cuda._isolated = True
     g.sync.read_word = _word
     g.page = g.dp.registry.get("flags-1").tensor(FLAG_LAYER)
     yield g
@@ -251,7 +259,7 @@ def test_isolated_store_waits_on_the_workers_word_and_replies_only_after_the_cop
     assert reply.results == [protocol.StoreResult.STORED] and reply.event == b""   # no IPC event to open
     assert g.sync.log == ["stream:0", "pin", "host-wait-flag:41", "copy", "record:1", "sync:event1"]
     assert seen == [(0, 0)]                      # the wait came before the reply and the commit
-    assert g.dp.pool.info()["objects"] == 1 and len(g.dp.events) == 0
+    assert g.dp.pool.info()["objects"] == 1 and len(g.dp.cuda.events) == 0
     assert g.dp.registry.get("flags-1").holds == 0
 
 
@@ -272,7 +280,7 @@ def test_an_isolated_store_whose_word_never_comes_queues_nothing_and_holds_nothi
     queued (the pool bytes it reserved and pinned before the wait are handed back), so no stream
     waits on the worker and nothing goes to the quarantine."""
     g = isolated
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     reg = g.dp.registry.get("gpu")
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 9, "flags-1")))
     (reply,) = g.replies
@@ -282,7 +290,7 @@ def test_an_isolated_store_whose_word_never_comes_queues_nothing_and_holds_nothi
     info = g.dp.pool.info()
     assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
     assert reg.holds == 0 and g.dp.registry.get("flags-1").holds == 0
-    assert g.dp.cuda_quarantined == 0 and not g.dp._quarantine and g.dp.late_requests == 1
+    assert g.dp.cuda.quarantined == 0 and not g.dp.cuda._quarantine and g.dp.late_requests == 1
 
 
 def test_a_default_mode_store_whose_worker_event_never_completes_queues_nothing_and_holds_nothing(gpu_registration):
@@ -290,7 +298,7 @@ def test_a_default_mode_store_whose_worker_event_never_completes_queues_nothing_
     GPU, the copies never ran: the stream blocked for good and the quarantine held the dead
     worker's mapping and the reserved pool bytes until a restart."""
     g = gpu_registration
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     g.sync.worker_pending = True
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
@@ -299,8 +307,8 @@ def test_a_default_mode_store_whose_worker_event_never_completes_queues_nothing_
     assert g.sync.log == ["stream:0", "pin", "host-wait:W"] and g.sync.made == []   # nothing queued, no event
     info = g.dp.pool.info()
     assert (info["in_flight"], info["objects"], info["used"]) == (0, 0, 0)
-    assert g.dp.registry.get("gpu").holds == 0 and g.dp.cuda_quarantined == 0 and not g.dp._quarantine
-    assert len(g.dp.events) == 0 and g.dp.late_requests == 1
+    assert g.dp.registry.get("gpu").holds == 0 and g.dp.cuda.quarantined == 0 and not g.dp.cuda._quarantine
+    assert len(g.dp.cuda.events) == 0 and g.dp.late_requests == 1
 
 
 @pytest.mark.parametrize("what", ["STORE", "RETRIEVE"])
@@ -312,10 +320,10 @@ def test_a_worker_that_dies_during_the_host_wait_frees_the_copy_thread_at_once(i
     _set_word(g, 1, 1)
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(1, 1, "flags-1")))
     lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)[1] if what == "RETRIEVE" else b""
-    g.dp._isolated = token == "flag"
+    g.dp.cuda._isolated = token == "flag"
     g.sync.log.clear()
     g.sync.worker_pending = True                                       # an event: never completes
-    g.dp.cuda_timeout_s = 30.0
+    g.dp.cuda.timeout_s = 30.0
     ev = b"W" * 64 if token == "event" else flag_token(2, 5, "flags-1")   # a word: never written
     req = (protocol.Store("gpu", [b"k1"], [3, 4], 2, event=ev) if what == "STORE"
            else protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=ev))
@@ -327,7 +335,7 @@ def test_a_worker_that_dies_during_the_host_wait_frees_the_copy_thread_at_once(i
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "copy" not in g.sync.log
     info = g.dp.pool.info()
-    assert (info["in_flight"], info["pinned"]) == (0, 0) and g.dp.cuda_quarantined == 0
+    assert (info["in_flight"], info["pinned"]) == (0, 0) and g.dp.cuda.quarantined == 0
     assert g.dp.registry.get("gpu").holds == 0 and g.dp.registry.get("flags-1").holds == 0
 
 
@@ -336,7 +344,7 @@ def test_with_cuda_pin_off_no_copy_is_queued_before_the_token_is_seen_on_the_hos
     behind a GPU-side wait on the worker would block its thread without a bound. The word is
     read on the host first, and the copies come after it reached the number."""
     g = isolated
-    g.dp.cuda_pin = "off"
+    g.dp.cuda.pin = "off"
     g.sync.on_host_wait = lambda: threading.Timer(0.05, _set_word, (g, 6, 12)).start()   # written late
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(6, 12, "flags-1")))
     (reply,) = g.replies
@@ -347,7 +355,7 @@ def test_with_cuda_pin_off_no_copy_is_queued_before_the_token_is_seen_on_the_hos
 
 def test_a_default_mode_copy_past_its_deadline_holds_its_bytes_until_the_gpu_is_done(gpu_registration):
     g = gpu_registration
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     g.sync.hold_events = True
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
@@ -374,7 +382,7 @@ def test_a_failure_after_copies_were_queued_waits_for_the_gpu_before_aborting(gp
 
     monkeypatch.setattr(g.sync, "record", record)
     g.sync.hold_events = True
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     (reply,) = g.replies
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS
@@ -407,7 +415,7 @@ def test_a_flag_token_naming_anothers_page_is_refused(isolated, fake_driver):
 
 def test_a_flag_page_of_the_wrong_shape_is_refused(gpu_registration):
     g = gpu_registration
-    g.dp._isolated = True
+    g.dp.cuda._isolated = True
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(0, 1, "gpu")))
     (reply,) = g.replies
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.INVALID_ARG
@@ -510,23 +518,23 @@ def test_a_pin_failure_is_the_servers_unavailable_not_the_workers_error(gpu_regi
 
 def test_an_unknown_pin_mode_is_refused_naming_the_choices():
     with pytest.raises(Exception, match="lazy, start, off"):
-        DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
-                  max_leases_per_session=8, reply=lambda *a: None, cuda_pin="eager")
+        DataPlane(DataPlaneConfig(copy_threads=1, cuda_pin="eager"), registry=Registry(), pool=Pool(1 << 20),
+                  reply=lambda *a: None)
 
 
 def test_shutdown_keeps_the_pool_while_quarantined_copies_may_still_reach_it(gpu_registration, monkeypatch):
     g = gpu_registration
-    g.dp.cuda_timeout_s = 0.01
+    g.dp.cuda.timeout_s = 0.01
     g.sync.hold_events = True
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     released = []
     monkeypatch.setattr(g.dp.pool, "release", lambda: released.append(True))
     monkeypatch.setattr(time, "monotonic", lambda t=[0.0]: t.__setitem__(0, t[0] + 1.0) or t[0])  # 5 s pass fast
     g.dp.shutdown()
-    assert released == [] and g.dp._quarantine            # still mapped: the GPU may write into it
+    assert released == [] and g.dp.cuda._quarantine            # still mapped: the GPU may write into it
     monkeypatch.undo()
     g.sync.complete_all()
-    g.dp._drain_quarantine(g.sync)
+    g.dp.cuda._drain_quarantine(g.sync)
     assert g.dp.registry.get("gpu").holds == 0
 
 
@@ -555,7 +563,7 @@ def test_a_default_mode_retrieve_whose_worker_event_is_pending_queues_nothing(gp
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
     g.sync.log.clear()
     g.sync.worker_pending = True
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=b"X" * 64))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
@@ -628,7 +636,7 @@ def test_a_copy_across_an_extent_edge_is_what_the_driver_refuses(gpu_registratio
     fails as on a GPU ("invalid argument"): what the test above guards against."""
     g = gpu_registration
     g.sync.pin_extent = 4096
-    monkeypatch.setattr(g.dp, "cuda_pin", "off")     # the plan is then not cut (nothing would be pinned)
+    monkeypatch.setattr(g.dp.cuda, "pin", "off")     # the plan is then not cut (nothing would be pinned)
     run(g.dp, g.session, protocol.Store("gpu", [b"k0", b"k1"], [0, 1, 2, 3, 4, 5], 3))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.DATA_LOSS
@@ -645,8 +653,8 @@ def test_the_copy_settings_are_in_help_environment_and_reach_the_data_plane():
     assert (c.cuda_copy_batch, c.cuda_pin_extent) == (False, 64 << 20)
     assert resolve_config(none, {}).cuda_copy_batch and resolve_config(none, {}).cuda_pin_extent == 256 << 20
     with pytest.raises(Exception, match="cuda-pin-extent.*multiple of 4 KiB"):
-        DataPlane(registry=Registry(), capacity=1 << 20, copy_threads=1, lease_ttl_s=30, max_inflight_per_session=8,
-                  max_leases_per_session=8, reply=lambda *a: None, cuda_pin_extent=5000)
+        DataPlane(DataPlaneConfig(copy_threads=1, cuda_pin_extent=5000), registry=Registry(), pool=Pool(1 << 20),
+                  reply=lambda *a: None)
 
 
 # ---- isolated mode across reconnects and mixed modes (issue 42 §4) ----------------------------
@@ -655,19 +663,19 @@ def test_a_flag_token_gets_a_reply_after_the_copies_and_no_event_from_a_server_n
     """An isolated worker cannot open an interprocess event (no shared /dev/shm) and orders its
     work by the reply: a server started without --isolated-ipc must answer its flag tokens so."""
     g = isolated
-    g.dp._isolated = False
+    g.dp.cuda._isolated = False
     _set_word(g, 5, 41)
     seen = []
     g.sync.on_synchronize = lambda: seen.append((len(g.replies), g.dp.pool.info()["objects"]))
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(5, 41, "flags-1")))
     (reply,) = g.replies
     assert isinstance(reply, protocol.StoreReply) and reply.event == b"", reply
-    assert seen == [(0, 0)] and len(g.dp.events) == 0           # answered after the copies completed
+    assert seen == [(0, 0)] and len(g.dp.cuda.events) == 0           # answered after the copies completed
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
     _set_word(g, 6, 42)
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(6, 42, "flags-1")))
     assert isinstance(g.replies[-1], protocol.RetrieveReply) and g.replies[-1].event == b""
-    assert g.dp.pool.info()["pinned"] == 0 and len(g.dp.events) == 0
+    assert g.dp.pool.info()["pinned"] == 0 and len(g.dp.cuda.events) == 0
 
 
 class FakeClient:
@@ -740,10 +748,9 @@ def test_a_flag_token_is_not_refused_by_the_in_flight_limit_its_own_request_fill
     """The running request counts in the session's in-flight jobs: checking its flag page
     against the limit refused it at the limit, as an unusable flag page (INVALID_ARG)."""
     g = isolated
-    g.dp.max_inflight = 1
+    g.dp.checks.config = dataclasses.replace(g.dp.config, max_inflight_per_session=1)
     _set_word(g, 3, 3)
-    d = g.dp.store(g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 3, "flags-1")))
-    g.dp.copier.submit(d.session, lambda: d.job(b"id", b"rid"), lambda: d.cancel(b"id", b"rid"))
+    g.dp.store(g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=flag_token(3, 3, "flags-1")), (b"id", b"rid"))
     deadline = time.monotonic() + 5
     while not g.replies and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -775,9 +782,9 @@ def test_reply_events_are_capped_in_the_whole_process_oldest_completed_first_nev
 
 def test_when_every_kept_event_is_still_running_a_default_mode_request_is_refused_with_nothing_queued(gpu_registration):
     g = gpu_registration
-    g.dp.events = EventKeeper(total_cap=1, done=g.sync.done)
+    g.dp.cuda.events = EventKeeper(total_cap=1, done=g.sync.done)
     g.sync.hold_events = True                      # the first STORE's copies keep running
-    g.dp.cuda_timeout_s = 0.05
+    g.dp.cuda.timeout_s = 0.05
     run(g.dp, g.session, protocol.Store("gpu", [b"k0"], [1, 2], 2, event=b"W" * 64))
     assert isinstance(g.replies[0], protocol.StoreReply)
     g.sync.log.clear()
@@ -785,7 +792,7 @@ def test_when_every_kept_event_is_still_running_a_default_mode_request_is_refuse
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
     assert "interprocess CUDA events" in reply.message and "retry" in reply.message
-    assert g.sync.log == [] and len(g.dp.events) == 1
+    assert g.sync.log == [] and len(g.dp.cuda.events) == 1
     g.sync.complete_all()
     g.dp.tick()
     run(g.dp, g.session, protocol.Store("gpu", [b"k1"], [3, 4], 2, event=b"W" * 64))

@@ -91,7 +91,7 @@ class _WorkerState:
     # every op_* method is callable from the test process
     def op_register(self, instance_id: str, order: list, split: int, seed: int) -> dict:
         """Allocate as vLLM does, fill with random bytes, register as LmshmConnector does."""
-        from lmshm.core.copier import check_movable
+        from lmshm.core.dataplane import check_movable
         from lmshm.platform.contiguity import is_dense
 
         dtype = getattr(torch, DTYPE)
