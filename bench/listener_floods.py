@@ -5,7 +5,7 @@
 Each part starts a fresh ``lmshm-server --url tcp://127.0.0.1:0 --log-level INFO
 --auth-timeout 30 --capacity 0`` (no connection is idle-dropped while it is measured, and no
 pool's pages move its RSS) and attacks it from
-this process with hand-made ZMTP (``tests/v1/multiprocess/attacks.py``: ``RawZmtp``):
+this process with hand-made ZMTP (``tests/v1/server/attacks.py``: ``RawZmtp``):
 
 - ``long-header``: ``--connections`` connections without a session, and one verified session,
   each send the 9-byte header of a frame of 16 MiB - 64 bytes and one byte of it. Printed: the
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "v1" / "multiprocess"))
+sys.path.insert(0, str(ROOT / "tests" / "v1" / "server"))
 
 from attacks import DEALER_GREETING, RawZmtp, zmtp_frame, zmtp_ping
 from harness import raw_reply, server_rss_kb

@@ -1,6 +1,6 @@
 """The copier's plans and copies in this process: blocks along any block_dim, permuted views,
 gaps between blocks, through the mapping and through a named-shm file. The same layouts through
-a real server and two workers: tests/v1/multiprocess/test_kv_layouts.py."""
+a real server and two workers: tests/v1/server/test_kv_layouts.py."""
 
 from __future__ import annotations
 

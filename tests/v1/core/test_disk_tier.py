@@ -1,6 +1,6 @@
 """The disk tier and the tier stack without an endpoint: real files in a temp directory, real
 processes for concurrent writers. (End to end, through a real lmshm-server and workers:
-tests/v1/multiprocess/test_tiers.py.)"""
+tests/v1/server/test_tiers.py.)"""
 
 from __future__ import annotations
 

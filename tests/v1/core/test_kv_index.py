@@ -1,7 +1,7 @@
 """The KV event index's own semantics, in process (real threads, no server): what one uid's
 adverts may do to another's entries, and what the index costs (issue 41, round 4). The log it
 feeds: ``test_kv_log.py``; the format: ``test_kv_format.py``. End to end, through a real server
-and two uids: ``tests/v1/multiprocess/test_kv_events_tenants.py``."""
+and two uids: ``tests/v1/server/test_kv_events_tenants.py``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The KV event log in process (``lmshm.core.kv_events.log``): its bounds, who reads what, and
 what a reader is told it lost. The index that feeds it: ``test_kv_index.py``; end to end through
-a server: ``tests/v1/multiprocess/test_kv_events.py`` and ``test_kv_events_tenants.py``."""
+a server: ``tests/v1/server/test_kv_events.py`` and ``test_kv_events_tenants.py``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The pool's bookkeeping in one process: allocation, eviction order, pins, leases, uids.
-(The copies and the requests are tested end to end in tests/v1/multiprocess/test_dataplane.py.)"""
+(The copies and the requests are tested end to end in tests/v1/server/test_dataplane.py.)"""
 
 from __future__ import annotations
 

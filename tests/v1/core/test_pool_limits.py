@@ -2,7 +2,7 @@
 may pin, and that no pool operation takes time in proportion to the objects it holds.
 
 One test per finding of issue 15 (4-7); the same attacks run against a real server in
-tests/v1/multiprocess/test_hardening_pool.py.
+tests/v1/server/test_hardening_pool.py.
 """
 
 from __future__ import annotations

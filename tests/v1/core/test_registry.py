@@ -3,7 +3,7 @@ memfds made by lmshm's CPU wrappers, decoded as the server decodes them, real th
 server. The rules are docs/design/service.md's "Registry rules".
 
 The producer and the consumer are one process here, which the CPU wrappers allow; the same
-rules across processes and sockets are covered by tests/v1/multiprocess/test_service.py and
+rules across processes and sockets are covered by tests/v1/server/test_service.py and
 test_reclaim.py.
 """
 

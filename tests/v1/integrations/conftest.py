@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-# The multiprocess tests' process helpers (ServerProcess, scratch_dir, wait_for).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multiprocess"))
+# The server tests' process helpers (tests/v1/server) (ServerProcess, scratch_dir, wait_for).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 from harness import ServerProcess, scratch_dir
 from vllm_harness import build_model

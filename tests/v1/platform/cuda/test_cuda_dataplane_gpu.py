@@ -31,9 +31,9 @@ torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dataplane_worker.py"
-_MULTIPROCESS = str(HERE.parents[1] / "multiprocess")
-if _MULTIPROCESS not in sys.path:
-    sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
+_SERVER_TESTS = str(HERE.parents[1] / "server")
+if _SERVER_TESTS not in sys.path:
+    sys.path.append(_SERVER_TESTS)     # after everything else: shadows nothing already importable
 
 from cuda_testing import server_gpu_missing
 from harness import ServerProcess, scratch_dir, server_rss_kb, wait_for

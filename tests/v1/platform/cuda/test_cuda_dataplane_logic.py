@@ -130,7 +130,7 @@ def test_a_sessions_events_go_with_it(gpu_registration):
     assert len(g.dp.cuda.events) == 0
 
 
-# vLLM 0.32 layouts on a GPU (tests/v1/multiprocess/test_kv_layouts.py has the table): a head-major
+# vLLM 0.32 layouts on a GPU (tests/v1/server/test_kv_layouts.py has the table): a head-major
 # layer (LHBNC: H runs a block, each layer one [B, H, N, C] view) and a block-outermost cache
 # registered whole ([L, B, H, N, C], BLNHC, block_dim 1).
 L, B, H, N, C = 2, 8, 2, 4, 8                     # float16

@@ -1,6 +1,6 @@
 """vLLM 0.32's KV-cache layouts on a GPU, moved block by block through a real lmshm-server.
 
-The CUDA twin of ``tests/v1/multiprocess/test_kv_layouts.py`` (its ``LAYOUTS`` table and
+The CUDA twin of ``tests/v1/server/test_kv_layouts.py`` (its ``LAYOUTS`` table and
 ``worker.vllm_layout_strides`` are imported from there). Two spawned worker processes each
 allocate on cuda:0 exactly as vLLM's model runner does: one flat ``torch.int8`` buffer, viewed
 as the logical ``[L, B, H, N, C bytes]`` with the layout's strides, each layer
@@ -37,9 +37,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-_MULTIPROCESS = str(Path(__file__).resolve().parents[2] / "multiprocess")
-if _MULTIPROCESS not in sys.path:
-    sys.path.append(_MULTIPROCESS)     # after everything else: shadows nothing already importable
+_SERVER_TESTS = str(Path(__file__).resolve().parents[2] / "server")
+if _SERVER_TESTS not in sys.path:
+    sys.path.append(_SERVER_TESTS)     # after everything else: shadows nothing already importable
 
 from cuda_testing import cycles_per_ms, gpu_delay, server_gpu_missing
 from harness import ServerProcess, scratch_dir, wait_for

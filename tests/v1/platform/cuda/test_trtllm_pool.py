@@ -56,7 +56,7 @@ def test_gpu_a_cudamalloc_pool_registers_with_a_real_server():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "multiprocess"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "server"))
     from harness import ServerProcess, scratch_dir
 
     from lmshm.transport.client import query_status
