@@ -145,6 +145,7 @@ def _count(text: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    # lazy, here and in _gc: each subcommand imports only what it runs (`lmshm status` stays torch-free)
     from lmshm.transport.client import LmshmError, query_status, status_as_dict
 
     try:

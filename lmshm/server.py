@@ -159,7 +159,7 @@ class Server:
             if self._side or self._stopped:
                 return
             try:
-                if self.config.http_port is not None:
+                if self.config.http_port is not None:    # lazy: aiohttp and grpcio load only when asked for
                     from lmshm.endpoints.http import HttpEndpoint
 
                     self._side.append(HttpEndpoint(self).start())

@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import generate_latest
 
+from lmshm.platform.base.mappings import MAPPINGS
+
 _LATENCY_BUCKETS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
 # PoolInfo fields: which are running totals (counters) and which are levels (gauges).
@@ -79,7 +81,6 @@ class _StateCollector:
         return []  # collected lazily: the registry must not call collect() at registration
 
     def collect(self) -> Iterator[Any]:
-        from lmshm.platform.base.mappings import MAPPINGS
 
         regs = GaugeMetricFamily("lmshm_registrations", "Live registrations, by kind (kv, system, cuda)",
                                  labels=("kind",))

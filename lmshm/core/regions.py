@@ -23,7 +23,11 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
+
 from lmshm.core.errors import ErrorCode, ServerError
+from lmshm.platform.base.mappings import MAPPINGS
+from lmshm.platform.cpu.wrappers import map_shared
 from lmshm.platform.shm_names import SEGMENT_PREFIX, shm_dir
 from lmshm.quoting import quote
 
@@ -107,10 +111,6 @@ class CudaRegion:
 def open_system(key: str, file_name: str, offset: int, byte_size: int, allowed_uids: Iterable[int]) -> SystemRegion:
     """Open ``key``, check its owner and size, map ``[offset, offset + byte_size)``. The fd is
     closed before this returns, whatever happens."""
-    import torch
-
-    from lmshm.platform.base.mappings import MAPPINGS
-    from lmshm.platform.cpu.wrappers import map_shared
 
     path = os.path.join(shm_dir(), file_name)
     try:
@@ -148,7 +148,7 @@ def _forget(buf: Any) -> None:
 
 def open_cuda(raw_handle: bytes, device_id: int, byte_size: int) -> CudaRegion:
     """Open a client's CUDA IPC handle on ``device_id`` and view ``byte_size`` bytes of it."""
-    try:
+    try:    # lazy: cuda-python is optional; a CPU-only install never imports it
         from lmshm.platform.cuda.driver import get_driver
         from lmshm.platform.cuda.raw_ipc import RawCudaIPCWrapper
 

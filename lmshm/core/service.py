@@ -151,7 +151,7 @@ class Core:
         if not c.disk_capacity:
             raise ServerError(ErrorCode.INVALID_ARG, f"--disk {quote(c.disk, 80)} needs --disk-capacity SIZE "
                                                      "(e.g. 100GiB): the most the tier may use on that disk")
-        from lmshm.core.tiers.disk import DiskTier
+        from lmshm.core.tiers.disk import DiskTier  # lazy: a server without --disk loads no tier code
 
         try:
             return DiskTier(c.disk, c.disk_capacity, checksum=c.disk_checksum, admit=c.disk_admit)
@@ -163,6 +163,7 @@ class Core:
         """The remote tier; its credentials come from the environment or files, never settings."""
         if not c.capacity:
             raise ServerError(ErrorCode.INVALID_ARG, "--remote needs a pool: it was given with --capacity 0")
+        # lazy: a server without --remote loads no client library
         from lmshm.core.tiers.remote import MIN_SECRET_BYTES, RemoteTier, read_ca_file, read_secret_file
 
         try:
