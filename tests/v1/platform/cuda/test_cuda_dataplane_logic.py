@@ -546,6 +546,7 @@ def test_a_retrieve_whose_signal_never_comes_queues_nothing_and_writes_no_block(
     hits, lease = g.dp.pool.lookup(g.session.peer.uid, [[b"k0"]], "s1", 30)
     g.sync.log.clear()
     before = [block(g.fake, g.base, 0, b) for b in (5, 6)]
+    g.dp.cuda.timeout_s = 0.05          # the signal never comes: no need to wait the default 30 s
     run(g.dp, g.session, protocol.Retrieve("gpu", [b"k0"], [5, 6], 2, lease, event=flag_token(2, 7, "flags-1")))
     reply = g.replies[-1]
     assert isinstance(reply, protocol.ErrorReply) and reply.code == ErrorCode.UNAVAILABLE, reply
