@@ -97,7 +97,11 @@ class DataPlane:
         copies = self.cuda if job.layout.cuda_device >= 0 else self.host
         advertised = adverts > 0 and self.kv.enabled
         if advertised:      # here, where the request's bytes are in this core's cache (13 µs on a copier)
-            self._advertise(job, adverts)
+            try:
+                self._advertise(job, adverts)
+            except BaseException:           # no job will let the registration go
+                self.registry.let_go(job.reg)
+                raise
 
         def run() -> None:
             try:

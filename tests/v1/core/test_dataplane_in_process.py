@@ -399,3 +399,19 @@ def test_a_session_that_ends_while_its_lookup_promotes_keeps_no_lease(plane):
     assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.UNAVAILABLE, answer
     info = p.dp.pool.info()
     assert info["leases"] == 0 and info["pinned"] == 0
+
+
+def test_a_store_whose_adverts_cannot_be_queued_is_refused_and_lets_its_registration_go(plane, monkeypatch):
+    from lmshm.wire.protocol import Advert, pack_adverts
+
+    p = plane()
+    assert p.dp.kv.enabled
+
+    def broken(*args, **kw):
+        raise RuntimeError("the KV event index broke")
+
+    monkeypatch.setattr(p.dp.kv, "describe", broken)
+    adverts = pack_adverts([Advert(b"c0", 0, 16, [1])])
+    with pytest.raises(RuntimeError, match="index broke"):     # the endpoint answers it INTERNAL
+        p.dp.store(p.session, Store("kv", [b"k0"], [0], 1, adverts=adverts), (b"client", b"r"))
+    assert p.core.registry.get("kv").holds == 0 and p.dp.copier.idle()
