@@ -31,6 +31,7 @@ from lmshm.core.kv_events import KvIndex
 from lmshm.core.pool import Pool, Reservation
 from lmshm.core.registry import Registry
 from lmshm.core.tiers.stack import TierStack
+from lmshm.quoting import clip
 from lmshm.wire import protocol
 
 logger = logging.getLogger("lmshm.dataplane")
@@ -96,11 +97,18 @@ class DataPlane:
         copies = self.cuda if job.layout.cuda_device >= 0 else self.host
         advertised = adverts > 0 and self.kv.enabled
         if advertised:      # here, where the request's bytes are in this core's cache (13 µs on a copier)
-            self._advertise(job, adverts)
+            try:
+                self._advertise(job, adverts)
+            except BaseException:           # no job will let the registration go
+                self.registry.let_go(job.reg)
+                raise
 
         def run() -> None:
             try:
-                result = copies.run(job)
+                try:
+                    result = copies.run(job)
+                except Exception as exc:    # a bug, not the peer's doing: still one answer, never silence
+                    result = self._failed(job.what, exc)
                 self._send(reply_to, result)
                 if advertised:
                     self._announce(job, result)
@@ -117,6 +125,12 @@ class DataPlane:
 
         self.copier.submit(session.id, run, cancel)
         return QUEUED
+
+    @staticmethod
+    def _failed(what: str, exc: Exception) -> protocol.ErrorReply:
+        """The answer of a queued request whose job raised: INTERNAL, and the traceback logged."""
+        logger.exception("lmshm: a %s job failed", what)
+        return error(ErrorCode.INTERNAL, f"{what} failed in the server: {type(exc).__name__}: {clip(str(exc), 300)}")
 
     def _send(self, reply_to: ReplyTo, result: Union[Answer, Then]) -> None:
         if isinstance(result, Then):
@@ -161,12 +175,19 @@ class DataPlane:
             if session.ended:
                 self._reply(*reply_to, error(ErrorCode.UNAVAILABLE, "LOOKUP: the session ended"))
                 return
-            held = self.tiers.promote(uid, req.keys, deadline)
             try:
-                hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
-            finally:
-                held.release()
-            self._reply(*reply_to, protocol.LookupReply(hits, lease, ttl if hits else 0.0))
+                held = self.tiers.promote(uid, req.keys, deadline)
+                try:
+                    hits, lease = self.pool.lookup(uid, req.keys, session.id, ttl)
+                finally:
+                    held.release()
+                answer: Answer = protocol.LookupReply(hits, lease, ttl if hits else 0.0)
+                if session.ended:   # it ended during the promotion: its leases were released before this one
+                    self.pool.release_lease(lease, uid)
+                    answer = error(ErrorCode.UNAVAILABLE, "LOOKUP: the session ended")
+            except Exception as exc:        # as for copies: one answer, never silence
+                answer = self._failed("LOOKUP", exc)
+            self._reply(*reply_to, answer)
 
         def cancel() -> None:
             self._reply(*reply_to, error(ErrorCode.UNAVAILABLE, "lmshm-server is shutting down"))

@@ -106,7 +106,10 @@ class ZmqEndpoint:
         self.dataplane = core.dataplane
         self._on_stopping = on_stopping
         self._stopping = False
-        self._deferred_t0: dict[tuple[bytes, bytes], tuple[str, float]] = {}
+        # queued requests not answered yet: (name, arrival) by (identity, request_id), oldest
+        # first; a list, since a peer may send another request under an id still in flight
+        self._deferred_t0: dict[tuple[bytes, bytes], list[tuple[str, float]]] = {}
+        self._deferred = 0          # entries in _deferred_t0 (the lmshm_zmq_requests_queued gauge)
         self._active_at = 0.0       # when the loop last took a request other than KV_EVENTS
         self._request_id = b""      # the request being dispatched (the data plane answers queued ones by it)
         self._handlers: dict[type, Callable[[bytes, Any], Any]] = {
@@ -165,6 +168,8 @@ class ZmqEndpoint:
         self.metrics.add_gauge("lmshm_zmq_over_budget_closed", "ZeroMQ connections without a verified session "
                                "closed because together they held more than their budget",
                                lambda: listener.over_budget)
+        self.metrics.add_gauge("lmshm_zmq_requests_queued", "ZeroMQ requests queued for the data plane's threads "
+                               "and not answered yet", lambda: self._deferred)
         self.metrics.add_gauge("lmshm_zmq_replies_dropped", "Replies dropped because the peer does not read "
                                "(its send queue was full)", lambda: self.router.unanswered)
         kv = core.kv_index      # KV events (core/kv_events): read by KV_EVENTS here and by --kv-events
@@ -230,7 +235,7 @@ class ZmqEndpoint:
     def _send_completions(self) -> None:
         while self._completions and self.router is not None:
             identity, request_id, reply = self._completions.popleft()
-            started = self._deferred_t0.pop((identity, request_id), None)   # on the loop: set before the job ran
+            started = self._deferred_started(identity, request_id)   # on the loop: set before the job ran
             if started is not None:
                 self.metrics.observe("zmq", started[0], _code_of(reply), time.monotonic() - started[1])
             try:
@@ -239,6 +244,19 @@ class ZmqEndpoint:
                 logger.exception("lmshm: could not encode a copy's reply")
                 data = codec.encode(protocol.ErrorReply(ErrorCode.INTERNAL, clip(str(exc), 300)))
             self.router.reply(identity, request_id, data)
+
+    def _deferred_started(self, identity: bytes, request_id: bytes) -> Optional[tuple[str, float]]:
+        """The name and arrival of the oldest queued request of ``identity`` under ``request_id``,
+        taken out of ``_deferred_t0``; None if none was recorded."""
+        key = (identity, request_id)
+        waiting = self._deferred_t0.get(key)
+        if not waiting:
+            return None
+        started = waiting.pop(0)
+        if not waiting:
+            del self._deferred_t0[key]
+        self._deferred -= 1
+        return started
 
     def run(self) -> None:
         """Serve until ``request_stop()``, then shut down (``lmshm.Server.start()``'s thread)."""
@@ -358,7 +376,8 @@ class ZmqEndpoint:
         try:
             reply = self._dispatch(identity, body, problem)
             if reply is QUEUED:   # the data plane answers it later, through complete()
-                self._deferred_t0[(identity, request_id)] = (self._request_name, started)
+                self._deferred_t0.setdefault((identity, request_id), []).append((self._request_name, started))
+                self._deferred += 1
                 return
             self.metrics.observe("zmq", self._request_name, _code_of(reply), time.monotonic() - started)
             data = codec.encode(reply)

@@ -328,3 +328,90 @@ def test_a_store_past_its_senders_wait_is_refused_as_late_and_stores_nothing(pla
     answer = p.answers.wait(rid)
     assert isinstance(answer, ErrorReply) and "waited past its sender's timeout" in answer.message
     assert p.dp.late_requests == 1 and p.dp.pool.info()["objects"] == 0
+
+
+# ---- Issue 43 attack round: a queued request is answered once, whatever its job does ----------
+
+
+class _Promotion:
+    def release(self) -> None:
+        pass
+
+
+class _Tiers:
+    """Stands in for the tier stack: ``promote`` is the test's."""
+
+    timeout_s = 1.0
+
+    def __init__(self, promote) -> None:
+        self.promote = promote
+
+    def close(self) -> bool:
+        return True
+
+
+def _with_tiers(p: Plane, promote) -> None:
+    from lmshm.core.dataplane.executor import OrderedExecutor
+
+    p.dp.tiers = _Tiers(promote)
+    p.dp.promoter = OrderedExecutor(1, "lmshm-promote-test")
+
+
+def test_a_copy_job_that_raises_is_answered_internal_and_lets_its_registration_go(plane, monkeypatch):
+    p = plane()
+
+    def boom(job):
+        raise RuntimeError("a bug in the copy")
+
+    monkeypatch.setattr(p.dp.host, "run", boom)
+    answer = p.ask("store", Store("kv", [b"k0"], [0], 1))
+    assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.INTERNAL, answer
+    assert answer.message.startswith("STORE failed in the server: RuntimeError: a bug in the copy")
+    assert p.core.registry.get("kv").holds == 0
+    monkeypatch.undo()
+    assert isinstance(p.ask("store", Store("kv", [b"k0"], [0], 1)), StoreReply)   # the session's FIFO goes on
+
+
+def test_a_promoting_lookup_whose_tier_raises_is_answered_internal(plane):
+    p = plane()
+
+    def boom(uid, keys, deadline):
+        raise OSError("the tier broke")
+
+    _with_tiers(p, boom)
+    answer = p.ask("lookup", Lookup([[b"k0"]]))
+    assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.INTERNAL, answer
+    assert "LOOKUP failed in the server: OSError" in answer.message
+    assert p.dp.pool.info()["leases"] == 0
+
+
+def test_a_session_that_ends_while_its_lookup_promotes_keeps_no_lease(plane):
+    p = plane()
+    assert p.ask("store", Store("kv", [b"k0"], [0], 1)).results == [Reservation.STORED]
+
+    def session_ends(uid, keys, deadline):      # the worker exits while the tier is read
+        p.session.ended = True
+        p.dp.session_ended(p.session.id)
+        return _Promotion()
+
+    _with_tiers(p, session_ends)
+    answer = p.ask("lookup", Lookup([[b"k0", b"only-below"]]))      # k0 in the pool: a lease would pin it
+    assert isinstance(answer, ErrorReply) and answer.code == ErrorCode.UNAVAILABLE, answer
+    info = p.dp.pool.info()
+    assert info["leases"] == 0 and info["pinned"] == 0
+
+
+def test_a_store_whose_adverts_cannot_be_queued_is_refused_and_lets_its_registration_go(plane, monkeypatch):
+    from lmshm.wire.protocol import Advert, pack_adverts
+
+    p = plane()
+    assert p.dp.kv.enabled
+
+    def broken(*args, **kw):
+        raise RuntimeError("the KV event index broke")
+
+    monkeypatch.setattr(p.dp.kv, "describe", broken)
+    adverts = pack_adverts([Advert(b"c0", 0, 16, [1])])
+    with pytest.raises(RuntimeError, match="index broke"):     # the endpoint answers it INTERNAL
+        p.dp.store(p.session, Store("kv", [b"k0"], [0], 1, adverts=adverts), (b"client", b"r"))
+    assert p.core.registry.get("kv").holds == 0 and p.dp.copier.idle()
