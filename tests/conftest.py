@@ -1,8 +1,10 @@
-"""Suite-wide guards: nothing lmshm creates may outlive the test suite."""
+"""Suite-wide guards: nothing lmshm creates may outlive the test suite. And the wait for the
+side environments (.venv-vllm, .venv-sglang) that scripts/test builds while the first tests run."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -56,3 +58,32 @@ def nothing_outlives_the_suite():
     assert not leaked, f"lmshm segments left in {SHM_DIR} after the suite: {sorted(leaked)}"
     assert not lmshm_mappings(), f"lmshm segments still mapped by the test process: {lmshm_mappings()}"
     assert not lmshm_fds(), f"fds of lmshm segments still open in the test process: {lmshm_fds()}"
+
+
+# scripts/test starts both pytest groups once .venv is ready, while it still builds .venv-vllm
+# and .venv-sglang (about a minute more), and says so with LMSHM_SIDE_ENVS, a path: it creates
+# PATH.ready when both are built, PATH.failed when one is not. The tests that run in those
+# environments (marked vllm or sglang) go last in their group, and wait for it.
+SIDE_ENVS = os.environ.get("LMSHM_SIDE_ENVS", "")
+SIDE_ENVS_WAIT_S = 1200
+
+
+def _in_side_env(item: pytest.Item) -> bool:
+    return item.get_closest_marker("vllm") is not None or item.get_closest_marker("sglang") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if SIDE_ENVS:
+        items.sort(key=_in_side_env)        # stable: the order within each part is kept
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not SIDE_ENVS or not _in_side_env(item):
+        return
+    deadline = time.monotonic() + SIDE_ENVS_WAIT_S
+    while not os.path.exists(SIDE_ENVS + ".ready"):
+        if os.path.exists(SIDE_ENVS + ".failed"):
+            pytest.fail("building .venv-vllm or .venv-sglang failed: scripts/test says which")
+        if time.monotonic() > deadline:
+            pytest.fail(f".venv-vllm and .venv-sglang were not built within {SIDE_ENVS_WAIT_S} s")
+        time.sleep(0.5)

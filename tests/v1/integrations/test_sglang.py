@@ -22,6 +22,7 @@ from harness import ServerProcess, lmshm_segments, wait_for
 from lmshm.transport.client import query_status
 
 ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.sglang
 SGLANG_PYTHON = Path(os.environ.get("LMSHM_SGLANG_VENV", ROOT / ".venv-sglang")) / "bin" / "python"
 DRIVER = Path(__file__).with_name("sglang_driver.py")
 
